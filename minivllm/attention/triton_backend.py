@@ -1,0 +1,41 @@
+"""Triton paged attention: the fast path on CUDA (and, under TRITON_INTERPRET=1, on CPU in tests).
+
+Imported only when the 'triton' backend is selected, so the CPU path never needs Triton. Dispatch:
+decode-only batches (every query length 1) go to the split-K decode kernel; anything else (prefill,
+chunked prefill, prefix-cache hits, decodes mixed with prefill chunks) goes to the varlen kernel.
+Must agree with `TorchAttentionBackend` on any valid metadata.
+"""
+from __future__ import annotations
+
+import torch
+
+from minivllm.attention.backend import AttentionBackend
+from minivllm.attention.metadata import AttentionMetadata
+
+try:
+    from minivllm.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+except ModuleNotFoundError as error:  # pragma: no cover - depends on the machine
+    if error.name != "triton" and not (error.name or "").startswith("triton."):
+        raise
+    raise ImportError("the 'triton' attention backend needs the triton package "
+                      "(pip install triton, or choose the 'torch' backend)") from error
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, decode_partition_size: int | None = None):
+        """`decode_partition_size`: None picks split-K from the shapes; a power of two >= 16 forces
+        that many tokens per partition (a value past the block table's reach disables the split)."""
+        self.decode_partition_size = decode_partition_size
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        # Decode-only with one row per sequence: row i is sequence i's query (query_start_loc = arange).
+        if metadata.is_decode_only and query.shape[0] == metadata.num_seqs:
+            return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables,
+                                          metadata.seq_lens, scale,
+                                          partition_size=self.decode_partition_size)
+        return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
+                                       metadata.seq_lens, metadata.block_tables, scale)

@@ -1,0 +1,133 @@
+"""The `minivllm` command: `serve [MODEL]` runs the OpenAI-compatible server; `generate` and `chat`
+run one prompt through the offline `LLM` API and print the result. Engine flags use vLLM's names.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+from minivllm.config import EngineConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2G', '1.5GB' (binary units; vLLM's --kv-cache-memory takes bytes)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 512MiB, 4GiB)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="bytes for the KV cache (e.g. 64MiB); on CPU the default is small, on GPU it overrides "
+                        "--gpu-memory-utilization")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--max-num-waiting", type=int, default=None,
+                   help="reject requests with HTTP 429 while this many are waiting (default: no limit)")
+    g.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, load_format=args.load_format, dtype=dtype, device=args.device,
+        seed=args.seed, max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A small vLLM-like inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    serve.add_argument("model", nargs="?", default=None, help="HF folder, .gguf file or dummy config (default model "
+                                                              "when omitted)")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $MINIVLLM_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use (default: the model's name)")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(serve)
+
+    for name, help_text in (("generate", "complete one prompt and print the text"),
+                            ("chat", "send one user message through the chat template and print the reply")):
+        one = sub.add_parser(name, help=help_text)
+        one.add_argument("prompt", help="the prompt (generate) or user message (chat)")
+        one.add_argument("--model", default=None, help="model (default: the default model)")
+        one.add_argument("--max-tokens", type=int, default=None,
+                         help="tokens to generate (default: 64 for generate, 256 for chat)")
+        one.add_argument("--temperature", type=float, default=0.0)
+        one.add_argument("--top-p", type=float, default=1.0)
+        one.add_argument("--system", default=None, help="system message (chat only)")
+        add_engine_args(one)
+    return parser
+
+
+def _run_once(args: argparse.Namespace) -> None:
+    from minivllm.engine.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    fields = {k: v for k, v in vars(config).items() if k != "model"}
+    llm = LLM(config.model, **fields)
+    default_max = 64 if args.command == "generate" else 256
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens or default_max)
+    if args.command == "generate":
+        output = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        output = llm.chat(messages, params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            from minivllm.server.api_server import run_server
+            run_server(engine_config_from_args(args), host=args.host, port=args.port,
+                       served_model_name=args.served_model_name, api_key=args.api_key,
+                       log_level=args.uvicorn_log_level)
+        else:
+            _run_once(args)
+    except ValueError as e:  # bad flags or input: a clear message, not a traceback
+        print(f"minivllm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

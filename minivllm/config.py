@@ -1,0 +1,43 @@
+"""Engine configuration with vLLM's option names; validated once, read everywhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF folder, .gguf file, or a dummy config name; None = default model
+    tokenizer: str | None = None
+    load_format: str = "auto"           # "auto" | "safetensors" | "gguf" | "dummy"
+    dtype: str = "auto"                 # "auto" | "float32" | "bfloat16" | "float16"
+    device: str | None = None           # None: cuda if available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (or to override on GPU)
+    num_gpu_blocks_override: int | None = None
+    scheduling_policy: str = "fcfs"     # "fcfs" | "priority"
+    max_num_waiting: int | None = None  # admission control: reject beyond this many waiting requests
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # "torch" | "triton"; None picks by device
+    skip_tokenizer_init: bool = False
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")

@@ -1,0 +1,37 @@
+"""The two contracts that cross between the scheduler and the model runner; plain Python, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.core.sequence import SampleLogprobs, Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step.
+
+    For each scheduled sequence `seqs[i]`, the runner computes tokens
+    `token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[i]]` and, when
+    `num_samples[i] > 0`, samples that many tokens from the logits of the last of them
+    (more than one only when a request with n > 1 finishes its prompt and forks).
+    Before the forward pass the runner copies whole KV blocks `src -> dst` (copy-on-write).
+    """
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_samples: list[int] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class ModelOutput:
+    """Sampled tokens for each scheduled sequence, in `SchedulerOutput.seqs` order ([] when none)."""
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[SampleLogprobs]] | None = None

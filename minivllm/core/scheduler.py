@@ -1,0 +1,252 @@
+"""Scheduler: which sequences run in the next step, and how many of their tokens.
+
+There is no prefill or decode phase. Every sequence has `num_computed_tokens` catching up with
+`num_tokens` within the step's token budget: a new prompt, a prompt chunk, a prefix-cache hit, the
+recompute of a preempted sequence and a decode are the same mechanism. Running sequences are served
+first, in priority order; waiting ones are then admitted head-of-line while budget, sequence slots and
+KV blocks allow. When blocks run out, the lowest-priority, latest-arriving running sequence is
+preempted: its blocks are freed and it is requeued to recompute its prompt and outputs.
+
+Owns the waiting and running queues and every sequence's status. Blocks are the BlockManager's;
+tensors are the runner's (no torch here).
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import ModelOutput, SchedulerOutput
+from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority": lower priority value is served first, as in vLLM
+    max_num_waiting: int | None = None  # admission control: add_seq_group raises SchedulerFullError beyond this
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a sequence must be computed in one step; a longer one would wait forever.
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")
+
+
+class SchedulerFullError(RuntimeError):
+    """The waiting queue is at `max_num_waiting`: the request is rejected, not queued."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if capacity < config.max_model_len:
+            raise ValueError(f"the KV cache holds {capacity} tokens ({block_manager.num_blocks} blocks of "
+                             f"{block_manager.block_size}), fewer than max_model_len ({config.max_model_len})")
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by _order_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_group(self, request_id: str) -> SequenceGroup | None:
+        return self.groups.get(request_id)
+
+    def _order_key(self, seq: Sequence) -> tuple:
+        priority = seq.priority if self.config.policy == "priority" else 0
+        return (priority, seq.arrival_time, seq.index)
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        if group.request_id in self.groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        seq = group.seqs[0]
+        if not 0 < seq.num_tokens <= self.config.max_model_len:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens; it must have 1 to "
+                             f"max_model_len ({self.config.max_model_len})")
+        if self.config.max_num_waiting is not None and self.num_waiting >= self.config.max_num_waiting:
+            raise SchedulerFullError(f"{self.num_waiting} requests are waiting already "
+                                     f"(max_num_waiting={self.config.max_num_waiting})")
+        assert len(group.seqs) == 1 and seq.status is SequenceStatus.WAITING
+        self.groups[group.request_id] = group
+        bisect.insort(self.waiting, seq, key=self._order_key)
+
+    def abort_request(self, request_id: str) -> SequenceGroup | None:
+        """Abort an unfinished request wherever it is; its blocks are freed now. None if unknown."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+        return group
+
+    def finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """End one sequence (also used by the engine for stop strings): frees its blocks, leaves its queue."""
+        assert status.is_finished
+        if seq.is_finished:
+            return
+        queue = self.waiting if seq.status is SequenceStatus.WAITING else self.running
+        queue.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.stop_reason = stop_reason
+        group = seq.group
+        if group.is_finished:
+            group.metrics.finished_time = time.monotonic()
+            self.groups.pop(group.request_id, None)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        config, block_manager = self.config, self.block_manager
+        budget = config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        # 1. Running sequences, highest priority / earliest arrival first; the tail is the preemption victim.
+        self.running.sort(key=self._order_key)
+        # Later running sequences with work left: each keeps one token of budget, so a long chunk
+        # never stalls the decodes behind it.
+        num_behind = sum(seq.num_computed_tokens < seq.num_tokens for seq in self.running)
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > 0:
+                num_behind -= 1
+            if config.enable_chunked_prefill:
+                num_new = min(num_new, max(budget - num_behind, 1), budget)
+            elif num_new > budget:
+                num_new = 0  # must be computed whole: wait for a step with room
+            if num_new == 0:
+                i += 1
+                continue
+            while not block_manager.allocate_slots(seq, num_new):
+                victim = self.running[-1]  # scheduled ones sit before i, so the tail is never one of them
+                if victim is not seq and victim.num_computed_tokens < victim.num_tokens:
+                    num_behind -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting sequences, head of line only; none while preempting (their blocks would be taken back).
+        # A sequence whose prompt is not done yet will fork n - 1 siblings: their slots are taken now.
+        num_seq_slots = sum(1 + seq.num_pending_forks for seq in self.running)
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if num_seq_slots + 1 + seq.num_pending_forks > config.max_num_seqs:
+                break
+            computed_blocks, num_hit_tokens = block_manager.get_computed_blocks(seq)
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit_tokens
+            if config.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            if not block_manager.allocate_slots(seq, num_new, computed_blocks):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens += num_hit_tokens
+            group = seq.group
+            if group.metrics.first_scheduled_time is None:
+                group.num_cached_tokens = num_hit_tokens
+                group.metrics.first_scheduled_time = time.monotonic()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            num_seq_slots += 1 + seq.num_pending_forks
+
+        # 3. A sequence samples only when this step reaches its last token (then once per pending fork too).
+        output = SchedulerOutput(blocks_to_copy=block_manager.take_blocks_to_copy())
+        for seq, num_new in scheduled:
+            output.seqs.append(seq)
+            output.num_scheduled_tokens.append(num_new)
+            done = seq.num_computed_tokens + num_new == seq.num_tokens
+            output.num_samples.append(1 + seq.num_pending_forks if done else 0)
+        return output
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free all of `seq`'s blocks and requeue it; it keeps its outputs and recomputes them as prompt."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=self._order_key)
+
+    def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[SequenceGroup]:
+        """Advance computed tokens, append sampled ones, fork n > 1 requests, finish sequences.
+
+        Returns the groups that got tokens or finished in this step, each once, in schedule order.
+        """
+        touched: dict[str, SequenceGroup] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(scheduler_output.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted since schedule()
+            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[i]
+            self.block_manager.cache_blocks(seq)
+            token_ids = model_output.sampled_token_ids[i] if model_output.sampled_token_ids else []
+            assert len(token_ids) == scheduler_output.num_samples[i], "runner sampled the wrong count"
+            if not token_ids:
+                continue
+            group = seq.group
+            seqs = [seq]
+            for k in range(1, len(token_ids)):  # the prompt is done: the other n - 1 samples start here
+                child = seq.fork(index=k)
+                self.block_manager.fork(seq, child)
+                group.seqs.append(child)
+                self.running.append(child)
+                seqs.append(child)
+            for k, (target, token_id) in enumerate(zip(seqs, token_ids)):
+                logprobs = model_output.logprobs[i][k] if model_output.logprobs is not None else None
+                target.append_token(token_id, logprobs)
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+            touched[group.request_id] = group
+            for target in seqs:
+                self._check_stop(target)
+        return list(touched.values())
+
+    def _check_stop(self, seq: Sequence) -> None:
+        params = seq.sampling_params
+        token_id = seq.token_ids[-1]
+        if seq.num_output_tokens >= params.min_tokens and (
+                token_id in params.all_stop_token_ids or token_id in params.stop_token_ids):
+            stop_reason = token_id if token_id in params.stop_token_ids else None  # None: it was eos
+            self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason)
+        elif ((params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+              or seq.num_tokens >= self.config.max_model_len):
+            self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)

@@ -1,0 +1,215 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+A step is three calls: `scheduler.schedule()` -> `runner.execute()` -> `scheduler.update()`; then the
+detokenizer turns new token ids into text and checks stop strings. The engine owns tokenization and
+request validation; it knows nothing about HTTP and never touches tensors.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from minivllm.config import EngineConfig
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.scheduler import Scheduler, SchedulerConfig
+from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.tokenizer import load_tokenizer
+from minivllm.models.loader import resolve_model
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class _SeqOutputState:
+    """Per-sequence output bookkeeping: detokenizer and the logprobs converted so far."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
+        self.detokenizer = detokenizer
+        self.num_seen = 0
+        self.logprobs: list[dict[int, Logprob]] = []
+
+
+def _eos_token_ids(tokenizer, hf_config) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model(config.model, config.load_format)
+        self.model_name = source.name
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or source.tokenizer_dir)
+        hf = source.hf_config
+
+        model_max_len = getattr(hf, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or model_max_len
+        if self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {model_max_len}")
+        chunked = config.enable_chunked_prefill
+        max_batched = config.max_num_batched_tokens or max(4096 if chunked else self.max_model_len, config.max_num_seqs)
+        if not chunked and max_batched < self.max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_batched}) must be at least "
+                             f"max_model_len ({self.max_model_len})")
+        if max_batched < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_batched}) must be at least max_num_seqs ({config.max_num_seqs})")
+
+        self.runner = ModelRunner(config, source, max_batched)
+        if self.runner.num_kv_tokens < self.max_model_len:
+            if config.max_model_len is not None:
+                raise ValueError(f"the KV cache holds {self.runner.num_kv_tokens} tokens, fewer than max_model_len "
+                                 f"{self.max_model_len}; give it more memory or lower max_model_len")
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache", self.max_model_len,
+                           self.runner.num_kv_tokens)
+            self.max_model_len = self.runner.num_kv_tokens
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
+            enable_chunked_prefill=chunked, policy=config.scheduling_policy, max_num_waiting=config.max_num_waiting),
+            self.block_manager)
+        self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
+        self.vocab_size = hf.vocab_size
+        self._outputs: dict[int, _SeqOutputState] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
+                    self.runner.num_kv_tokens)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return None, token_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if self.scheduler.get_group(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's context length is "
+                             f"{self.max_model_len} tokens (the prompt must leave room for at least one output token)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        group = SequenceGroup(request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=params,
+                              arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                              priority=priority)
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.scheduler.abort_request(rid)
+            if group is not None:
+                for seq in group.seqs:
+                    self._outputs.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        model_output = self.runner.execute(scheduler_output)
+        self._count_tokens(scheduler_output, model_output)
+        groups = self.scheduler.update(scheduler_output, model_output)
+        return [self._make_output(group) for group in groups]
+
+    def _count_tokens(self, scheduler_output, model_output) -> None:
+        """Prompt tokens computed this step (the part of each chunk inside the prompt) and tokens generated."""
+        for seq, n, samples in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens,
+                                   model_output.sampled_token_ids):
+            start = seq.num_computed_tokens
+            self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+            self.num_generation_tokens += len(samples)
+
+    def _seq_state(self, seq: Sequence) -> _SeqOutputState:
+        state = self._outputs.get(seq.seq_id)
+        if state is None:
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.sampling_params)
+            state = self._outputs[seq.seq_id] = _SeqOutputState(detok)
+        return state
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        state = self._seq_state(seq)
+        new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_seen:]
+        if new_ids:
+            state.num_seen += len(new_ids)
+            if state.detokenizer is not None:
+                _, stop_string = state.detokenizer.update(new_ids)
+                if stop_string is not None and not seq.is_finished:
+                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
+            for lp in seq.output_logprobs[len(state.logprobs):]:
+                state.logprobs.append({
+                    tid: Logprob(value, rank=lp.rank if k == 0 else k,
+                                 decoded_token=state.detokenizer.decode_token(tid) if state.detokenizer else None)
+                    for k, (tid, value) in enumerate(zip(lp.token_ids, lp.logprobs))})
+        params = seq.sampling_params
+        return CompletionOutput(
+            index=seq.index,
+            text=state.detokenizer.output_text if state.detokenizer is not None else "",
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=sum(d[t].logprob for d, t in zip(state.logprobs, seq.output_token_ids))
+            if params.logprobs is not None else None,
+            logprobs=list(state.logprobs) if params.logprobs is not None else None,
+            finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        outputs = [self._completion(seq) for seq in sorted(group.seqs, key=lambda s: s.index)]
+        finished = group.is_finished
+        if finished:
+            for seq in group.seqs:
+                self._outputs.pop(seq.seq_id, None)
+            if group.metrics.finished_time is None:
+                group.metrics.finished_time = time.monotonic()
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=outputs, finished=finished,
+                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
+                           prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+                           num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+
+    def shutdown(self) -> None:
+        for group in list(self.scheduler.groups.values()) if hasattr(self.scheduler, "groups") else []:
+            self.abort_request(group.request_id)

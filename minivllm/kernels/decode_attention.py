@@ -1,0 +1,235 @@
+"""Paged decode attention: one query token per sequence, attending over its whole cached context.
+
+Reference: `minivllm.attention.torch_backend.paged_attention_reference` (with every query length 1).
+This module owns the decode kernels only; the KV write and the varlen prefill live beside it.
+
+Design:
+- GQA-aware: one program serves all query heads of one KV head, so each K/V tile is loaded once per
+  group and the group's heads form the M dimension of a small matrix product.
+- Split-K ("flash-decoding"): the context is cut into partitions handled by separate programs, each
+  writing its running max, softmax sum and normalised partial output; a second kernel combines them.
+  This keeps the GPU busy when batch x kv_heads is small and contexts are long.
+- CUDA-graph safe: no host syncs, and the grids depend only on shapes (batch, kv heads and a split
+  count derived from `block_tables.shape[1]`, the most blocks any sequence can own); programs whose
+  partition starts past their sequence's length exit at once.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+MIN_PARTITION_SIZE = 256   # tokens: below this a split's fixed cost outweighs its parallelism
+PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton 3.6's interpreter multiplies bf16 blocks as their raw uint16 bits; when interpreting,
+    # multiply in fp32 instead (UPCAST is never set for compiled kernels).
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _decode_partition_kernel(
+        query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+        qk_scale, num_queries_per_kv, head_dim,
+        query_stride_t, query_stride_h, out_stride_t, out_stride_h,
+        cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
+        partial_stride_seq, partial_stride_head,
+        PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT:
+        start = split * PARTITION_SIZE
+        if start >= seq_len:  # this partition lies past the context: no work, nothing written
+            return
+        end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * num_queries_per_kv + group
+    head_mask = group < num_queries_per_kv
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q = tl.load(query_ptr + seq.to(tl.int64) * query_stride_t + heads[:, None] * query_stride_h
+                + dims[None, :], mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of scores (log2 units)
+    l_i = tl.zeros([BLOCK_G], tl.float32)                  # running softmax denominator
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < end
+        # Gather token rows through the block table; a tile may span several pages.
+        pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row \
+            + kv_head * cache_stride_h
+        k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
+                    mask=valid[None, :] & dim_mask[:, None], other=0.0)           # [D, N]
+        scores = _dot(q, k, DOT_PRECISION, UPCAST) * qk_scale                     # [G, N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0)           # [N, D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
+
+    out_mask = head_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        # Normalised partial output plus (max, sum): the reduction reweights partitions exactly.
+        base = seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split
+        tl.store(partial_max_ptr + base, m_i, mask=head_mask)
+        tl.store(partial_sum_ptr + base, l_i, mask=head_mask)
+        tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :],
+                 acc / l_i[:, None], mask=out_mask)
+    else:
+        # An empty context (padding row) yields zeros, as the reference does.
+        denominator = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / denominator[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
+        head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head,
+        PARTITION_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_used = (seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE   # only these were written
+    base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
+    splits = tl.arange(0, MAX_SPLITS)
+    used = splits < num_used
+    maxes = tl.load(partial_max_ptr + base + splits, mask=used, other=float("-inf"))
+    sums = tl.load(partial_sum_ptr + base + splits, mask=used, other=0.0)
+    global_max = tl.where(num_used > 0, tl.max(maxes, 0), 0.0)   # no -inf - -inf when empty
+    weights = tl.where(used, tl.math.exp2(maxes - global_max) * sums, 0.0)
+    total = tl.sum(weights, 0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(0, num_used):
+        weight = tl.math.exp2(tl.load(partial_max_ptr + base + split) - global_max) \
+            * tl.load(partial_sum_ptr + base + split)
+        partial = tl.load(partial_out_ptr + (base + split) * head_dim + dims, mask=dim_mask, other=0.0)
+        acc += weight * partial
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter: any small number keeps split decisions realistic
+
+
+def choose_decode_partition_size(batch: int, num_kv_heads: int, max_context: int,
+                                 num_sms: int) -> int | None:
+    """Tokens per split-K partition, or None when one partition per (sequence, KV head) already
+    gives at least two programs per SM. Depends only on shapes, so a CUDA graph captured with it
+    stays valid for any sequence lengths up to `max_context`."""
+    programs = batch * num_kv_heads
+    target = PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return None
+    wanted_splits = triton.cdiv(target, programs)
+    partition = max(MIN_PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, wanted_splits)))
+    return None if partition >= max_context else partition
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # Plain fp32 caches ask for exact fp32 products (tf32 would miss the reference by ~1e-3).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dot(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _decode_config(block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(keys per tile, warps, pipeline stages)."""
+    if block_d > 128 or dtype == torch.float32:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           partition_size: int | None = None) -> torch.Tensor:
+    """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
+    same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
+    partition; None picks it from the shapes (`choose_decode_partition_size`), and a value of at least
+    `block_tables.shape[1] * block_size` disables the split."""
+    batch, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert query.dtype == k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1
+    assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    num_queries_per_kv = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    if partition_size is None:
+        partition_size = choose_decode_partition_size(batch, num_kv_heads, max_context,
+                                                      _num_sms(query.device))
+    elif partition_size >= max_context:
+        partition_size = None
+    else:
+        assert partition_size >= 16 and partition_size & (partition_size - 1) == 0
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(num_queries_per_kv))   # tl.dot needs M >= 16
+    block_n, num_warps, num_stages = _decode_config(block_d, query.dtype)
+    if partition_size is not None:
+        block_n = min(block_n, partition_size)
+    split = partition_size is not None
+    num_splits = triton.cdiv(max_context, partition_size) if split else 1
+    if split:
+        partial_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+                                  device=query.device)
+        partial_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32,
+                                  device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:  # unused by the kernel; any tensor satisfies the signature
+        partial_out = partial_max = partial_sum = out
+    _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens,
+        out, partial_out, partial_max, partial_sum,
+        scale * LOG2_E, num_queries_per_kv, head_dim,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads * num_splits, num_splits,
+        PARTITION_SIZE=partition_size or 0, SPLIT=split, BLOCK_SIZE=block_size,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            out, partial_out, partial_max, partial_sum, seq_lens,
+            head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
+            PARTITION_SIZE=partition_size, MAX_SPLITS=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+    return out

@@ -1,0 +1,84 @@
+"""RMSNorm and fused residual-add + RMSNorm, with the Hugging Face semantics as reference.
+
+HF's LlamaRMSNorm normalises in fp32, casts back to the input dtype, then multiplies by the weight
+(so the result has the promoted dtype of input and weight). The fused variant first forms
+`x + residual` in the input dtype (one rounding, as torch does), which becomes the new residual, and
+normalises that rounded sum. Owns only these functions; the layers decide where to use them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    hidden = x.float()
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr,
+                     hidden_size, eps, x_stride, residual_stride,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * hidden_size + cols, x, mask=mask)
+    hidden = x.to(tl.float32)
+    variance = tl.sum(hidden * hidden, 0) / hidden_size
+    normed = (hidden * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    hidden_size = x.shape[-1]
+    if weight.shape != (hidden_size,):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} does not match hidden size {hidden_size}")
+    x2 = x.reshape(-1, hidden_size)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must match x in shape and dtype")
+        residual2 = residual.reshape(-1, hidden_size)
+        if residual2.stride(-1) != 1:
+            residual2 = residual2.contiguous()
+        new_residual = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    else:
+        residual2 = new_residual = x2   # unused by the kernel
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(hidden_size)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, residual2, new_residual, weight, out, hidden_size, eps, x2.stride(0),
+            residual2.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 512)))
+    return out.view(x.shape), (new_residual.view(x.shape) if residual is not None else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden] -> RMSNorm(x) * weight, as `rms_norm_reference`."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (RMSNorm(x + residual) * weight, x + residual), as `fused_add_rms_norm_reference`.
+    Out of place: neither input is modified."""
+    return _launch(x, residual, weight, eps)

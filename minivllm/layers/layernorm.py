@@ -1,0 +1,32 @@
+"""RMSNorm, with the residual add folded in (vLLM style) so a fused add+norm kernel can replace it.
+
+Numerics follow HF Llama: normalise in fp32, cast back to the input dtype, then scale by the weight.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.layers.linear import default_weight_loader
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual) — the second
+        value is the running residual stream the next layer adds its output to."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x

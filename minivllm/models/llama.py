@@ -1,0 +1,191 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, chosen by config options.
+
+Differences between the family members are config flags, not subclasses:
+  * q/k/v bias: `attention_bias` (Llama, Qwen3), always on for Qwen2 (its HF code hard-codes it);
+  * per-head RMSNorm of q and k before RoPE: Qwen3;
+  * `head_dim` may differ from hidden_size / num_heads (Qwen3, Mistral-Nemo);
+  * tied input/output embeddings: `tie_word_embeddings`.
+Mistral's sliding window is not applied: it is exposed as `sliding_window` so the runner can cap the
+context length at it (within the window, full attention is the same computation).
+
+Parameter names follow HF checkpoints except for packing: q/k/v live in `qkv_proj` and gate/up in
+`gate_up_proj` (one matmul each); `packed_modules_mapping` says where each checkpoint tensor goes.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.attention import Attention
+from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+from minivllm.layers.rotary import get_rope, rope_parameters_of
+
+
+def _head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _attention_biases(hf_config) -> tuple[bool, bool]:
+    """(bias of q/k/v, bias of o_proj)."""
+    if hf_config.model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    return bias, bias
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, rotary_emb: nn.Module):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(hf_config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias = _attention_biases(hf_config)
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, self.num_heads,
+                                          self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        if hf_config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.flatten(1), k.flatten(1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config):
+        super().__init__()
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only 'silu')")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        size = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [size, size], bias=bias)
+        self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, rotary_emb: nn.Module):
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, rotary_emb)
+        self.mlp = LlamaMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual):
+        """Returns (this layer's output, residual stream before it); the next norm adds the two."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        # One cos/sin table shared by all layers (128k positions x 128 dims is 64 MB in fp32).
+        rope_theta, rope_scaling = rope_parameters_of(hf_config)
+        rotary_emb = get_rope(_head_dim(hf_config), hf_config.max_position_embeddings, rope_theta, rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, rotary_emb)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (packed module name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config):
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        use_window = getattr(hf_config, "use_sliding_window", hf_config.model_type == "mistral")
+        self.sliding_window = getattr(hf_config, "sliding_window", None) if use_window else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat token batch [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named checkpoint tensors; every parameter (and every shard of a packed one) must be
+        covered, and no checkpoint tensor may be left without a home."""
+        params = dict(self.named_parameters())
+        loaded_shards: dict[str, set] = defaultdict(set)
+        for name, loaded_weight in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue   # recomputed from the config
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue   # some tied checkpoints still store a copy of the embedding
+            param_name, shard_id = self._param_name_of(name)
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
+            param = params[param_name]
+            try:
+                param.weight_loader(param, loaded_weight, shard_id)
+            except ValueError as e:
+                raise ValueError(f"cannot load {name!r} into {param_name!r}: {e}") from None
+            loaded_shards[param_name].add(shard_id)
+        missing = [name for name in params if not self._fully_loaded(name, loaded_shards[name])]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+    def _param_name_of(self, checkpoint_name: str) -> tuple[str, object]:
+        for ckpt_module, (packed_module, shard_id) in self.packed_modules_mapping.items():
+            if f".{ckpt_module}." in checkpoint_name:
+                return checkpoint_name.replace(f".{ckpt_module}.", f".{packed_module}."), shard_id
+        return checkpoint_name, None
+
+    def _fully_loaded(self, param_name: str, shards: set) -> bool:
+        if None in shards:
+            return True
+        module = self.get_submodule(param_name.rsplit(".", 1)[0])
+        return isinstance(module, PackedColumnLinear) and shards == set(module.shard_offsets)

@@ -1,0 +1,178 @@
+"""The FastAPI app and `run_server`: routes, API-key check, engine start/stop with the app's lifespan.
+
+`ServerThread` serves an app from a background thread (tests, benchmarks, notebooks).
+
+Routes: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /v1/models, /health,
+/version, /metrics. With an API key set, every route except /health, /version and /metrics needs
+`Authorization: Bearer <key>`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+import time
+from importlib import metadata
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from minivllm.engine.async_engine import AsyncEngine
+from minivllm.server import errors
+from minivllm.server.metrics import ServerMetrics
+from minivllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                      ModelList, TokenizeRequest)
+from minivllm.server.serving_chat import OpenAIServingChat
+from minivllm.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("minivllm")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [engine.model_name]
+    metrics = ServerMetrics(engine.get_stats, names[0])
+    chat = OpenAIServingChat(engine, names, metrics)
+    completion = OpenAIServingCompletion(engine, names, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="minivllm", version=_version(), lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    errors.install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise errors.unauthorized()
+
+    router = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
+
+    @router.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await completion.create_completion(request, raw_request)
+
+    @router.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @router.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        chat.model_name(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise errors.bad_request("give exactly one of 'prompt' or 'messages'")
+        if request.messages is not None:
+            tokens = chat.render_chat(request.messages, request.add_generation_prompt)
+        else:
+            tokens = list(chat.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens})
+
+    @router.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        chat.model_name(request.model)
+        vocab_size = getattr(engine.engine, "vocab_size", None)
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in request.tokens):
+            raise errors.bad_request(f"token ids must be in [0, {vocab_size})", param="tokens")
+        return JSONResponse({"prompt": chat.tokenizer.decode(request.tokens)})
+
+    app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before the (slow) engine loads, so a taken port fails fast and port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(app: FastAPI, log_level: str = "info") -> uvicorn.Server:
+    # timeout_graceful_shutdown: streams still open at Ctrl-C are cut, and their requests aborted.
+    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_model_name=None,
+               api_key: str | None = None, log_level: str = "info") -> None:
+    """Load the engine, then serve until interrupted."""
+    sock = bind_socket(host, port)
+    engine = AsyncEngine.from_config(engine_config)
+    app = build_app(engine, served_model_name, api_key)
+    server = make_server(app, log_level)
+    logger.info("serving %s on http://%s:%d", app.state.metrics.model_name, host, sock.getsockname()[1])
+    server.run(sockets=[sock])
+
+
+class ServerThread:
+    """Serve `app` from a background thread on a free local port: `with ServerThread(app) as url: ...`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.sock = bind_socket(host, port)
+        self.server = make_server(app, log_level)
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="minivllm-uvicorn", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server thread failed to start")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""The model runner: the single place where sequences become tensors."""

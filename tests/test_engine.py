@@ -1,0 +1,240 @@
+"""End-to-end engine behaviour on the real default model (CPU, fp32), checked against transformers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.models.loader import default_model_path
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "How many legs does a spider have?"}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+    [{"role": "user", "content": "Explain gravity in one sentence."}],
+]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def make_llm(**kwargs) -> LLM:
+    options = dict(kv_cache_memory=64 * 2**20, max_model_len=1024, seed=0)
+    options.update(kwargs)
+    return LLM(**options)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    out = []
+    for chat in CHATS:
+        out.append(list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers loading the same GGUF on its own: the reference."""
+    from transformers import AutoModelForCausalLM
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(prompt_ids, hf_model) -> list[list[int]]:
+    model = hf_model
+    refs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+def _run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps_between: int = 2):
+    """Add one request every few engine steps, so later ones join a batch that is already decoding."""
+    engine = llm.llm_engine
+    finished = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, ids = pending.pop(0)
+            engine.add_request(f"stagger-{id(prompts)}-{i}", ids, params)
+        for _ in range(steps_between if pending else 1):
+            for out in engine.step():
+                if out.finished:
+                    finished[int(out.request_id.rsplit("-", 1)[1])] = out
+    return [finished[i] for i in range(len(prompts))]
+
+
+def _truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for k, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:k + 1]
+    return tokens
+
+
+def test_greedy_batch_matches_transformers(llm, prompt_ids, reference_tokens):
+    eos = llm.llm_engine.eos_token_ids
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False)
+    for out, ref in zip(outputs, reference_tokens):
+        assert out.outputs[0].token_ids == _truncate_at_eos(ref, eos)
+
+
+def test_staggered_small_chunks_and_prefix_hits_match_transformers(prompt_ids, reference_tokens):
+    llm = make_llm(max_num_batched_tokens=7, max_num_seqs=4)
+    eos = llm.llm_engine.eos_token_ids
+    first = _run_staggered(llm, prompt_ids, GREEDY)
+    hits_before = llm.llm_engine.block_manager.prefix_cache_hits
+    second = _run_staggered(llm, prompt_ids, GREEDY, steps_between=1)  # same prompts: prefix-cache hits
+    assert llm.llm_engine.block_manager.prefix_cache_hits > hits_before
+    assert any(out.num_cached_tokens > 0 for out in second)
+    for a, b, ref in zip(first, second, reference_tokens):
+        assert a.outputs[0].token_ids == _truncate_at_eos(ref, eos)
+        assert b.outputs[0].token_ids == _truncate_at_eos(ref, eos)
+
+
+def test_logits_match_transformers_prefill_and_decode(llm, prompt_ids, hf_model):
+    """Logits of a prefill and of 20 decode steps through the engine's runner equal transformers'."""
+    from minivllm.core.interfaces import SchedulerOutput
+    from minivllm.core.sequence import SequenceGroup
+    ref_model = hf_model
+    engine = llm.llm_engine
+    runner, bm = engine.runner, engine.block_manager
+    ids = prompt_ids[1]
+    group = SequenceGroup("logits", None, ids, SamplingParams(temperature=0.0))
+    seq = group.seqs[0]
+    captured = []
+    original = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
+    try:
+        n_new = seq.num_tokens
+        for step in range(21):
+            assert bm.allocate_slots(seq, n_new)
+            out = runner.execute(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[n_new], num_samples=[1]))
+            seq.num_computed_tokens += n_new
+            seq.append_token(out.sampled_token_ids[0][0])
+            n_new = 1
+    finally:
+        runner.model.compute_logits = original
+        bm.free(seq)
+    with torch.inference_mode():
+        ref_logits = ref_model(torch.tensor([seq.token_ids[:-1]])).logits[0]
+    ours = torch.cat(captured)  # the last position of the prefill, then each decode step
+    ref = ref_logits[len(ids) - 1:]
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= 1e-3 * max(1.0, scale)
+
+
+def test_continuous_batching_join_and_leave(llm):
+    engine = llm.llm_engine
+    engine.add_request("cb-long", "Count from one to twenty:", SamplingParams(temperature=0, max_tokens=10,
+                                                                             ignore_eos=True))
+    engine.add_request("cb-short", "Say hi.", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    assert {s.request_id for s in engine.scheduler.running} == {"cb-long", "cb-short"}
+    engine.add_request("cb-late", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outputs = {o.request_id: o for o in engine.step()}
+    # The late request was prefilled in the very next step and got its first token, while the others decoded.
+    assert len(outputs["cb-late"].outputs[0].token_ids) == 1
+    assert outputs["cb-short"].finished
+    assert "cb-short" not in {s.request_id for s in engine.scheduler.running}
+    assert "cb-long" in {s.request_id for s in engine.scheduler.running}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_preemption_keeps_outputs_and_frees_every_block(prompt_ids):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = make_llm().generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    longest = max(len(p) for p in prompt_ids) + 24
+    tight = make_llm(num_gpu_blocks_override=(longest + 15) // 16 + 2, max_model_len=longest + 8)
+    engine = tight.llm_engine
+    outputs = tight.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in roomy]
+    assert engine.block_manager.usage == 0.0
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    engine.block_manager.check_integrity()
+
+
+def test_prefix_cache_computes_only_new_tokens(llm):
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    system = ("You are a helpful assistant for a small bakery. " * 40)
+    system_ids = tok.encode(system)[:200]
+    assert len(system_ids) == 200
+    q1, q2 = tok.encode(" Question: what bread is best?"), tok.encode(" Question: when do you open?")
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    llm.generate({"prompt_token_ids": system_ids + q1}, params, use_tqdm=False)
+    before = engine.num_prompt_tokens
+    out = llm.generate({"prompt_token_ids": system_ids + q2}, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 192  # the 12 full blocks of the shared 200-token system prompt
+    assert engine.num_prompt_tokens - before == len(system_ids + q2) - 192
+    uncached = make_llm(enable_prefix_caching=False).generate({"prompt_token_ids": system_ids + q2}, params,
+                                                              use_tqdm=False)[0]
+    assert uncached.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == uncached.outputs[0].token_ids
+
+
+def test_n_samples_are_distinct_and_share_prompt_blocks(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    engine.add_request("fork", "Tell me a story about a dragon.", params)
+    engine.step()  # the prompt is computed once, then forked into 3 samples
+    seqs = engine.scheduler.get_group("fork").seqs
+    assert len(seqs) == 3
+    shared = seqs[0].block_table[0]
+    assert all(s.block_table[0] == shared for s in seqs)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    texts = [c.token_ids for c in outputs[0].outputs]
+    assert len({tuple(t) for t in texts}) == 3
+    assert engine.block_manager.usage == 0.0
+
+
+def test_seeded_sampling_is_batch_independent(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=6)
+    batch = llm.generate(["The weather today", "Once upon a time", "List some fruit"], [others, params, others],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ("word " * 1100, SamplingParams(), "context length"),
+])
+def test_bad_input_raises_and_engine_survives(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model="/no/such/model")

@@ -1,0 +1,283 @@
+"""Triton kernels against their plain-PyTorch references.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before Triton is
+imported), on tiny shapes. Triton is a hard requirement: if it is missing this module fails to
+import, which fails the run. The `gpu` tests use realistic shapes and run only where CUDA exists.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton  # noqa: E402,F401  (a missing Triton must fail here, not skip)
+
+from minivllm.attention.metadata import AttentionMetadata  # noqa: E402
+from minivllm.attention.torch_backend import (  # noqa: E402
+    TorchAttentionBackend, paged_attention_reference, write_kv_reference)
+from minivllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from minivllm.kernels import (  # noqa: E402
+    choose_decode_partition_size, fused_add_rms_norm, fused_add_rms_norm_reference,
+    paged_decode_attention, paged_prefill_attention, rms_norm, rms_norm_reference, silu_and_mul,
+    silu_and_mul_reference, write_kv)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def assert_close(actual, expected, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def make_batch(seq_lens, query_lens, num_kv_heads, group, head_dim, dtype, block_size=16,
+               num_padding_rows=0, seed=0):
+    """Random caches, shuffled block tables and this step's q/k/v for sequences whose last
+    `query_lens[i]` of `seq_lens[i]` tokens are being computed now (the rest is cached prefix).
+    Unused block-table entries hold an out-of-range id, so touching one would fault."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+    blocks_per_seq = [triton.cdiv(s, block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    permutation = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(max(blocks_per_seq), 1) + 1
+    block_tables = torch.full((len(seq_lens), width), 1 << 30, dtype=torch.int32)
+    for i, count in enumerate(blocks_per_seq):
+        block_tables[i, :count] = torch.tensor(permutation[:count], dtype=torch.int32)
+        permutation = permutation[count:]
+    slots, query_start_loc = [], [0]
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        for position in range(seq_len - query_len, seq_len):
+            # A negative position is a padding decode row over an empty context: never written.
+            slots.append(-1 if position < 0 else
+                         int(block_tables[i, position // block_size]) * block_size + position % block_size)
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    slots += [-1] * num_padding_rows
+    num_tokens = len(slots)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=list(seq_lens))
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    query = randn(num_tokens, num_kv_heads * group, head_dim)
+    key = randn(num_tokens, num_kv_heads, head_dim)
+    value = randn(num_tokens, num_kv_heads, head_dim)
+    return query, key, value, k_cache, v_cache, metadata
+
+
+def run_both(backend, query, key, value, k_cache, v_cache, metadata, scale):
+    """Write and attend with `backend` and with the reference, each on its own copy of the cache;
+    returns (output, reference output) over the rows that belong to sequences."""
+    reference_k, reference_v = k_cache.clone(), v_cache.clone()
+    backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    out = backend.attend(query, k_cache, v_cache, metadata, scale)
+    reference = TorchAttentionBackend()
+    reference.write_kv(key, value, reference_k, reference_v, metadata.slot_mapping)
+    expected = reference.attend(query, reference_k, reference_v, metadata, scale)
+    assert torch.equal(k_cache, reference_k) and torch.equal(v_cache, reference_v)
+    rows = metadata.query_start_loc_cpu[-1]
+    return out[:rows], expected[:rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_scatters_strided_rows_and_skips_padding(dtype):
+    generator = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 16, 3, 64   # 3 heads: not a power of two
+    # key/value as strided views into one fused buffer, as a QKV projection produces them.
+    fused = torch.randn(7, 2, num_kv_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    key, value = fused[:, 0], fused[:, 1]
+    slot_mapping = torch.tensor([5, -1, 17, 95, 16, -1, 40], device=DEVICE)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_reference(key, value, expected_k, expected_v, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 5   # exactly the five real rows
+
+
+# (seq_lens, group, head_dim, dtype, partition_size): 16/32 force split-K, 4096 forces one partition,
+# None lets the shapes decide (here: one partition, the context being short). Lengths are odd, cross
+# blocks, and include 1 and an empty padding row (seq_len 0, slot -1), whose output must be zeros.
+DECODE_CASES = [
+    ([37, 1, 70, 0], 1, 64, torch.float32, 4096),
+    ([37, 1, 70, 0], 4, 128, torch.bfloat16, 16),
+    ([50, 33, 16], 8, 64, torch.float32, 32),
+    ([90, 17], 4, 64, torch.float16, None),
+]
+
+
+@pytest.mark.parametrize("seq_lens,group,head_dim,dtype,partition_size", DECODE_CASES)
+def test_decode_matches_reference(seq_lens, group, head_dim, dtype, partition_size):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, [1] * len(seq_lens), 2, group, head_dim, dtype, seed=len(seq_lens) + group)
+    backend = TritonAttentionBackend(decode_partition_size=partition_size)
+    out, expected = run_both(backend, query, key, value, k_cache, v_cache, metadata, head_dim ** -0.5)
+    assert_close(out, expected, dtype)
+
+
+def test_decode_split_and_unsplit_agree_and_zero_an_empty_context():
+    query, key, value, k_cache, v_cache, metadata = make_batch([200, 0], [1, 1], 1, 4, 64,
+                                                               torch.float32, seed=3)
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    args = (query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, 0.125)
+    split = paged_decode_attention(*args, partition_size=64)        # four partitions in use
+    whole = paged_decode_attention(*args, partition_size=1 << 20)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(split[1], torch.zeros_like(split[1]))
+
+
+def test_decode_partition_choice_depends_on_occupancy():
+    # Plenty of (sequence, kv head) programs already: no split.
+    assert choose_decode_partition_size(64, 8, 4096, 132) is None
+    # One sequence with a long context: split into enough partitions to cover the SMs.
+    partition = choose_decode_partition_size(1, 8, 32768, 132)
+    assert partition is not None and partition & (partition - 1) == 0 and partition >= 256
+    assert 8 * triton.cdiv(32768, partition) >= 132
+    # A context too short to split usefully stays whole.
+    assert choose_decode_partition_size(1, 8, 256, 132) is None
+
+
+# (seq_lens, query_lens, group, head_dim, dtype, block_m, block_n): plain prefill, chunked prefill
+# and prefix hits (cached prefix + chunk), decode rows mixed with chunks; small tiles force several
+# query tiles per sequence and both the unmasked and the causal key loops.
+PREFILL_CASES = [
+    ([23, 40], [23, 40], 1, 64, torch.float32, 16, 16),             # plain prefill
+    ([61, 1 + 37, 5], [29, 1, 5], 4, 64, torch.float32, 32, 16),     # chunk after prefix, decode, prefill
+    ([45, 70, 19], [1, 13, 1], 8, 128, torch.bfloat16, 16, 16),      # decodes around a prefix-hit chunk
+    ([33, 100], [33, 21], 4, 128, torch.bfloat16, None, None),       # default tiles
+    ([17, 50], [17, 9], 1, 128, torch.float16, 16, 32),
+]
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,group,head_dim,dtype,block_m,block_n", PREFILL_CASES)
+def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype, block_m, block_n):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 2, group, head_dim, dtype, num_padding_rows=3, seed=sum(query_lens))
+    scale = head_dim ** -0.5
+    reference_k, reference_v = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    write_kv_reference(key, value, reference_k, reference_v, metadata.slot_mapping)
+    assert torch.equal(k_cache, reference_k)
+    out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
+                                  metadata.seq_lens, metadata.block_tables, scale,
+                                  block_m=block_m, block_n=block_n)
+    expected = paged_attention_reference(query, reference_k, reference_v,
+                                         metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
+                                         metadata.block_tables, scale)
+    rows = metadata.query_start_loc_cpu[-1]
+    assert_close(out[:rows], expected[:rows], dtype)
+
+
+def test_backend_routes_mixed_batch_through_prefill_kernel():
+    # Two decode rows and a prefill chunk over a cached prefix, plus CUDA-graph-style padding rows.
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        [30, 48, 1 + 16], [1, 20, 1], 1, 4, 64, torch.float32, num_padding_rows=2, seed=7)
+    assert not metadata.is_decode_only
+    out, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache, v_cache,
+                             metadata, 0.125)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_matches_hf_semantics(dtype):
+    generator = torch.Generator().manual_seed(11)
+    x = (3 * torch.randn(2, 3, 100, generator=generator)).to(dtype).to(DEVICE)   # odd hidden size
+    residual = torch.randn(2, 3, 100, generator=generator).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(100, generator=generator)).to(dtype).to(DEVICE)
+    assert_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-6)
+    expected_out, expected_residual = fused_add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert out.shape == x.shape and new_residual.dtype == dtype
+    assert_close(out, expected_out, dtype)
+    assert_close(new_residual, expected_residual, dtype)
+    if dtype != torch.bfloat16:  # the interpreter truncates fp32 -> bf16; fp16 rounds properly
+        assert torch.equal(new_residual, expected_residual)   # one rounding of the sum, as torch
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)   # out of place
+
+
+def test_rms_norm_promotes_to_fp32_weight_like_hf():
+    x = torch.randn(4, 64).to(torch.float16).to(DEVICE)
+    weight = torch.rand(64, device=DEVICE) + 0.5
+    out = rms_norm(x, weight, 1e-5)
+    expected = rms_norm_reference(x, weight, 1e-5)
+    assert out.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    x = (2 * torch.randn(3, 5, 2 * 1100)).to(dtype).to(DEVICE)   # two column blocks, ragged end
+    out = silu_and_mul(x)
+    assert out.shape == (3, 5, 1100)
+    assert_close(out, silu_and_mul_reference(x), dtype)
+
+
+def test_fusions_reject_bad_shapes():
+    with pytest.raises(ValueError):
+        silu_and_mul(torch.randn(2, 7, device=DEVICE))
+    with pytest.raises(ValueError):
+        rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(9, device=DEVICE), 1e-6)
+
+
+# ----- realistic shapes on a GPU (the lead runs these on an H100) -----
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("partition_size", [None, 512])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_realistic(batch, partition_size):
+    seq_lens = torch.randint(1, 4097, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    seq_lens[0] = 4096
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, [1] * batch, 8, 4, 128, torch.bfloat16, seed=batch)
+    backend = TritonAttentionBackend(decode_partition_size=partition_size)
+    out, expected = run_both(backend, query, key, value, k_cache, v_cache, metadata, 128 ** -0.5)
+    assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_prefill_realistic(dtype):
+    # Decodes, a fresh 1000-token prompt, and a 700-token chunk after a 3000-token cached prefix.
+    seq_lens = [4096] * 6 + [1000, 3700]
+    query_lens = [1] * 6 + [1000, 700]
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 8, 4, 128, dtype, num_padding_rows=5, seed=5)
+    out, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache, v_cache,
+                             metadata, 128 ** -0.5)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_replays_in_a_cuda_graph():
+    batch, max_len = 4, 2048   # 4 x 8 programs: split-K is on
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        [max_len] * batch, [1] * batch, 8, 4, 128, torch.bfloat16, seed=9)
+    backend = TritonAttentionBackend()
+    seq_lens = metadata.seq_lens
+    seq_lens.fill_(7)
+    backend.attend(query, k_cache, v_cache, metadata, 128 ** -0.5)   # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.attend(query, k_cache, v_cache, metadata, 128 ** -0.5)
+    for lengths in ([7, 300, 2048, 1], [2048, 2048, 17, 1000]):
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        expected = paged_attention_reference(query, k_cache, v_cache, list(range(batch + 1)),
+                                             lengths, metadata.block_tables, 128 ** -0.5)
+        assert_close(out, expected, torch.bfloat16)
