@@ -104,3 +104,16 @@ def test_registry_maps_family_and_rejects_others():
     other = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="unsupported model architecture"):
         get_model_class(other)
+
+
+def test_rope_parameters_read_from_both_transformers_config_styles():
+    from types import SimpleNamespace
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    v4 = SimpleNamespace(rope_theta=500000.0, rope_scaling=dict(llama3))
+    v5 = SimpleNamespace(rope_parameters={**llama3, "rope_theta": 500000.0})
+    v4_plain = SimpleNamespace(rope_theta=1e6, rope_scaling=None)
+    assert rope_parameters_of(v4) == rope_parameters_of(v5) == (500000.0, llama3)
+    assert rope_parameters_of(v4_plain) == (1e6, {})
+    with pytest.raises(ValueError, match="unsupported rope_type"):
+        get_rope(16, 32, 10000.0, {"rope_type": "yarn", "factor": 4.0})

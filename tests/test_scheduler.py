@@ -438,6 +438,8 @@ def test_admission_control_and_validation():
         scheduler.add_seq_group(make_group("a", [2]))
     with pytest.raises(ValueError, match="max_model_len"):
         make_scheduler(max_model_len=16).add_seq_group(make_group("c", range(17)))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        make_scheduler(max_num_seqs=2).add_seq_group(make_group("d", [1], n=3))
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="lifo")
     with pytest.raises(ValueError, match="chunked prefill"):

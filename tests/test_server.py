@@ -201,6 +201,9 @@ def test_metrics_parse_and_counters_move(server, client):
     assert after[("minivllm:num_requests_running", ())] == 0
 
 
+NUM_GIVE_UP = 3
+
+
 def test_clients_that_hang_up_free_their_blocks(server, client):
     before = metrics(server.url)
 
@@ -215,8 +218,15 @@ def test_clients_that_hang_up_free_their_blocks(server, client):
                     if events == 2:
                         return  # hang up mid-stream: the context managers close the connection
 
+    async def give_up(i: int) -> None:
+        """A non-streaming client that stops waiting: its request is aborted at the next output."""
+        body = {"model": "", "prompt": f"Essay number {i}:", "max_tokens": 500, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(60, read=1.0)) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body)
+
     async def all_hang_up():
-        await asyncio.gather(*(hang_up(i) for i in range(20)))
+        await asyncio.gather(*(hang_up(i) for i in range(20)), *(give_up(i) for i in range(NUM_GIVE_UP)))
 
     asyncio.run(all_hang_up())
     deadline = time.monotonic() + 30
@@ -230,9 +240,9 @@ def test_clients_that_hang_up_free_their_blocks(server, client):
     assert idle, f"blocks still held after the clients left: {now}"
     aborted = (now[("minivllm:request_success_total", (("finished_reason", "abort"),))]
                - before.get(("minivllm:request_success_total", (("finished_reason", "abort"),)), 0.0))
-    assert aborted == 20
+    assert aborted == 20 + NUM_GIVE_UP
     generated = now[("minivllm:generation_tokens_total", ())] - before[("minivllm:generation_tokens_total", ())]
-    assert generated < 20 * 500 / 2  # stopped long before their 500 tokens
+    assert generated < (20 + NUM_GIVE_UP) * 500 / 2  # stopped long before their 500 tokens
     assert server.engine.num_streams == 0
 
     response = client.completions.create(model="", prompt=PROMPT, temperature=0, max_tokens=2)

@@ -103,6 +103,7 @@ BAD_REQUESTS = [
     ("completion: stop_token_ids out of vocab", "/v1/completions", {"prompt": "x", "stop_token_ids": [-3]},
      "stop_token_ids"),
     ("completion: stop not a string", "/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
+    ("completion: priority under fcfs", "/v1/completions", {"prompt": "x", "priority": 3}, "priority"),
 ]
 
 
@@ -163,9 +164,9 @@ def test_full_waiting_queue_is_429_with_retry_after(server):
                     assert time.monotonic() < deadline, "requests never reached the waiting queue"
                     await asyncio.sleep(0.05)
                 rejected = await http.post("/v1/completions", json=body)
+                sdk = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
                 with pytest.raises(openai.RateLimitError):
-                    await openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0).completions.create(
-                        **body)
+                    await sdk.completions.create(**body)
             finally:
                 server.engine.resume()
             return rejected, await asyncio.gather(*queued)

@@ -38,4 +38,5 @@ class TritonAttentionBackend(AttentionBackend):
                                           metadata.seq_lens, scale,
                                           partition_size=self.decode_partition_size)
         return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
-                                       metadata.seq_lens, metadata.block_tables, scale)
+                                       metadata.seq_lens, metadata.block_tables, scale,
+                                       max_query_len=metadata.max_query_len)

@@ -88,6 +88,8 @@ class Scheduler:
         if not 0 < seq.num_tokens <= self.config.max_model_len:
             raise ValueError(f"prompt has {seq.num_tokens} tokens; it must have 1 to "
                              f"max_model_len ({self.config.max_model_len})")
+        if group.sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({group.sampling_params.n}) must not exceed max_num_seqs ({self.config.max_num_seqs})")
         if self.config.max_num_waiting is not None and self.num_waiting >= self.config.max_num_waiting:
             raise SchedulerFullError(f"{self.num_waiting} requests are waiting already "
                                      f"(max_num_waiting={self.config.max_num_waiting})")

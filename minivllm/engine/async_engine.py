@@ -116,6 +116,14 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.engine, "vocab_size", None)
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.engine, "config", None)
+
     def get_stats(self) -> Any:
         """The engine stats as of the end of the last step or command batch (never blocks)."""
         return self._stats
@@ -239,8 +247,11 @@ class AsyncEngine:
             error = EngineDeadError(f"engine loop crashed: {e!r}")
         with self._dead_lock:
             self._dead = error
-        self._reject_pending(error)
-        self._loop.call_soon_threadsafe(self._fail_all, error)
+        try:
+            self._reject_pending(error)
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+        except RuntimeError:  # the event loop is already closed: nobody is waiting any more
+            pass
         try:
             self.engine.shutdown()
         except Exception:
@@ -252,8 +263,8 @@ class AsyncEngine:
             idle = self._paused or not self.engine.has_unfinished_requests()
             if self._apply_commands(block=idle):
                 return
-            self._stats = self.engine.get_stats()
             if self._paused or not self.engine.has_unfinished_requests():
+                self._stats = self.engine.get_stats()  # adds/aborts changed it; no step will refresh it
                 continue
             outputs = self.engine.step()
             self._stats = self.engine.get_stats()

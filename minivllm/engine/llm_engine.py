@@ -64,6 +64,10 @@ class LLMEngine:
         hf = source.hf_config
 
         model_max_len = getattr(hf, "max_position_embeddings", None) or 2048
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True):
+            # Sliding-window attention is not implemented: stay inside one window, where it is exact.
+            model_max_len = min(model_max_len, window)
         self.max_model_len = config.max_model_len or model_max_len
         if self.max_model_len > model_max_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {model_max_len}")
@@ -121,6 +125,8 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's context length is "
                              f"{self.max_model_len} tokens (the prompt must leave room for at least one output token)")
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -171,7 +177,7 @@ class LLMEngine:
         if new_ids:
             state.num_seen += len(new_ids)
             if state.detokenizer is not None:
-                _, stop_string = state.detokenizer.update(new_ids)
+                _, stop_string = state.detokenizer.update(new_ids, finished=seq.is_finished)
                 if stop_string is not None and not seq.is_finished:
                     self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
             for lp in seq.output_logprobs[len(state.logprobs):]:

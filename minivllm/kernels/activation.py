@@ -6,14 +6,11 @@ in fp32 and rounded to the input dtype, then the product is rounded again. Owns 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+from minivllm.layers.activation import silu_and_mul as silu_and_mul_reference  # noqa: E402  (the layer's torch path)
 
 
 @triton.jit

@@ -12,12 +12,7 @@ import triton
 import triton.language as tl
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    input_dtype = x.dtype
-    hidden = x.float()
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + eps)
-    return weight * hidden.to(input_dtype)
+from minivllm.layers.layernorm import rms_norm as rms_norm_reference  # noqa: E402  (the layer's torch path)
 
 
 def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -5,10 +5,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.fusion import fusions_enabled
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class SiluAndMul(nn.Module):
     """x [..., 2d] -> silu(x[..., :d]) * x[..., d:] (SwiGLU)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.use_triton = fusions_enabled()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if self.use_triton and x.is_cuda:
+            from minivllm.kernels.activation import silu_and_mul as triton_silu_and_mul
+            return triton_silu_and_mul(x)
+        return silu_and_mul(x)

@@ -46,13 +46,17 @@ class Attention(nn.Module):
     def _attend_without_cache(self, query, key, value, meta: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence's query rows over themselves only (no cached context)."""
         starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+        # Expanding KV heads to query heads keeps SDPA on its fused (flash) kernels on every torch
+        # version, so profiling does not see the T x T score matrix of the math fallback.
+        group = self.num_heads // self.num_kv_heads
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
         out = torch.empty_like(query)
         for start, end in zip(starts[:-1], starts[1:]):
             if end == start:
                 continue
-            # SDPA wants [heads, tokens, dim]; enable_gqa lets query heads share KV heads in groups.
+            # SDPA wants [heads, tokens, dim].
             out[start:end] = F.scaled_dot_product_attention(
                 query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
-                value[start:end].transpose(0, 1), is_causal=True, scale=self.scale,
-                enable_gqa=True).transpose(0, 1)
+                value[start:end].transpose(0, 1), is_causal=True, scale=self.scale).transpose(0, 1)
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.layers.fusion import fusions_enabled
 from minivllm.layers.linear import default_weight_loader
 
 
@@ -22,10 +23,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        self.use_triton = fusions_enabled()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual) — the second
         value is the running residual stream the next layer adds its output to."""
+        if self.use_triton and x.is_cuda:
+            from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm as triton_rms_norm
+            if residual is None:
+                return triton_rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

@@ -87,6 +87,9 @@ def hf_config_from_gguf(reader, has_output: bool) -> dict:
     num_heads = meta["llama.attention.head_count"]
     hidden = meta["llama.embedding_length"]
     vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = meta.get("llama.attention.key_length", hidden // num_heads)
+    if meta.get("llama.rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("GGUF files with partial rotary embedding are not supported")
     rope = {"rope_type": "default", "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0))}
     if meta.get("llama.rope.scaling.type") == "linear":
         rope = {**rope, "rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
@@ -99,7 +102,7 @@ def hf_config_from_gguf(reader, has_output: bool) -> dict:
         "num_hidden_layers": meta["llama.block_count"],
         "num_attention_heads": num_heads,
         "num_key_value_heads": meta.get("llama.attention.head_count_kv", num_heads),
-        "head_dim": meta.get("llama.attention.key_length", hidden // num_heads),
+        "head_dim": head_dim,
         "max_position_embeddings": meta["llama.context_length"],
         "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
         "rope_theta": rope["rope_theta"],   # 4.x style; 5.x reads rope_parameters

@@ -75,8 +75,11 @@ def _single_gguf_in(folder: Path) -> Path | None:
 
 
 def _default_tokenizer_for(hf_config) -> str | None:
-    """The default model's tokenizer, if all its ids fit the config's vocabulary."""
-    default = _gguf_source(Path(default_model_path()), DEFAULT_MODEL)
+    """The default model's tokenizer, if it is installed and all its ids fit the config's vocabulary."""
+    try:
+        default = _gguf_source(Path(default_model_path()), DEFAULT_MODEL)
+    except FileNotFoundError:
+        return None  # dummy weights still run from token ids
     fits = default.hf_config.vocab_size <= hf_config.vocab_size
     return default.tokenizer_dir if fits else None
 

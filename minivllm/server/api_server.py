@@ -24,8 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server import errors
 from minivllm.server.metrics import ServerMetrics
-from minivllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                      ModelList, TokenizeRequest)
+from minivllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from minivllm.server.serving_chat import OpenAIServingChat
 from minivllm.server.serving_completion import OpenAIServingCompletion
 
@@ -98,7 +104,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
     @router.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         chat.model_name(request.model)
-        vocab_size = getattr(engine.engine, "vocab_size", None)
+        vocab_size = engine.vocab_size
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in request.tokens):
             raise errors.bad_request(f"token ids must be in [0, {vocab_size})", param="tokens")
         return JSONResponse({"prompt": chat.tokenizer.decode(request.tokens)})
@@ -144,7 +150,10 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
     app = build_app(engine, served_model_name, api_key)
     server = make_server(app, log_level)
     logger.info("serving %s on http://%s:%d", app.state.metrics.model_name, host, sock.getsockname()[1])
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C after its graceful shutdown, which already stopped the engine
 
 
 class ServerThread:

@@ -11,10 +11,18 @@ from fastapi.responses import JSONResponse
 from minivllm.engine.async_engine import RequestStream
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.server import errors
-from minivllm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatCompletionStreamChoice,
-                                      ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
-                                      DeltaMessage, TopLogprob)
+from minivllm.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
 from minivllm.server.serving_engine import EventStreamResponse, OpenAIServing, decode_token, finite_logprob, sse
 
 
@@ -110,7 +118,8 @@ class OpenAIServingChat(OpenAIServing):
             top = []
             for tid, lp in ranked:
                 text = decode_token(tokenizer, tid, lp.decoded_token)
-                top.append(TopLogprob(token=text, logprob=finite_logprob(lp.logprob), bytes=list(text.encode("utf-8"))))
-            content.append(ChatTokenLogprob(token=token, logprob=finite_logprob(chosen.logprob), bytes=list(token.encode("utf-8")),
-                                            top_logprobs=top))
+                top.append(TopLogprob(token=text, logprob=finite_logprob(lp.logprob),
+                                      bytes=list(text.encode("utf-8"))))
+            content.append(ChatTokenLogprob(token=token, logprob=finite_logprob(chosen.logprob),
+                                            bytes=list(token.encode("utf-8")), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)

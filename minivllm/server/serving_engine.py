@@ -119,7 +119,7 @@ class OpenAIServing:
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in stop_token_ids / logit_bias index the vocabulary: out of range is bad input."""
-        vocab_size = getattr(self.engine.engine, "vocab_size", None)
+        vocab_size = self.engine.vocab_size
         if vocab_size is None:
             return
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
@@ -131,6 +131,9 @@ class OpenAIServing:
     async def admit(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: SamplingParams,
                     priority: int) -> list[RequestStream]:
         """Add every prompt of a request; on any failure abort those already added and raise."""
+        if priority != 0 and getattr(self.engine.config, "scheduling_policy", "priority") != "priority":
+            raise errors.bad_request(f"priority {priority} needs the server to run with --scheduling-policy "
+                                     "priority", param="priority")
         arrival_time = time.monotonic()
         streams: list[RequestStream] = []
         try:

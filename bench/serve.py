@@ -1,0 +1,403 @@
+"""Serving benchmark: load a minivllm (or any OpenAI-compatible) server and report latency vs load.
+
+One command starts `minivllm serve` as a subprocess, waits for /health, sweeps fixed concurrency
+levels (or Poisson request rates), stops the server and writes JSON + CSV + a PNG:
+
+    # GPU: dummy Llama-3-8B, 512-token prompts, 256 output tokens
+    python bench/serve.py --model llama-3-8b --load-format dummy \\
+        --concurrency 1,4,16,64 --input-len 512 --output-len 256 --out bench/results
+    # CPU: the default model, small shapes
+    python bench/serve.py --concurrency 1,4 --num-prompts 8 --input-len 64 --output-len 16
+    # an already running server; Poisson arrivals at 2 and 8 requests/s
+    python bench/serve.py --url http://localhost:8000 --request-rate 2,8
+
+Requests go to /v1/completions with token-id prompts (exact input lengths, no tokenizer needed here),
+`ignore_eos` (exact output lengths) and `stream_options.continuous_usage_stats` (tokens per chunk).
+TTFT: request sent -> first token chunk. ITL: gaps between token chunks (vLLM's definition).
+TPOT: (e2e - TTFT) / (output tokens - 1). E2E: request sent -> last byte.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+PERCENTILES = (50, 95, 99)
+TOKEN_ID_RANGE = (1000, 20000)  # inside every supported vocabulary; random ids avoid prefix-cache hits
+
+
+# ---- workload ----------------------------------------------------------------------------------
+
+def sample_lengths(dataset: str, num: int, input_len: int, output_len: int, range_ratio: float,
+                   rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) per request.
+
+    random: uniform in [len * (1 - range_ratio), len * (1 + range_ratio)].
+    sharegpt: heavy-tailed log-normal lengths shaped like ShareGPT conversations (median below the
+    mean, a long tail), scaled so the means are input_len and output_len, clipped to 4x the mean.
+    """
+    if dataset == "random":
+        def uniform(mean: int) -> np.ndarray:
+            low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+            return rng.integers(low, high + 1, size=num)
+        inputs, outputs = uniform(input_len), uniform(output_len)
+    elif dataset == "sharegpt":
+        def lognormal(mean: int, sigma: float) -> np.ndarray:
+            mu = math.log(mean) - sigma ** 2 / 2  # E[X] = exp(mu + sigma^2 / 2) = mean
+            return np.clip(rng.lognormal(mu, sigma, size=num).round(), 4, 4 * mean).astype(int)
+        inputs, outputs = lognormal(input_len, 1.0), lognormal(output_len, 0.8)
+    else:
+        raise ValueError(f"unknown dataset {dataset!r}")
+    return [(int(i), int(o)) for i, o in zip(inputs, outputs)]
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                       output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    result = RequestResult(prompt_tokens=len(prompt))
+    start = time.perf_counter()
+    last = None
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw in response.content:  # one SSE line at a time
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error event")
+                    return result
+                now = time.perf_counter()
+                usage = chunk.get("usage") or {}
+                tokens = usage.get("completion_tokens", result.output_tokens + bool(chunk.get("choices")))
+                if chunk.get("choices") and tokens > result.output_tokens:
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                result.output_tokens = max(result.output_tokens, tokens)
+        result.e2e = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no tokens received"
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_level(url: str, model: str, workload: list[tuple[list[int], int]], concurrency: int | None,
+                    request_rate: float | None, headers: dict, timeout: float, seed: int) -> dict:
+    """Send `workload` with at most `concurrency` in flight, or with Poisson arrivals at `request_rate`."""
+    limit = asyncio.Semaphore(concurrency or len(workload))
+    session_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=session_timeout, headers=headers,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(prompt, output_len):
+            async with limit:
+                return await send_request(session, url, model, prompt, output_len)
+
+        rng = random.Random(seed)
+        start = time.perf_counter()
+        tasks = []
+        for prompt, output_len in workload:
+            tasks.append(asyncio.create_task(one(prompt, output_len)))
+            if request_rate is not None and math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration)
+
+
+def _percentiles(values: list[float], scale: float = 1e3) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    array = np.asarray(values) * scale
+    return {"mean": round(float(array.mean()), 3),
+            **{f"p{p}": round(float(np.percentile(array, p)), 3) for p in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": errors[:5], "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_tokens_per_s": round(output_tokens / duration, 2),
+        "total_tokens_per_s": round((output_tokens + prompt_tokens) / duration, 2),
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "itl_ms": _percentiles([gap for r in ok for gap in r.itl]),
+        "tpot_ms": _percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "e2e_ms": _percentiles([r.e2e for r in ok]),
+    }
+
+
+# ---- the server --------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "minivllm.cli", "serve"] + ([args.model] if args.model else [])
+    command += ["--host", "127.0.0.1", "--port", str(port), "--load-format", args.load_format,
+                "--uvicorn-log-level", "warning"] + shlex.split(args.server_args)
+    print("starting:", shlex.join(command), f"(log: {log_path})", flush=True)
+    log = open(log_path, "w")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                            start_new_session=True)
+
+
+async def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float, log_path: Path | None) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            if process is not None and process.poll() is not None:
+                tail = log_path.read_text()[-3000:] if log_path else ""
+                raise RuntimeError(f"the server exited with code {process.returncode}:\n{tail}")
+            try:
+                async with session.get(url + "/health") as response:
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server at {url} was not healthy within {timeout:.0f} s")
+            await asyncio.sleep(1.0)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully, then the engine
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+def device_name() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=10).stdout.strip().splitlines()
+        if names:
+            return f"{len(names)}x {names[0]}" if len(names) > 1 else names[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return "CPU"
+
+
+def device_tag(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; any CPU -> 'cpu'."""
+    if device.startswith("CPU"):
+        return "cpu"
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device)
+    return match.group(1).lower() if match else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_csv(path: Path, sweep_key: str, levels: dict) -> None:
+    metrics = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+    header = [sweep_key, "num_requests", "completed", "failed", "duration_s", "request_throughput",
+              "output_tokens_per_s", "total_tokens_per_s"]
+    header += [f"{m}_{stat}" for m in metrics for stat in ("mean", *(f"p{p}" for p in PERCENTILES))]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for level, r in levels.items():
+            row = [level] + [r[k] for k in header[1:8]]
+            row += [r[m][stat] for m in metrics for stat in ("mean", *(f"p{p}" for p in PERCENTILES))]
+            writer.writerow(row)
+
+
+def plot(path: Path, sweep_key: str, levels: dict, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG", file=sys.stderr)
+        return False
+    xs = [float(k) for k in levels]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for ax, metric, name in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"), ("TTFT", "ITL", "end-to-end latency")):
+        for p, style in zip(PERCENTILES, ("o-", "s--", "^:")):
+            ax.plot(xs, [levels[k][metric][f"p{p}"] or float("nan") for k in levels], style, label=f"p{p}")
+        ax.set_title(f"{name} (ms)")
+        ax.set_yscale("log")
+    axes[3].plot(xs, [levels[k]["output_tokens_per_s"] for k in levels], "o-")
+    axes[3].set_title("output tokens/s")
+    for ax in axes:
+        ax.set_xlabel(sweep_key.replace("_", " "))
+        if all(x > 0 for x in xs) and len(xs) > 1:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
+    p.add_argument("--model", default=None, help="model for `minivllm serve` (default: the default model)")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--server-args", default="", help="extra `minivllm serve` flags, e.g. '--max-num-seqs 128'")
+    p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels of requests in flight")
+    p.add_argument("--request-rate", default=None,
+                   help="comma-separated Poisson rates (requests/s, 'inf' = all at once); replaces --concurrency")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="requests per level (default: 4 x concurrency, at least 16; 64 for rates)")
+    p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random dataset: +- fraction around the lengths")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and ignored) before the sweep")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "bench" / "results"), help="output folder")
+    p.add_argument("--tag", default=None, help="file name tag (default: the GPU, e.g. h100, or cpu)")
+    return p.parse_args(argv)
+
+
+async def benchmark(args, url: str) -> tuple[str, dict]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.get(url + "/v1/models") as response:
+            response.raise_for_status()
+            model = (await response.json())["data"][0]["id"]
+    rng = np.random.default_rng(args.seed)
+
+    def workload(num: int) -> list[tuple[list[int], int]]:
+        lengths = sample_lengths(args.dataset, num, args.input_len, args.output_len, args.range_ratio, rng)
+        return [(rng.integers(*TOKEN_ID_RANGE, size=n_in).tolist(), n_out) for n_in, n_out in lengths]
+
+    if args.warmup:
+        warm = await run_level(url, model, [(p, min(o, 16)) for p, o in workload(args.warmup)], 1, None, headers,
+                               args.timeout, args.seed)
+        if warm["failed"]:
+            raise RuntimeError(f"warm-up requests failed: {warm['errors']}")
+    if args.request_rate:
+        sweep_key, values = "request_rate", [float(v) for v in args.request_rate.split(",")]
+    else:
+        sweep_key, values = "concurrency", [int(v) for v in args.concurrency.split(",")]
+    levels = {}
+    for value in values:
+        if sweep_key == "concurrency":
+            num = args.num_prompts or max(16, 4 * value)
+            result = await run_level(url, model, workload(num), value, None, headers, args.timeout, args.seed)
+        else:
+            num = args.num_prompts or 64
+            result = await run_level(url, model, workload(num), None, value, headers, args.timeout, args.seed)
+        levels[str(value)] = result
+        print(f"{sweep_key}={value}: {result['completed']}/{num} ok, "
+              f"TTFT p50 {result['ttft_ms']['p50']} ms, ITL p95 {result['itl_ms']['p95']} ms, "
+              f"E2E p50 {result['e2e_ms']['p50']} ms, {result['output_tokens_per_s']} output tok/s", flush=True)
+    return sweep_key, {"model": model, "levels": levels}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = device_name()
+    tag = args.tag or device_tag(device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "out")}
+    print(f"device: {device}\nconfig: {json.dumps(config)}", flush=True)
+
+    process = None
+    url = args.url.rstrip("/") if args.url else None
+    try:
+        if url is None:
+            port = free_port()
+            log_path = out / f"serve_{tag}.server.log"
+            process = start_server(args, port, log_path)
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(wait_healthy(url, process, args.server_timeout, log_path))
+        else:
+            asyncio.run(wait_healthy(url, None, args.server_timeout, None))
+        sweep_key, result = asyncio.run(benchmark(args, url))
+    finally:
+        if process is not None:
+            stop_server(process)
+
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report = {"device": device, "commit": git_commit(), "date": date, "model": result["model"], "config": config,
+              sweep_key: result["levels"]}
+    json_path = out / f"serve_{tag}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_csv(out / f"serve_{tag}.csv", sweep_key, result["levels"])
+    wrote_png = plot(out / f"serve_{tag}.png", sweep_key, result["levels"],
+                     f"{result['model']} on {device}: {args.dataset} {args.input_len} in / {args.output_len} out")
+    print(f"wrote {json_path}, .csv{', .png' if wrote_png else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The engine on a GPU (Triton kernels, CUDA graphs) against transformers. Runs through the device tool:
+`pytest -m gpu`; CI (no GPU) deselects these."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from tests.conftest import make_tiny_hf_checkpoint
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CHATS = [
+    "What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
+    "How many legs does a spider have?", "Explain gravity in one sentence.",
+]
+
+
+def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def test_fp32_tiny_model_token_identical(tmp_path):
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3").cuda()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_model_len=256)
+    assert llm.llm_engine.runner.graph_runner is not None  # decode runs through CUDA graphs
+    assert _greedy(llm, prompts, 40) == _hf_greedy(reference, prompts, 40)
+
+
+@pytest.fixture(scope="module")
+def default_hf():
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.models.loader import default_model_path
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).cuda().eval()
+
+
+def _chat_prompts(llm: LLM) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)) for c in CHATS]
+
+
+def test_fp32_default_model_token_identical(default_hf):
+    llm = LLM(dtype="float32", gpu_memory_utilization=0.3, max_model_len=1024)
+    prompts = _chat_prompts(llm)
+    assert _greedy(llm, prompts, 32) == _hf_greedy(default_hf, prompts, 32)
+
+
+def test_bf16_prefill_logits_within_bf16_tolerance(default_hf):
+    llm = LLM(dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024)
+    runner = llm.llm_engine.runner
+    prompts = _chat_prompts(llm)
+    captured = []
+    original = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: captured.append(original(h).float()) or captured[-1]
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+    finally:
+        runner.model.compute_logits = original
+    ours = torch.cat(captured)
+    with torch.inference_mode():
+        ref = torch.stack([default_hf(torch.tensor([p], device="cuda")).logits[0, -1] for p in prompts])
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, f"relative error {rel:.3g}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_kv_cache_takes_the_memory_left_after_weights():
+    util = 0.5
+    llm = LLM(model="qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, gpu_memory_utilization=util,
+              max_model_len=4096)
+    runner = llm.llm_engine.runner
+    total = torch.cuda.get_device_properties(0).total_memory
+    allowed_after_weights = util * total - runner.weight_bytes
+    assert runner.kv_cache_bytes >= 0.9 * allowed_after_weights
+    assert runner.num_kv_tokens == runner.num_blocks * runner.block_size
