@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PagedRun, assert_logits_close, make_tiny_hf_checkpoint
+from tests.conftest import PagedRun, assert_logits_close, make_tiny_hf_checkpoint
 from minivllm.engine.tokenizer import load_tokenizer
 from minivllm.models import loader
 from minivllm.models.gguf_loader import convert_gguf, unpermute_rows

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_ARCHS, PagedRun, assert_logits_close, make_tiny_hf_checkpoint, tiny_hf_config
+from tests.conftest import TINY_ARCHS, PagedRun, assert_logits_close, make_tiny_hf_checkpoint, tiny_hf_config
 from minivllm.layers.rotary import get_rope, rope_parameters_of
 from minivllm.models.loader import load_model, resolve_model
 from minivllm.models.registry import get_model_class

