@@ -1,7 +1,8 @@
 """Flatten one SchedulerOutput into the model's input tensors and attention metadata.
 
-Vectorised with numpy over tokens; the only Python loop is over scheduled sequences. Host arrays are
-copied to the device in one pinned, non-blocking transfer each.
+Vectorised with numpy over tokens; the only Python loop is over scheduled sequences. All int64 arrays
+travel in one host-to-device copy and all int32 arrays in another, each from a persistent pinned
+staging buffer (pinning fresh memory every step costs more than the copy itself).
 """
 from __future__ import annotations
 
@@ -28,14 +29,54 @@ class ModelInputs:
     slot_mapping_np: np.ndarray
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+class StagingBuffer:
+    """Packs several host arrays of one dtype into one pinned buffer and copies them to the device at once.
+
+    The copy is asynchronous; before the buffer is overwritten by the next step we wait on the event
+    recorded after the previous copy, so a copy still in flight never reads half-new data.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(0, dtype=dtype)
+        self.copied = torch.cuda.Event() if self.pinned else None
+
+    def transfer(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if not self.pinned:
+            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0))
+            flat = flat.to(self.dtype)
+        else:
+            if self.host.numel() < total:
+                self.copied.synchronize()
+                self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
+            self.copied.synchronize()
+            host = self.host.numpy()
+            offset = 0
+            for a, n in zip(arrays, sizes):
+                host[offset:offset + n] = a.ravel()
+                offset += n
+            flat = self.host[:total].to(self.device, non_blocking=True)
+            self.copied.record()
+        out, offset = [], 0
+        for a, n in zip(arrays, sizes):
+            out.append(flat[offset:offset + n].view(a.shape))
+            offset += n
+        return out
 
 
-def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+class InputStager:
+    """The two staging buffers of one runner (int64 ids/positions/slots, int32 lengths/block tables)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.int64 = StagingBuffer(torch.int64, device)
+        self.int32 = StagingBuffer(torch.int32, device)
+
+
+def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: InputStager) -> ModelInputs:
     seqs = scheduler_output.seqs
     num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -68,21 +109,25 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, device: t
             rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
                                     sample_index=seq.index + k))
 
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d = stager.int64.transfer([
+        np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, np.asarray(logits_indices, dtype=np.int64)])
+    query_start_loc_d, seq_lens_d, block_tables_d = stager.int32.transfer([
+        query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables])
     metadata = AttentionMetadata(
-        slot_mapping=_to_device(slot_mapping, device),
-        query_start_loc=_to_device(query_start_loc.astype(np.int32), device),
-        seq_lens=_to_device(seq_lens.astype(np.int32), device),
-        block_tables=_to_device(block_tables, device),
+        slot_mapping=slot_mapping_d,
+        query_start_loc=query_start_loc_d,
+        seq_lens=seq_lens_d,
+        block_tables=block_tables_d,
         max_query_len=int(num_scheduled.max()),
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=query_start_loc.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
     )
     return ModelInputs(
-        input_ids=_to_device(np.asarray(token_ids, dtype=np.int64), device),
-        positions=_to_device(positions, device),
+        input_ids=input_ids_d,
+        positions=positions_d,
         metadata=metadata,
-        logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), device),
+        logits_indices=logits_indices_d,
         sampling_rows=rows,
         seq_lens_np=seq_lens.astype(np.int32),
         block_tables_np=block_tables,

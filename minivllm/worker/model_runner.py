@@ -19,7 +19,7 @@ from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplingMetadata
 from minivllm.models.loader import ModelSource, load_model
 from minivllm.worker.cuda_graph import CUDAGraphRunner
-from minivllm.worker.inputs import ModelInputs, prepare_inputs
+from minivllm.worker.inputs import InputStager, ModelInputs, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class ModelRunner:
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
+        self.stager = InputStager(self.device)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -111,7 +112,8 @@ class ModelRunner:
             return 0
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        chunk = 512
+        # Sequences of at most 512 tokens, and never longer than the model's positions allow.
+        chunk = min(512, getattr(self.hf_config, "max_position_embeddings", 512) or 512)
         lens = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
         starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
@@ -146,7 +148,7 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
-        inputs = prepare_inputs(scheduler_output, self.block_size, self.device)
+        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager)
         hidden = self._forward(inputs)
         sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
         if not inputs.sampling_rows:
