@@ -63,6 +63,37 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[st
     return medians
 
 
+def kernel_table(llm: LLM, prompt_len: int, batch: int) -> None:
+    """torch.profiler's top CUDA kernels for one prefill step of `batch` prompts and 10 decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for warm in (True, False):
+        for i in range(batch):
+            engine.add_request(f"k{warm}-{i}", torch.randint(0, 1000, (prompt_len,)).tolist(), params)
+        if warm:
+            while engine.has_unfinished_requests():
+                engine.step()
+            continue
+        for label, steps in (("prefill step", 1), ("10 decode steps", 10)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    out = engine.scheduler.schedule()
+                    n_tokens = out.total_num_scheduled_tokens
+                    engine.scheduler.update(out, engine.runner.execute(out))
+                torch.cuda.synchronize()
+            print(f"--- {label}: {n_tokens} tokens in the last step, {1e3 * (time.perf_counter() - start):.1f} ms "
+                  f"wall (profiled)")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+            while steps == 1 and engine.scheduler.waiting:  # finish prefill before profiling decode
+                out = engine.scheduler.schedule()
+                engine.scheduler.update(out, engine.runner.execute(out))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3-8b")
@@ -72,6 +103,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--kernels", action="store_true", help="also print torch.profiler kernel tables")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, device=args.device,
@@ -84,6 +116,8 @@ def main(argv=None) -> dict:
     for batch in batches:
         rows[batch] = profile_decode(llm, batch, args.prompt_len, args.steps)
         print(f"{batch:>6} " + " ".join(f"{rows[batch][p]:>15.3f}" for p in PHASES) + f" {rows[batch]['total']:>9.3f}")
+    if args.kernels and llm.llm_engine.runner.device.type == "cuda":
+        kernel_table(llm, args.prompt_len, max(batches))
     result = {**meta, "model": args.model, "phases_ms": rows}
     if args.out:
         write_json(Path(args.out) / "step_profile.json", result)

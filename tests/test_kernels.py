@@ -247,6 +247,28 @@ def test_fusions_reject_bad_shapes():
 
 # ----- realistic shapes on a GPU (the lead runs these on an H100) -----
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 32)])
+def test_rotary_in_place_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    from minivllm.kernels.rotary import apply_rotary_
+    from minivllm.layers.rotary import get_rope
+    rope = get_rope(head_dim, 300, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    rope.to(DEVICE)
+    tokens = 7
+    # q and k as strided views of one fused qkv tensor, as the attention layer hands them over.
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    positions = torch.tensor([0, 1, 17, 63, 64, 150, 299], device=DEVICE)
+    q_ref, k_ref = rope.forward_reference(positions, q.clone(), k.clone())
+    apply_rotary_(positions, q, k, rope.cos_sin_cache)
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("partition_size", [None, 512])

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from minivllm.layers.fusion import fusions_enabled
+
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
@@ -48,9 +50,17 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(positions, inv_freq.float().cpu())
             cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)    # [max_position, head_size]
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
+        self.use_triton = fusions_enabled()
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """positions [T]; query [T, H, D], key [T, KVH, D] -> rotated (same shapes and dtypes)."""
+        """positions [T]; query [T, H, D], key [T, KVH, D] -> rotated (same shapes and dtypes).
+        On CUDA the Triton kernel rotates q and k in place."""
+        if self.use_triton and query.is_cuda:
+            from minivllm.kernels.rotary import apply_rotary_
+            return apply_rotary_(positions, query, key, self.cos_sin_cache)
+        return self.forward_reference(positions, query, key)
+
+    def forward_reference(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         cos = torch.cat((cos, cos), dim=-1)
         sin = torch.cat((sin, sin), dim=-1)
