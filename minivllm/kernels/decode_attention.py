@@ -36,7 +36,8 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
+# The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,

@@ -51,7 +51,8 @@ def _attention_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_
     return acc, m_new, l_i
 
 
-@triton.jit
+# Batch size and block-table width change every step; specialising on them would recompile mid-run.
+@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,

@@ -35,6 +35,10 @@ class SamplingRow:
     output_token_ids: list[int]
     sample_index: int = 0  # which of the request's n samples this row is (distinguishes seeded siblings)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
 
 @dataclass
 class SamplingMetadata:
@@ -89,14 +93,14 @@ class SamplingMetadata:
                     bias_rows.append(i)
                     bias_ids.append(token_id)
                     bias_values.append(value)
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:
                 # Ids past the logits' width can never be sampled, so they need no ban.
                 stop_ids = [t for t in p.all_stop_token_ids if 0 <= t < vocab_size]
                 ban_rows.extend([i] * len(stop_ids))
                 ban_ids.extend(stop_ids)
             if p.seed is not None and not p.greedy:
                 seeded_rows.append(i)
-                row_seeds.append(_row_seed(p.seed, row.sample_index, len(row.output_token_ids)))
+                row_seeds.append(_row_seed(p.seed, row.sample_index, row.num_output_tokens))
             if p.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
 

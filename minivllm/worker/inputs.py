@@ -13,7 +13,28 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.core.interfaces import SchedulerOutput
+from minivllm.core.sequence import Sequence
 from minivllm.layers.sampler import SamplingRow
+
+
+class SequenceSamplingRow(SamplingRow):
+    """A SamplingRow that reads its token lists from the sequence only when the sampler asks (penalties),
+    instead of copying both lists for every row of every step."""
+
+    def __init__(self, seq: Sequence, sample_index: int) -> None:
+        self.seq, self.params, self.sample_index = seq, seq.sampling_params, sample_index
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens
 
 
 @dataclass
@@ -106,8 +127,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         for k in range(num_samples):
             logits_indices.append(int(query_start_loc[i + 1]) - 1)
             # A forking sequence samples for its future siblings too: sample k becomes sibling k.
-            rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
-                                    sample_index=seq.index + k))
+            rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
 
     input_ids_d, positions_d, slot_mapping_d, logits_indices_d = stager.int64.transfer([
         np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, np.asarray(logits_indices, dtype=np.int64)])
