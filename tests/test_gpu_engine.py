@@ -67,7 +67,7 @@ def test_fp32_default_model_token_identical(default_hf):
     assert _greedy(llm, prompts, 32) == _hf_greedy(default_hf, prompts, 32)
 
 
-def test_bf16_prefill_logits_within_bf16_tolerance(default_hf):
+def test_bf16_default_model_prefill_logits_within_bf16_tolerance(default_hf):
     llm = LLM(dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024)
     runner = llm.llm_engine.runner
     prompts = _chat_prompts(llm)
