@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, uninstalled
+from bench.common import git_commit  # noqa: E402
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
@@ -36,16 +37,6 @@ def parse_args(argv=None):
                         help="folder for attention_bench.json (not written when omitted)")
     parser.add_argument("--no-flex", action="store_true", help="skip flex_attention")
     return parser.parse_args(argv)
-
-
-def git_commit() -> str:
-    if os.environ.get("MINIVLLM_COMMIT"):
-        return os.environ["MINIVLLM_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_ms(fn, quick: bool) -> float:

@@ -40,6 +40,8 @@ import aiohttp
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from a checkout
+from bench.common import git_commit  # noqa: E402
 PERCENTILES = (50, 95, 99)
 TOKEN_ID_RANGE = (1000, 20000)  # inside every supported vocabulary; random ids avoid prefix-cache hits
 
@@ -243,17 +245,6 @@ def device_tag(device: str) -> str:
         return "cpu"
     match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device)
     return match.group(1).lower() if match else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def write_csv(path: Path, sweep_key: str, levels: dict) -> None:

@@ -43,7 +43,7 @@ class SamplingRow:
 @dataclass
 class SamplingMetadata:
     """Per-row sampling parameters as tensors on the logits' device; None where no row uses a feature."""
-    temperature: torch.Tensor                  # [S] fp32, 1.0 on greedy rows so dividing is harmless
+    temperature: torch.Tensor | None           # [S] fp32, 1.0 on greedy rows; None when every row is greedy
     all_greedy: bool
     all_random: bool
     greedy_mask: torch.Tensor | None           # [S] bool, only for batches mixing greedy and random rows
@@ -62,6 +62,7 @@ class SamplingMetadata:
     seeded_rows: list[int]                     # random rows with a seed ...
     row_seeds: list[int]                       # ... and the generator seed of each for this step
     max_num_logprobs: int | None               # widest `logprobs` asked; None when no row asked
+    num_rows: int = 0
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -104,10 +105,10 @@ class SamplingMetadata:
             if p.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
 
-        # One host -> device copy for all per-row floats.
-        floats = _to_device(torch.tensor([temperature, top_p, min_p, presence, frequency, repetition],
-                                         dtype=torch.float32), device)
         all_greedy, all_random = all(greedy), not any(greedy)
+        # One host -> device copy for all per-row floats; none at all for a plain greedy batch.
+        floats = None if all_greedy and not uses_penalties else _to_device(
+            torch.tensor([temperature, top_p, min_p, presence, frequency, repetition], dtype=torch.float32), device)
         max_top_k = max(top_k, default=vocab_size)
 
         def index_tensor(values: list[int]) -> torch.Tensor:
@@ -121,14 +122,14 @@ class SamplingMetadata:
             prompt_tokens = _flat_tokens([r.prompt_token_ids for r in using], row_ids, device)
             output_tokens = _flat_tokens([r.output_token_ids for r in using], row_ids, device)
         return cls(
-            temperature=floats[0],
+            temperature=floats[0] if floats is not None else None,
             all_greedy=all_greedy,
             all_random=all_random,
             greedy_mask=None if all_greedy or all_random else _to_device(torch.tensor(greedy), device),
             top_k=index_tensor(top_k) if any(k < vocab_size for k in top_k) else None,
             max_top_k=max_top_k,
-            top_p=floats[1] if any(p < 1.0 for p in top_p) else None,
-            min_p=floats[2] if any(p > 0.0 for p in min_p) else None,
+            top_p=floats[1] if floats is not None and any(p < 1.0 for p in top_p) else None,
+            min_p=floats[2] if floats is not None and any(p > 0.0 for p in min_p) else None,
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
             presence_penalties=floats[3] if uses_penalties else None,
@@ -140,11 +141,8 @@ class SamplingMetadata:
             seeded_rows=seeded_rows,
             row_seeds=row_seeds,
             max_num_logprobs=max_num_logprobs,
+            num_rows=len(rows),
         )
-
-    @property
-    def num_rows(self) -> int:
-        return self.temperature.shape[0]
 
 
 @dataclass
