@@ -24,6 +24,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"     # "fcfs" | "priority"
     max_num_waiting: int | None = None  # admission control: reject beyond this many waiting requests
     enforce_eager: bool = False
+    async_scheduling: bool = True       # schedule step N+1 while step N runs (outputs trail by one step)
     attention_backend: str | None = None  # "torch" | "triton"; None picks by device
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1

@@ -138,20 +138,25 @@ def test_logits_match_transformers_prefill_and_decode(llm, prompt_ids, hf_model)
 
 
 def test_continuous_batching_join_and_leave(llm):
+    from minivllm.core.sequence import SequenceStatus
     engine = llm.llm_engine
+    running = lambda: {s.request_id for s in engine.scheduler.running}  # noqa: E731
     engine.add_request("cb-long", "Count from one to twenty:", SamplingParams(temperature=0, max_tokens=10,
                                                                              ignore_eos=True))
     engine.add_request("cb-short", "Say hi.", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     for _ in range(2):
         engine.step()
-    assert {s.request_id for s in engine.scheduler.running} == {"cb-long", "cb-short"}
+    assert running() == {"cb-long", "cb-short"}
     engine.add_request("cb-late", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    outputs = {o.request_id: o for o in engine.step()}
-    # The late request was prefilled in the very next step and got its first token, while the others decoded.
-    assert len(outputs["cb-late"].outputs[0].token_ids) == 1
-    assert outputs["cb-short"].finished
-    assert "cb-short" not in {s.request_id for s in engine.scheduler.running}
-    assert "cb-long" in {s.request_id for s in engine.scheduler.running}
+    engine.step()
+    # The late request was admitted and its whole prompt computed in the very next step, beside the decodes.
+    late = engine.scheduler.get_group("cb-late").seqs[0]
+    assert late.status is SequenceStatus.RUNNING and late.num_computed_tokens >= late.num_prompt_tokens
+    # A finished request leaves the batch at once; the others keep running.
+    finished_short = False
+    while not finished_short:
+        finished_short = any(o.request_id == "cb-short" and o.finished for o in engine.step())
+    assert "cb-short" not in running() and "cb-long" in running()
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -193,7 +198,10 @@ def test_n_samples_are_distinct_and_share_prompt_blocks(llm):
     engine = llm.llm_engine
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     engine.add_request("fork", "Tell me a story about a dragon.", params)
-    engine.step()  # the prompt is computed once, then forked into 3 samples
+    # The prompt is computed once, then forked into 3 samples when that step is read back (one step later
+    # with async scheduling).
+    for _ in range(2):
+        engine.step()
     seqs = engine.scheduler.get_group("fork").seqs
     assert len(seqs) == 3
     shared = seqs[0].block_table[0]
@@ -203,6 +211,23 @@ def test_n_samples_are_distinct_and_share_prompt_blocks(llm):
     texts = [c.token_ids for c in outputs[0].outputs]
     assert len({tuple(t) for t in texts}) == 3
     assert engine.block_manager.usage == 0.0
+
+
+def test_async_and_sync_scheduling_give_identical_outputs(prompt_ids):
+    """The overlapped loop (outputs trail one step) computes exactly what the plain loop does, also with
+    seeded sampling, n > 1 forks, stop strings and penalties (which force a sync step)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=10, n=2),
+              SamplingParams(temperature=0.0, max_tokens=16, stop=[" the"]),
+              SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5)]
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids[:4]]
+    results = []
+    for async_scheduling in (False, True):
+        llm = make_llm(async_scheduling=async_scheduling, max_num_batched_tokens=16, max_num_seqs=4)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs])
+        assert llm.llm_engine.block_manager.usage == 0.0
+    assert results[0] == results[1]
 
 
 def test_seeded_sampling_is_batch_independent(llm):

@@ -36,6 +36,7 @@ class FakeRunner:
         self.block_size = block_manager.block_size
         self.kv = {}  # slot -> prefix hash
         self.with_logprobs = with_logprobs
+        self.last_sampled = {}  # seq_id -> its newest sampled token (what a pending position holds)
 
     def slot(self, seq, position):
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -45,10 +46,12 @@ class FakeRunner:
             for row in range(self.block_size):
                 self.kv[dst * self.block_size + row] = self.kv.get(src * self.block_size + row)
         expected = []
-        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
-            start = seq.num_computed_tokens
-            assert num_new > 0 and start + num_new <= seq.num_tokens
-            hashes = prefix_hashes(seq.token_ids[:start + num_new])
+        for seq, start, num_new in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            context = list(seq.token_ids)
+            if start + num_new > len(context):  # async scheduling: the last token is still in flight
+                context.append(self.last_sampled[seq.seq_id])
+            assert num_new > 0 and start + num_new <= len(context)
+            hashes = prefix_hashes(context[:start + num_new])
             for position in range(start, start + num_new):
                 # KV is only ever written into a private block that no cache entry points to.
                 block = self.block_manager.blocks[seq.block_table[position // self.block_size]]
@@ -60,6 +63,8 @@ class FakeRunner:
             for position, h in enumerate(hashes):  # attention reads the whole context from the cache
                 assert self.kv.get(self.slot(seq, position)) == h, f"{seq}: wrong KV at position {position}"
             tokens = [next_token(hashes[-1], seq.index + k) for k in range(num_samples)]
+            if tokens:
+                self.last_sampled[seq.seq_id] = tokens[0]
             sampled.append(tokens)
             logprobs.append([SampleLogprobs([t], [-0.5], 1) for t in tokens])
         return ModelOutput(sampled, logprobs if self.with_logprobs else None)
@@ -88,19 +93,32 @@ def step(scheduler, runner):
     return out, groups
 
 
-def run(scheduler, groups_by_step, max_steps=2000):
-    """Add each group at its step, run until done; returns {request_id: {index: output ids}}."""
+def run(scheduler, groups_by_step, max_steps=2000, async_scheduling=False):
+    """Add each group at its step, run until done; returns {request_id: {index: output ids}}.
+
+    With `async_scheduling`, step N+1 is scheduled and executed before step N's tokens reach update(),
+    as the engine does on a GPU."""
     runner = FakeRunner(scheduler.block_manager)
     pending = sorted(groups_by_step, key=lambda item: item[0])
     all_groups = []
+    in_flight = None
     for step_index in range(max_steps):
         while pending and pending[0][0] <= step_index:
             group = pending.pop(0)[1]
             scheduler.add_seq_group(group)
             all_groups.append(group)
-        if not pending and not scheduler.has_unfinished_requests():
+        if not pending and not scheduler.has_unfinished_requests() and in_flight is None:
             break
-        step(scheduler, runner)
+        if not async_scheduling:
+            step(scheduler, runner)
+            continue
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+        launched = (out, runner.execute(out)) if not out.is_empty else None
+        if in_flight is not None:
+            scheduler.update(*in_flight)
+            scheduler.block_manager.check_integrity(scheduler.running)
+        in_flight = launched
     else:
         raise AssertionError("requests did not finish")
     bm = scheduler.block_manager
@@ -266,13 +284,15 @@ def test_no_admission_in_a_step_that_preempts():
     assert [s.request_id for s in out.seqs] == ["a", "urgent"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed,chunked,policy", [(2, True, "fcfs"), (3, True, "priority"), (4, False, "fcfs")])
-def test_full_run_under_pressure_matches_unconstrained_run(seed, chunked, policy):
+def test_full_run_under_pressure_matches_unconstrained_run(seed, chunked, policy, async_scheduling):
     requests = workload(seed, count=12)
     scheduler = make_scheduler(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=5,
                                max_num_batched_tokens=64 if not chunked else 10,
                                enable_chunked_prefill=chunked, policy=policy)
-    outputs = run(scheduler, [(i // 3, make_group(**r)) for i, r in enumerate(requests)])
+    outputs = run(scheduler, [(i // 3, make_group(**r)) for i, r in enumerate(requests)],
+                  async_scheduling=async_scheduling)
     assert scheduler.num_preemptions > 0  # the pool really was too small
     assert scheduler.block_manager.prefix_cache_hits > 0
     assert outputs == reference_outputs(requests)

@@ -111,7 +111,9 @@ class BlockManager:
             return
         bs = self.block_size
         chain = self._seq_block_hashes.setdefault(seq.seq_id, [])
-        num_full = seq.num_computed_tokens // bs
+        # Only blocks whose token ids are all known: with async scheduling the last computed position
+        # may hold a token still being sampled.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
         assert num_full <= len(seq.block_table), "computed tokens beyond the block table"
         for i in range(len(chain), num_full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])

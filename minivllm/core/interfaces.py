@@ -10,13 +10,17 @@ from minivllm.core.sequence import SampleLogprobs, Sequence
 class SchedulerOutput:
     """What to run this step.
 
-    For each scheduled sequence `seqs[i]`, the runner computes tokens
-    `token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[i]]` and, when
+    For each scheduled sequence `seqs[i]`, the runner computes the tokens at positions
+    `num_computed_tokens[i] : num_computed_tokens[i] + num_scheduled_tokens[i]` and, when
     `num_samples[i] > 0`, samples that many tokens from the logits of the last of them
     (more than one only when a request with n > 1 finishes its prompt and forks).
     Before the forward pass the runner copies whole KV blocks `src -> dst` (copy-on-write).
+    With async scheduling the last of those positions may hold a token still being sampled by the step in
+    flight (`seq.num_pending_tokens`); the runner takes it from that step's device output.
+    `num_computed_tokens` is the chunk's start; empty means "each sequence's current value".
     """
     seqs: list[Sequence] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_samples: list[int] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

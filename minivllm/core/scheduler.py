@@ -7,6 +7,11 @@ first, in priority order; waiting ones are then admitted head-of-line while budg
 KV blocks allow. When blocks run out, the lowest-priority, latest-arriving running sequence is
 preempted: its blocks are freed and it is requeued to recompute its prompt and outputs.
 
+`num_computed_tokens` advances when a chunk is scheduled, and a chunk that ends a sequence's tokens
+marks one token pending until `update()` delivers it. So the next step can be scheduled while this one
+still runs (async scheduling): a pending token is planned for like a known one, and the runner takes
+its id from the device.
+
 Owns the waiting and running queues and every sequence's status. Blocks are the BlockManager's;
 tensors are the runner's (no torch here).
 """
@@ -134,11 +139,11 @@ class Scheduler:
         self.running.sort(key=self._order_key)
         # Later running sequences with work left: each keeps one token of budget, so a long chunk
         # never stalls the decodes behind it.
-        num_behind = sum(seq.num_computed_tokens < seq.num_tokens for seq in self.running)
+        num_behind = sum(seq.num_computed_tokens < seq.num_total_tokens for seq in self.running)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            num_new = 0 if self._ends_with_pending_token(seq) else seq.num_total_tokens - seq.num_computed_tokens
             if num_new > 0:
                 num_behind -= 1
             if config.enable_chunked_prefill:
@@ -150,7 +155,7 @@ class Scheduler:
                 continue
             while not block_manager.allocate_slots(seq, num_new):
                 victim = self.running[-1]  # scheduled ones sit before i, so the tail is never one of them
-                if victim is not seq and victim.num_computed_tokens < victim.num_tokens:
+                if victim is not seq and victim.num_computed_tokens < victim.num_total_tokens:
                     num_behind -= 1
                 self._preempt(victim)
                 preempted = True
@@ -169,7 +174,7 @@ class Scheduler:
             if num_seq_slots + 1 + seq.num_pending_forks > config.max_num_seqs:
                 break
             computed_blocks, num_hit_tokens = block_manager.get_computed_blocks(seq)
-            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit_tokens
+            num_new = seq.num_total_tokens - seq.num_computed_tokens - num_hit_tokens
             if config.enable_chunked_prefill:
                 num_new = min(num_new, budget)
             elif num_new > budget:
@@ -192,10 +197,22 @@ class Scheduler:
         output = SchedulerOutput(blocks_to_copy=block_manager.take_blocks_to_copy())
         for seq, num_new in scheduled:
             output.seqs.append(seq)
+            output.num_computed_tokens.append(seq.num_computed_tokens)
             output.num_scheduled_tokens.append(num_new)
-            done = seq.num_computed_tokens + num_new == seq.num_tokens
+            seq.num_computed_tokens += num_new
+            done = seq.num_computed_tokens == seq.num_total_tokens
             output.num_samples.append(1 + seq.num_pending_forks if done else 0)
+            if done:
+                seq.num_pending_tokens += 1
         return output
+
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """The token in flight will end this sequence by length: computing past it would be wasted."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens)
+                or seq.num_total_tokens >= self.config.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks and requeue it; it keeps its outputs and recomputes them as prompt."""
@@ -208,28 +225,35 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=self._order_key)
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[SequenceGroup]:
-        """Advance computed tokens, append sampled ones, fork n > 1 requests, finish sequences.
+        """Append sampled tokens, register newly full blocks, fork n > 1 requests, finish sequences.
 
         Returns the groups that got tokens or finished in this step, each once, in schedule order.
         """
         touched: dict[str, SequenceGroup] = {}
         now = time.monotonic()
         for i, seq in enumerate(scheduler_output.seqs):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted since schedule()
-            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[i]
-            self.block_manager.cache_blocks(seq)
+            if seq.is_finished:
+                continue  # aborted or stopped since schedule(): the tokens computed for it are dropped
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_blocks(seq)
+            # A sequence preempted after this step was scheduled still takes its sampled token: it is
+            # the right continuation, and the recompute will include it.
             token_ids = model_output.sampled_token_ids[i] if model_output.sampled_token_ids else []
             assert len(token_ids) == scheduler_output.num_samples[i], "runner sampled the wrong count"
             if not token_ids:
                 continue
+            seq.num_pending_tokens -= 1
             group = seq.group
             seqs = [seq]
             for k in range(1, len(token_ids)):  # the prompt is done: the other n - 1 samples start here
                 child = seq.fork(index=k)
-                self.block_manager.fork(seq, child)
                 group.seqs.append(child)
-                self.running.append(child)
+                if seq.status is SequenceStatus.RUNNING:
+                    self.block_manager.fork(seq, child)
+                    self.running.append(child)
+                else:  # the parent was preempted meanwhile: the sibling recomputes too
+                    child.num_computed_tokens = 0
+                    bisect.insort(self.waiting, child, key=self._order_key)
                 seqs.append(child)
             for k, (target, token_id) in enumerate(zip(seqs, token_ids)):
                 logprobs = model_output.logprobs[i][k] if model_output.logprobs is not None else None

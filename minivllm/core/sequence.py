@@ -50,6 +50,8 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.num_computed_tokens = 0
+        # Sampled by a step still in flight (async scheduling), not yet appended to token_ids.
+        self.num_pending_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -78,6 +80,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_total_tokens(self) -> int:
+        """Tokens known plus tokens being sampled right now: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -96,7 +103,7 @@ class Sequence:
     @property
     def num_pending_forks(self) -> int:
         """Sibling samples still to be forked from this sequence once its prompt is computed."""
-        if self.index != 0 or len(self.group.seqs) > 1 or self.num_output_tokens > 0:
+        if self.index != 0 or len(self.group.seqs) > 1 or self.num_output_tokens + self.num_pending_tokens > 0:
             return 0
         return self.sampling_params.n - 1
 
@@ -106,9 +113,10 @@ class Sequence:
             self.output_logprobs.append(logprobs)
 
     def fork(self, index: int) -> Sequence:
-        """A sibling that shares everything computed so far; its blocks are shared by the BlockManager."""
-        child = Sequence(self.group, self.token_ids, index, self.num_prompt_tokens)
-        child.num_computed_tokens = self.num_computed_tokens
+        """A sibling sharing the prompt: its one token (appended by the caller) is the last not computed.
+        Its blocks are shared by the BlockManager."""
+        child = Sequence(self.group, self.token_ids[:self.num_prompt_tokens], index, self.num_prompt_tokens)
+        child.num_computed_tokens = self.num_prompt_tokens
         child.status = self.status
         return child
 

@@ -96,6 +96,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
         self._outputs: dict[int, _SeqOutputState] = {}
+        self._in_flight = None  # (SchedulerOutput, PendingModelOutput, needs_sync) of the launched step
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
@@ -143,23 +144,43 @@ class LLMEngine:
                     self._outputs.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that finished.
+
+        With async scheduling the host schedules and launches step N before it reads step N's
+        predecessor back, so CPU bookkeeping overlaps GPU work and the outputs trail by one step.
+        Penalties need every previous token on the host, so a step using them is read back first.
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight[2]:
+            outputs = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        model_output = self.runner.execute(scheduler_output)
+        launched = None
+        if not scheduler_output.is_empty:
+            needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
+            launched = (scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
+        if self._in_flight is not None:
+            outputs += self._complete_in_flight()
+        self._in_flight = launched
+        if not self.config.async_scheduling and self._in_flight is not None:
+            outputs += self._complete_in_flight()
+        return outputs
+
+    def _complete_in_flight(self) -> list[RequestOutput]:
+        scheduler_output, pending, _ = self._in_flight
+        self._in_flight = None
+        model_output = pending.result()
         self._count_tokens(scheduler_output, model_output)
         groups = self.scheduler.update(scheduler_output, model_output)
         return [self._make_output(group) for group in groups]
 
     def _count_tokens(self, scheduler_output, model_output) -> None:
         """Prompt tokens computed this step (the part of each chunk inside the prompt) and tokens generated."""
-        for seq, n, samples in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens,
-                                   model_output.sampled_token_ids):
-            start = seq.num_computed_tokens
+        for seq, start, n, samples in zip(scheduler_output.seqs, scheduler_output.num_computed_tokens,
+                                          scheduler_output.num_scheduled_tokens, model_output.sampled_token_ids):
             self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
             self.num_generation_tokens += len(samples)
 

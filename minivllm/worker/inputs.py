@@ -34,16 +34,26 @@ class SequenceSamplingRow(SamplingRow):
 
     @property
     def num_output_tokens(self) -> int:
-        return self.seq.num_output_tokens
+        # Tokens before this row's sample: the appended ones plus any still in flight (the scheduler
+        # counted this row's own sample as pending already).
+        return self.seq.num_output_tokens + self.seq.num_pending_tokens - 1
+
+
+@dataclass
+class PreviousSamples:
+    """The sampled ids of the step in flight, on the device, and which row holds each sequence's own token."""
+    token_ids: torch.Tensor
+    row_of_seq: dict[int, int]
 
 
 @dataclass
 class ModelInputs:
-    input_ids: torch.Tensor       # [T] int64
+    input_ids: torch.Tensor       # [T] int64 (pending tokens filled in on the device)
     positions: torch.Tensor       # [T] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from (repeated for forks)
     sampling_rows: list[SamplingRow]
+    sample_row_of_seq: dict[int, int]  # seq_id -> the sampling row of its own next token
     # Host copies, used to fill CUDA-graph buffers without a device round trip.
     seq_lens_np: np.ndarray
     block_tables_np: np.ndarray
@@ -97,18 +107,29 @@ class InputStager:
         self.int32 = StagingBuffer(torch.int32, device)
 
 
-def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: InputStager) -> ModelInputs:
+def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: InputStager,
+                   previous_samples: PreviousSamples | None = None) -> ModelInputs:
+    """`previous_samples`: the step still in flight, whose sampled ids fill pending input positions."""
     seqs = scheduler_output.seqs
     num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
+                        dtype=np.int64)
     seq_lens = starts + num_scheduled
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(num_scheduled, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
 
     token_ids: list[int] = []
+    fill_positions: list[int] = []  # flat input rows whose token is still being sampled
+    fill_rows: list[int] = []       # ... and its row in the in-flight step's sampled ids
     for seq, start, n in zip(seqs, starts.tolist(), num_scheduled.tolist()):
-        token_ids.extend(seq.token_ids[start:start + n])
+        known = seq.token_ids[start:start + n]
+        token_ids.extend(known)
+        if len(known) < n:
+            assert len(known) == n - 1 and previous_samples is not None, "only the newest token can be pending"
+            fill_positions.append(len(token_ids))
+            fill_rows.append(previous_samples.row_of_seq[seq.seq_id])
+            token_ids.append(0)
 
     max_blocks = max(len(s.block_table) for s in seqs)
     block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
@@ -123,14 +144,20 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
 
     logits_indices: list[int] = []
     rows: list[SamplingRow] = []
+    sample_row_of_seq: dict[int, int] = {}
     for i, (seq, num_samples) in enumerate(zip(seqs, scheduler_output.num_samples)):
+        if num_samples:
+            sample_row_of_seq[seq.seq_id] = len(rows)
         for k in range(num_samples):
             logits_indices.append(int(query_start_loc[i + 1]) - 1)
             # A forking sequence samples for its future siblings too: sample k becomes sibling k.
             rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
 
-    input_ids_d, positions_d, slot_mapping_d, logits_indices_d = stager.int64.transfer([
-        np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, np.asarray(logits_indices, dtype=np.int64)])
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d = stager.int64.transfer([
+        np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, np.asarray(logits_indices, dtype=np.int64),
+        np.asarray(fill_positions, dtype=np.int64), np.asarray(fill_rows, dtype=np.int64)])
+    if fill_positions:
+        input_ids_d[fill_positions_d] = previous_samples.token_ids[fill_rows_d]
     query_start_loc_d, seq_lens_d, block_tables_d = stager.int32.transfer([
         query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables])
     metadata = AttentionMetadata(
@@ -149,6 +176,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         metadata=metadata,
         logits_indices=logits_indices_d,
         sampling_rows=rows,
+        sample_row_of_seq=sample_row_of_seq,
         seq_lens_np=seq_lens.astype(np.int32),
         block_tables_np=block_tables,
         slot_mapping_np=slot_mapping,

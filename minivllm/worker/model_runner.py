@@ -19,7 +19,7 @@ from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplingMetadata
 from minivllm.models.loader import ModelSource, load_model
 from minivllm.worker.cuda_graph import CUDAGraphRunner
-from minivllm.worker.inputs import InputStager, ModelInputs, prepare_inputs
+from minivllm.worker.inputs import InputStager, ModelInputs, PreviousSamples, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class ModelRunner:
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = InputStager(self.device)
+        self._previous_samples: PreviousSamples | None = None
 
     @property
     def num_kv_tokens(self) -> int:
@@ -144,18 +145,30 @@ class ModelRunner:
         with set_forward_context(inputs.metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        return self.execute_async(scheduler_output).result()
+
+    @torch.inference_mode()
+    def execute_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
+        """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
+        schedule and launch the next step meanwhile (its pending input tokens are read from these)."""
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
-        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager)
+        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
         hidden = self._forward(inputs)
-        sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
         if not inputs.sampling_rows:
-            return ModelOutput(sampled_token_ids=sampled)
+            self._previous_samples = None
+            return PendingModelOutput(self, scheduler_output, inputs, None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         output = self.sampler(logits, metadata)
+        self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
+        return PendingModelOutput(self, scheduler_output, inputs, output)
+
+    def _to_model_output(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> ModelOutput:
+        sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
+        if output is None:
+            return ModelOutput(sampled_token_ids=sampled)
         token_ids = output.token_ids.tolist()
         per_row_logprobs = self._logprobs_to_host(output, inputs)
         logprobs: list[list[SampleLogprobs]] | None = [[] for _ in scheduler_output.seqs] \
@@ -182,3 +195,14 @@ class ModelRunner:
             width = 1 + row.params.logprobs
             result.append(SampleLogprobs(token_ids=ids[r][:width], logprobs=values[r][:width], rank=ranks[r]))
         return result
+
+
+class PendingModelOutput:
+    """A launched step whose sampled tokens have not been read back yet."""
+
+    def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> None:
+        self._runner, self._scheduler_output, self._inputs, self._output = runner, scheduler_output, inputs, output
+
+    def result(self) -> ModelOutput:
+        """Waits for the device (the one host sync of a step) and converts to plain Python."""
+        return self._runner._to_model_output(self._scheduler_output, self._inputs, self._output)
