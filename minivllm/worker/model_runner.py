@@ -16,7 +16,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
 from minivllm.layers.attention import Attention
-from minivllm.layers.sampler import Sampler, SamplingMetadata
+from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.models.loader import ModelSource, load_model
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PreviousSamples, prepare_inputs
@@ -158,12 +158,31 @@ class ModelRunner:
         hidden = self._forward(inputs)
         if not inputs.sampling_rows:
             self._previous_samples = None
-            return PendingModelOutput(self, scheduler_output, inputs, None)
+            return PendingModelOutput(self, scheduler_output, inputs, None, None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         output = self.sampler(logits, metadata)
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
-        return PendingModelOutput(self, scheduler_output, inputs, output)
+        host_output, ready = self._start_copy_to_host(output)
+        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready)
+
+    def _start_copy_to_host(self, output: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+        """Queue the copy of the sampled ids (and logprobs) to pinned host memory right behind the sampler.
+        A plain `.tolist()` later would queue its copy behind the *next* step, already launched, and wait
+        for that whole step too."""
+        if self.device.type != "cuda":
+            return output, None
+
+        def to_host(tensor):
+            if tensor is None:
+                return None
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+        host_output = SamplerOutput(*(to_host(t) for t in (output.token_ids, output.logprob_token_ids,
+                                                             output.logprobs, output.ranks)))
+        ready = torch.cuda.Event()
+        ready.record()
+        return host_output, ready
 
     def _to_model_output(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> ModelOutput:
         sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
@@ -200,9 +219,13 @@ class ModelRunner:
 class PendingModelOutput:
     """A launched step whose sampled tokens have not been read back yet."""
 
-    def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> None:
-        self._runner, self._scheduler_output, self._inputs, self._output = runner, scheduler_output, inputs, output
+    def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
+                 output: SamplerOutput | None, ready: torch.cuda.Event | None) -> None:
+        self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
+        self._output, self._ready = output, ready
 
     def result(self) -> ModelOutput:
-        """Waits for the device (the one host sync of a step) and converts to plain Python."""
+        """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""
+        if self._ready is not None:
+            self._ready.synchronize()
         return self._runner._to_model_output(self._scheduler_output, self._inputs, self._output)
