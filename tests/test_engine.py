@@ -148,14 +148,17 @@ def test_continuous_batching_join_and_leave(llm):
         engine.step()
     assert running() == {"cb-long", "cb-short"}
     engine.add_request("cb-late", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    engine.step()
+    outputs = engine.step()
     # The late request was admitted and its whole prompt computed in the very next step, beside the decodes.
     late = engine.scheduler.get_group("cb-late").seqs[0]
     assert late.status is SequenceStatus.RUNNING and late.num_computed_tokens >= late.num_prompt_tokens
     # A finished request leaves the batch at once; the others keep running.
-    finished_short = False
-    while not finished_short:
-        finished_short = any(o.request_id == "cb-short" and o.finished for o in engine.step())
+    for _ in range(10):
+        if any(o.request_id == "cb-short" and o.finished for o in outputs):
+            break
+        outputs = engine.step()
+    else:
+        raise AssertionError("cb-short never finished")
     assert "cb-short" not in running() and "cb-long" in running()
     while engine.has_unfinished_requests():
         engine.step()
@@ -197,15 +200,18 @@ def test_prefix_cache_computes_only_new_tokens(llm):
 def test_n_samples_are_distinct_and_share_prompt_blocks(llm):
     engine = llm.llm_engine
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
-    engine.add_request("fork", "Tell me a story about a dragon.", params)
-    # The prompt is computed once, then forked into 3 samples when that step is read back (one step later
-    # with async scheduling).
+    prompt = "Tell me a long story about a dragon who guards a mountain of gold and learns to share it."
+    engine.add_request("fork", prompt, params)
+    # The prompt is computed once, then forked into 3 samples that share its full blocks (the partial last
+    # block is copied on the first divergent write).
+    engine.step()
+    seqs = engine.scheduler.get_group("fork").seqs
+    assert len(seqs) == 3 and seqs[0].num_prompt_tokens > 16
     for _ in range(2):
         engine.step()
-    seqs = engine.scheduler.get_group("fork").seqs
-    assert len(seqs) == 3
     shared = seqs[0].block_table[0]
     assert all(s.block_table[0] == shared for s in seqs)
+    assert engine.block_manager.blocks[shared].ref_count == 3
     while engine.has_unfinished_requests():
         outputs = engine.step()
     texts = [c.token_ids for c in outputs[0].outputs]

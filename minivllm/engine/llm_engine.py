@@ -152,20 +152,26 @@ class LLMEngine:
 
         With async scheduling the host schedules and launches step N before it reads step N's
         predecessor back, so CPU bookkeeping overlaps GPU work and the outputs trail by one step.
-        Penalties need every previous token on the host, so a step using them is read back first.
+        Penalties need every previous token on the host, so a step using them is read back before the
+        next is scheduled; a step that samples some request's first token is read back at once.
         """
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._in_flight[2]:
             outputs = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
         launched = None
+        read_back_now = not self.config.async_scheduling
         if not scheduler_output.is_empty:
             needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
             launched = (scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
+            # A request's first token goes out without the one-step lag: time to first token matters more
+            # than overlapping the (long) prefill steps that produce it.
+            read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
+                                 zip(scheduler_output.seqs, scheduler_output.num_samples))
         if self._in_flight is not None:
             outputs += self._complete_in_flight()
         self._in_flight = launched
-        if not self.config.async_scheduling and self._in_flight is not None:
+        if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
         return outputs
 
