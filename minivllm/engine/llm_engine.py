@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.detokenizer import IncrementalDetokenizer
@@ -19,7 +21,7 @@ from minivllm.engine.tokenizer import load_tokenizer
 from minivllm.models.loader import resolve_model
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.model_runner import ModelRunner, PendingModelOutput
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,12 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+
+
+class _InFlightStep(NamedTuple):
+    scheduler_output: SchedulerOutput
+    pending: PendingModelOutput
+    needs_sync: bool  # penalties: read back before scheduling the next step
 
 
 class _SeqOutputState:
@@ -96,7 +104,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
         self._outputs: dict[int, _SeqOutputState] = {}
-        self._in_flight = None  # (SchedulerOutput, PendingModelOutput, needs_sync) of the launched step
+        self._in_flight: _InFlightStep | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
@@ -156,14 +164,14 @@ class LLMEngine:
         next is scheduled; a step that samples some request's first token is read back at once.
         """
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self._in_flight[2]:
+        if self._in_flight is not None and self._in_flight.needs_sync:
             outputs = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
         launched = None
         read_back_now = not self.config.async_scheduling
         if not scheduler_output.is_empty:
             needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
-            launched = (scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
+            launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
@@ -244,5 +252,6 @@ class LLMEngine:
                            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
 
     def shutdown(self) -> None:
-        for group in list(self.scheduler.groups.values()) if hasattr(self.scheduler, "groups") else []:
-            self.abort_request(group.request_id)
+        """Abort every unfinished request and forget the step in flight."""
+        self.abort_request(list(self.scheduler.groups))
+        self._in_flight = None
