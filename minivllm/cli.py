@@ -45,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-waiting", type=int, default=None,
                    help="reject requests with HTTP 429 while this many are waiting (default: no limit)")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule the next step while the current one runs (default: on)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
 
@@ -59,7 +61,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-        tensor_parallel_size=args.tensor_parallel_size)
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
