@@ -24,7 +24,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"     # "fcfs" | "priority"
     max_num_waiting: int | None = None  # admission control: reject beyond this many waiting requests
     enforce_eager: bool = False
-    async_scheduling: bool = True       # schedule step N+1 while step N runs (outputs trail by one step)
+    # Schedule step N+1 while step N runs on the GPU (throughput, ITL) at the cost of about one step of
+    # TTFT for requests that arrive meanwhile. None: on for CUDA, off for CPU (where nothing overlaps).
+    async_scheduling: bool | None = None
     attention_backend: str | None = None  # "torch" | "triton"; None picks by device
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1

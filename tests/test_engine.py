@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
 def make_llm(**kwargs) -> LLM:
-    options = dict(kv_cache_memory=64 * 2**20, max_model_len=1024, seed=0)
+    # Async scheduling is pinned on (its default is off on CPU) so CI exercises the GPU's engine loop.
+    options = dict(kv_cache_memory=64 * 2**20, max_model_len=1024, seed=0, async_scheduling=True)
     options.update(kwargs)
     return LLM(**options)
 

@@ -105,6 +105,8 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self._outputs: dict[int, _SeqOutputState] = {}
         self._in_flight: _InFlightStep | None = None
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
@@ -168,7 +170,7 @@ class LLMEngine:
             outputs = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
         launched = None
-        read_back_now = not self.config.async_scheduling
+        read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
             needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
             launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
