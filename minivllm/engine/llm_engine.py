@@ -130,8 +130,6 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         params = params or SamplingParams()
-        if self.scheduler.get_group(request_id) is not None:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's context length is "

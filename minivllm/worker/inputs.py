@@ -54,10 +54,6 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from (repeated for forks)
     sampling_rows: list[SamplingRow]
     sample_row_of_seq: dict[int, int]  # seq_id -> the sampling row of its own next token
-    # Host copies, used to fill CUDA-graph buffers without a device round trip.
-    seq_lens_np: np.ndarray
-    block_tables_np: np.ndarray
-    slot_mapping_np: np.ndarray
 
 
 class StagingBuffer:
@@ -77,13 +73,11 @@ class StagingBuffer:
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         if not self.pinned:
-            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0))
-            flat = flat.to(self.dtype)
+            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(self.dtype)
         else:
-            if self.host.numel() < total:
-                self.copied.synchronize()
-                self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
             self.copied.synchronize()
+            if self.host.numel() < total:
+                self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
             host = self.host.numpy()
             offset = 0
             for a, n in zip(arrays, sizes):
@@ -102,7 +96,6 @@ class InputStager:
     """The two staging buffers of one runner (int64 ids/positions/slots, int32 lengths/block tables)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self.int64 = StagingBuffer(torch.int64, device)
         self.int32 = StagingBuffer(torch.int32, device)
 
@@ -177,7 +170,4 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         logits_indices=logits_indices_d,
         sampling_rows=rows,
         sample_row_of_seq=sample_row_of_seq,
-        seq_lens_np=seq_lens.astype(np.int32),
-        block_tables_np=block_tables,
-        slot_mapping_np=slot_mapping,
     )
