@@ -3,6 +3,7 @@
 #   A: GPU kernel + engine tests that need no model file, W1 throughput vs peer vs roofline, single stream
 #   B: (after .carry/a then .carry/b were carried) default-model GPU tests, sweeps, ablation
 #   C: serving benchmark (dummy Llama-3-8B) and the attention microbenchmark
+#   D: diagnosis: W1 and single stream traced step by step, TTFT at 1 and 4 users with and without async scheduling
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,5 +27,14 @@ case "${1:-A}" in
     python3 bench/attention_bench.py --out "$OUT" 2>&1 | tee "$OUT/attention_bench.log" | tail -30
     python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
       --output-len 256 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | tail -40
+    ;;
+  D)
+    python3 bench/profile_step.py --model llama-3-8b --trace 64x512x256 --kernels --out "$OUT" 2>&1 | tee "$OUT/trace_w1.log" | tail -80
+    python3 bench/profile_step.py --model llama-3-8b --trace 1x512x128 --out "$OUT" 2>&1 | tail -30
+    for mode in async no-async; do
+      flag=$([ $mode = no-async ] && echo --no-async-scheduling || true)
+      python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4 --num-prompts 16 --input-len 512 \
+        --output-len 256 --server-args "$flag" --tag "h100_$mode" --out "$OUT" 2>&1 | tee "$OUT/serve_$mode.log" | tail -6
+    done
     ;;
 esac

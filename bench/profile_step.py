@@ -3,11 +3,17 @@ preparation, forward, logits + sampling, update, outputs) with a device sync bet
 steps at a few batch sizes. The phases run one after another here; in the engine, async scheduling
 overlaps the host phases of one step with the device work of the previous one.
 
+`--trace` instead runs a whole workload (W1 by default) through the real engine loop, unchanged, and
+records per step: the host time to launch it, the time the host waits for its result, and from CUDA
+events around each launch the device time of the step and how long the device sat idle before it.
+
   python bench/profile_step.py --model llama-3-8b --batch 1,64 [--device cpu] [--out DIR]
+  python bench/profile_step.py --model llama-3-8b --trace 64x512x256 [--max-num-batched-tokens 8192]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -96,6 +102,120 @@ def kernel_table(llm: LLM, prompt_len: int, batch: int) -> None:
             engine.step()
 
 
+class StepTracer:
+    """Wraps the engine's launch and read-back calls (the engine itself is not modified) to record, per
+    launched step: scheduled tokens, host launch time, host wait time, and CUDA events at its start
+    and end. An event reached while the stream is busy completes right after the work ahead of it, so
+    `elapsed(end of step k, start of step k+1)` is the time the device idled waiting for the host."""
+
+    def __init__(self, engine) -> None:
+        from minivllm.worker.model_runner import PendingModelOutput
+        self.engine, self.cuda = engine, engine.runner.device.type == "cuda"
+        self.steps: list[dict] = []
+        runner, launch = engine.runner, engine.runner.execute_async
+        result = PendingModelOutput.result
+        tracer = self
+
+        def traced_launch(scheduler_output):
+            record = {"tokens": scheduler_output.total_num_scheduled_tokens, "seqs": len(scheduler_output.seqs),
+                      "decode_only": all(n == 1 for n in scheduler_output.num_scheduled_tokens), "wait_ms": 0.0}
+            if tracer.cuda:
+                record["start"] = torch.cuda.Event(enable_timing=True)
+                record["start"].record()
+            t0 = time.perf_counter()
+            pending = launch(scheduler_output)
+            record["launch_ms"] = 1e3 * (time.perf_counter() - t0)
+            if tracer.cuda:
+                record["end"] = torch.cuda.Event(enable_timing=True)
+                record["end"].record()
+            pending._trace_record = record
+            tracer.steps.append(record)
+            return pending
+
+        def traced_result(pending):
+            t0 = time.perf_counter()
+            if pending._ready is not None:
+                pending._ready.synchronize()
+            record = getattr(pending, "_trace_record", None)
+            if record is not None:
+                record["wait_ms"] = 1e3 * (time.perf_counter() - t0)
+            return result(pending)
+
+        runner.execute_async = traced_launch
+        PendingModelOutput.result = traced_result
+        self._restore = lambda: (delattr(runner, "execute_async"), setattr(PendingModelOutput, "result", result))
+
+    def close(self) -> None:
+        self._restore()
+
+    def summary(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+        rows = {"prefill": [], "decode": []}
+        for i, step in enumerate(self.steps):
+            row = {"tokens": step["tokens"], "seqs": step["seqs"], "launch_ms": step["launch_ms"],
+                   "wait_ms": step["wait_ms"]}
+            if self.cuda:
+                row["device_ms"] = step["start"].elapsed_time(step["end"])
+                row["idle_before_ms"] = (self.steps[i - 1]["end"].elapsed_time(step["start"]) if i else 0.0)
+            rows["decode" if step["decode_only"] else "prefill"].append(row)
+        out = {}
+        for kind, items in rows.items():
+            if not items:
+                continue
+            keys = [k for k in items[0] if k.endswith("_ms")]
+            out[kind] = {"steps": len(items), "tokens": sum(r["tokens"] for r in items),
+                         **{f"sum_{k}": sum(r[k] for r in items) for k in keys},
+                         **{f"median_{k}": statistics.median(r[k] for r in items) for k in keys}}
+        return out
+
+
+def trace_workload(llm: LLM, num_requests: int, prompt_len: int, output_len: int, kernels: bool) -> dict:
+    """Run the workload through `LLMEngine.step()` as `LLM.generate` does, with a StepTracer attached."""
+    engine = llm.llm_engine
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    def run(tag: str, n: int, steps_to_profile: tuple[int, int] | None = None):
+        generator = torch.Generator().manual_seed(len(tag))
+        for i in range(n):
+            engine.add_request(f"{tag}-{i}", torch.randint(0, vocab, (prompt_len,), generator=generator).tolist(),
+                               params)
+        step, prof = 0, None
+        while engine.has_unfinished_requests():
+            if steps_to_profile and step == steps_to_profile[0]:
+                from torch.profiler import ProfilerActivity, profile
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                prof.__enter__()
+            engine.step()
+            step += 1
+            if prof is not None and step == steps_to_profile[1]:
+                torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                print(f"--- engine steps {steps_to_profile[0]}..{steps_to_profile[1]} (profiled)")
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                                max_name_column_width=60))
+                prof = None
+
+    run("warm", min(8, num_requests))
+    cuda = engine.runner.device.type == "cuda"
+    memory_before = torch.cuda.memory_stats() if cuda else {}
+    tracer = StepTracer(engine)
+    started = time.perf_counter()
+    run("trace", num_requests)
+    elapsed = time.perf_counter() - started
+    tracer.close()
+    result = {"workload": f"{num_requests} x {prompt_len} -> {output_len}", "elapsed_s": elapsed,
+              "output_tokens_per_s": num_requests * output_len / elapsed, "steps": tracer.summary()}
+    if cuda:
+        after = torch.cuda.memory_stats()
+        result["allocator"] = {k: after.get(k, 0) - memory_before.get(k, 0)
+                               for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
+    if kernels and cuda:
+        run("kernels", num_requests, steps_to_profile=(output_len // 2, output_len // 2 + 10))
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3-8b")
@@ -106,7 +226,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--kernels", action="store_true", help="also print torch.profiler kernel tables")
+    parser.add_argument("--trace", default=None, metavar="NxPxO",
+                        help="trace N requests of P prompt tokens -> O output tokens through the engine loop")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--no-async-scheduling", action="store_true")
     args = parser.parse_args(argv)
+    if args.trace:
+        return main_trace(args)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, device=args.device,
               max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 64,
@@ -123,6 +249,24 @@ def main(argv=None) -> dict:
     result = {**meta, "model": args.model, "phases_ms": rows}
     if args.out:
         write_json(Path(args.out) / "step_profile.json", result)
+    return result
+
+
+def main_trace(args) -> dict:
+    num_requests, prompt_len, output_len = (int(v) for v in args.trace.split("x"))
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, device=args.device,
+              max_num_seqs=num_requests, max_model_len=prompt_len + output_len + 16,
+              max_num_batched_tokens=max(args.max_num_batched_tokens, num_requests),
+              async_scheduling=False if args.no_async_scheduling else None, enforce_eager=args.enforce_eager,
+              kv_cache_memory=None if args.device != "cpu" else 256 * 2**20)
+    meta = run_metadata(llm.llm_engine.runner.device)
+    print(f"step trace | {meta['device']} | commit {meta['commit']} | {args.model} | {args.trace} | "
+          f"max_num_batched_tokens {args.max_num_batched_tokens} | async {llm.llm_engine.async_scheduling}")
+    result = {**meta, "model": args.model, **trace_workload(llm, num_requests, prompt_len, output_len, args.kernels)}
+    print(json.dumps({k: v for k, v in result.items() if k in ("elapsed_s", "output_tokens_per_s", "steps",
+                                                                  "allocator")}, indent=1))
+    if args.out:
+        write_json(Path(args.out) / f"step_trace_{args.trace}.json", result)
     return result
 
 
