@@ -29,12 +29,10 @@ case "${1:-A}" in
       --output-len 256 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | tail -40
     ;;
   D)
-    python3 bench/profile_step.py --model llama-3-8b --trace 64x512x256 --kernels --out "$OUT" 2>&1 | tee "$OUT/trace_w1.log" | tail -80
-    python3 bench/profile_step.py --model llama-3-8b --trace 1x512x128 --out "$OUT" 2>&1 | tail -30
-    for mode in async no-async; do
-      flag=$([ $mode = no-async ] && echo --no-async-scheduling || true)
-      python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4 --num-prompts 16 --input-len 512 \
-        --output-len 256 --server-args "$flag" --tag "h100_$mode" --out "$OUT" 2>&1 | tee "$OUT/serve_$mode.log" | tail -6
-    done
+    python3 bench/profile_step.py --model llama-3-8b --trace 1x512x128 --kernels --out "$OUT" > "$OUT/trace_single.log" 2>&1
+    python3 bench/profile_step.py --model llama-3-8b --trace 64x512x256 --out "$OUT" > "$OUT/trace_w1.log" 2>&1
+    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4 --num-prompts 16 --input-len 512 \
+      --output-len 256 --server-args=--no-async-scheduling --tag h100_no_async --out "$OUT" > "$OUT/serve_no_async.log" 2>&1
+    tail -5 "$OUT/serve_no_async.log"
     ;;
 esac

@@ -159,7 +159,7 @@ class StepTracer:
                 row["device_ms"] = step["start"].elapsed_time(step["end"])
                 row["idle_before_ms"] = (self.steps[i - 1]["end"].elapsed_time(step["start"]) if i else 0.0)
             rows["decode" if step["decode_only"] else "prefill"].append(row)
-        out = {}
+        out = {"prefill_rows": rows["prefill"]}
         for kind, items in rows.items():
             if not items:
                 continue
@@ -187,14 +187,19 @@ def trace_workload(llm: LLM, num_requests: int, prompt_len: int, output_len: int
                 from torch.profiler import ProfilerActivity, profile
                 prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 prof.__enter__()
+                torch.cuda.set_sync_debug_mode("warn")  # names any op that waits for the device
+                started = time.perf_counter()
             engine.step()
             step += 1
             if prof is not None and step == steps_to_profile[1]:
                 torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("default")
+                wall = time.perf_counter() - started
                 prof.__exit__(None, None, None)
-                print(f"--- engine steps {steps_to_profile[0]}..{steps_to_profile[1]} (profiled)")
-                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
-                                                max_name_column_width=60))
+                print(f"--- {tag}: engine steps {steps_to_profile[0]}..{steps_to_profile[1]} (profiled), "
+                      f"{1e3 * wall:.1f} ms wall")
+                for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
                 prof = None
 
     run("warm", min(8, num_requests))
@@ -212,7 +217,8 @@ def trace_workload(llm: LLM, num_requests: int, prompt_len: int, output_len: int
         result["allocator"] = {k: after.get(k, 0) - memory_before.get(k, 0)
                                for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
     if kernels and cuda:
-        run("kernels", num_requests, steps_to_profile=(output_len // 2, output_len // 2 + 10))
+        run("kernels-first-step", num_requests, steps_to_profile=(0, 1))
+        run("kernels-decode", num_requests, steps_to_profile=(output_len // 2, output_len // 2 + 10))
     return result
 
 
