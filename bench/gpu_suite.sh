@@ -29,10 +29,15 @@ case "${1:-A}" in
       --output-len 256 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | tail -40
     ;;
   D)
-    python3 bench/profile_step.py --model llama-3-8b --trace 1x512x128 --kernels --out "$OUT" > "$OUT/trace_single.log" 2>&1
+    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_D.log" | tail -4
+    python3 bench/profile_step.py --model llama-3-8b --trace 1x512x128 --out "$OUT" > "$OUT/trace_single.log" 2>&1
     python3 bench/profile_step.py --model llama-3-8b --trace 64x512x256 --out "$OUT" > "$OUT/trace_w1.log" 2>&1
-    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4 --num-prompts 16 --input-len 512 \
-      --output-len 256 --server-args=--no-async-scheduling --tag h100_no_async --out "$OUT" > "$OUT/serve_no_async.log" 2>&1
-    tail -5 "$OUT/serve_no_async.log"
+    grep -h "output_tokens_per_s\|elapsed_s" "$OUT"/trace_*.log
+    for mode in async no_async; do
+      flag=$([ $mode = no_async ] && echo --server-args=--no-async-scheduling || true)
+      python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4 --num-prompts 16 --input-len 512 \
+        --output-len 256 $flag --tag "h100_$mode" --out "$OUT" > "$OUT/serve_$mode.log" 2>&1
+      tail -3 "$OUT/serve_$mode.log"
+    done
     ;;
 esac

@@ -104,27 +104,55 @@ def kernel_table(llm: LLM, prompt_len: int, batch: int) -> None:
 
 class StepTracer:
     """Wraps the engine's launch and read-back calls (the engine itself is not modified) to record, per
-    launched step: scheduled tokens, host launch time, host wait time, and CUDA events at its start
-    and end. An event reached while the stream is busy completes right after the work ahead of it, so
-    `elapsed(end of step k, start of step k+1)` is the time the device idled waiting for the host."""
+    launched step: scheduled tokens, host time of each part of the launch, host wait time, and CUDA
+    events at its start and end. An event reached while the stream is busy completes right after the
+    work ahead of it, so `elapsed(end of step k, start of step k+1)` is the time the device idled
+    waiting for the host."""
+
+    LAUNCH_PARTS = ("prepare_inputs", "_forward", "compute_logits", "sampler", "_start_copy_to_host")
 
     def __init__(self, engine) -> None:
+        import minivllm.worker.model_runner as runner_module
         from minivllm.worker.model_runner import PendingModelOutput
         self.engine, self.cuda = engine, engine.runner.device.type == "cuda"
         self.steps: list[dict] = []
-        runner, launch = engine.runner, engine.runner.execute_async
-        result = PendingModelOutput.result
+        self.current: dict | None = None
+        runner = engine.runner
         tracer = self
+        restores = []
+
+        def wrap(owner, name, key):
+            original = getattr(owner, name)
+
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if tracer.current is not None:
+                        tracer.current[key] = tracer.current.get(key, 0.0) + 1e3 * (time.perf_counter() - t0)
+            setattr(owner, name, timed)
+            restores.append(lambda: setattr(owner, name, original))
+
+        wrap(runner_module, "prepare_inputs", "prepare_ms")
+        wrap(runner, "_forward", "forward_launch_ms")
+        wrap(runner.model, "compute_logits", "logits_launch_ms")
+        wrap(runner.sampler, "forward", "sample_launch_ms")
+        wrap(runner, "_start_copy_to_host", "copy_launch_ms")
+        launch = runner.execute_async
+        result = PendingModelOutput.result
 
         def traced_launch(scheduler_output):
             record = {"tokens": scheduler_output.total_num_scheduled_tokens, "seqs": len(scheduler_output.seqs),
                       "decode_only": all(n == 1 for n in scheduler_output.num_scheduled_tokens), "wait_ms": 0.0}
+            tracer.current = record
             if tracer.cuda:
                 record["start"] = torch.cuda.Event(enable_timing=True)
                 record["start"].record()
             t0 = time.perf_counter()
             pending = launch(scheduler_output)
             record["launch_ms"] = 1e3 * (time.perf_counter() - t0)
+            tracer.current = None
             if tracer.cuda:
                 record["end"] = torch.cuda.Event(enable_timing=True)
                 record["end"].record()
@@ -143,18 +171,19 @@ class StepTracer:
 
         runner.execute_async = traced_launch
         PendingModelOutput.result = traced_result
-        self._restore = lambda: (delattr(runner, "execute_async"), setattr(PendingModelOutput, "result", result))
+        restores += [lambda: delattr(runner, "execute_async"), lambda: setattr(PendingModelOutput, "result", result)]
+        self._restores = restores
 
     def close(self) -> None:
-        self._restore()
+        for restore in reversed(self._restores):
+            restore()
 
     def summary(self) -> dict:
         if self.cuda:
             torch.cuda.synchronize()
         rows = {"prefill": [], "decode": []}
         for i, step in enumerate(self.steps):
-            row = {"tokens": step["tokens"], "seqs": step["seqs"], "launch_ms": step["launch_ms"],
-                   "wait_ms": step["wait_ms"]}
+            row = {k: v for k, v in step.items() if k in ("tokens", "seqs") or k.endswith("_ms")}
             if self.cuda:
                 row["device_ms"] = step["start"].elapsed_time(step["end"])
                 row["idle_before_ms"] = (self.steps[i - 1]["end"].elapsed_time(step["start"]) if i else 0.0)
@@ -163,10 +192,10 @@ class StepTracer:
         for kind, items in rows.items():
             if not items:
                 continue
-            keys = [k for k in items[0] if k.endswith("_ms")]
+            keys = sorted({k for r in items for k in r if k.endswith("_ms")})
             out[kind] = {"steps": len(items), "tokens": sum(r["tokens"] for r in items),
-                         **{f"sum_{k}": sum(r[k] for r in items) for k in keys},
-                         **{f"median_{k}": statistics.median(r[k] for r in items) for k in keys}}
+                         **{f"sum_{k}": sum(r.get(k, 0.0) for r in items) for k in keys},
+                         **{f"median_{k}": statistics.median(r.get(k, 0.0) for r in items) for k in keys}}
         return out
 
 

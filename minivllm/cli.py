@@ -45,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-waiting", type=int, default=None,
                    help="reject requests with HTTP 429 while this many are waiting (default: no limit)")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=4096,
+                   help="steps with prompt tokens of up to this many tokens replay CUDA graphs too (0: decode only)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one runs: more throughput, lower ITL, about "
                         "one step more TTFT for new requests (default: on with CUDA, off on CPU)")
@@ -61,7 +63,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,
-        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
 
 

@@ -45,6 +45,28 @@ def test_fp32_tiny_model_token_identical(tmp_path):
     assert _greedy(llm, prompts, 40) == _hf_greedy(reference, prompts, 40)
 
 
+def test_mixed_steps_replay_cuda_graphs_and_stay_token_identical(tmp_path):
+    """Prompt chunks under a 96-token budget, decodes riding along with them, and prefix-cache hits all
+    replay the mixed-step graphs (padded rows and sequences included); greedy output still equals
+    transformers', fp32."""
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3").cuda()
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 128, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 29, 61)]
+    prompts.append(torch.randint(3, 128, (150,), generator=g).tolist())
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_model_len=256, max_num_seqs=8, max_num_batched_tokens=96)
+    graphs = llm.llm_engine.runner.graph_runner
+    mixed_replays = []
+    run = graphs.run
+    graphs.run = lambda inputs: mixed_replays.append(not inputs.metadata.is_decode_only) or run(inputs)
+    expected = _hf_greedy(reference, prompts, 24)
+    assert _greedy(llm, prompts, 24) == expected
+    assert _greedy(llm, prompts, 24) == expected  # again, the shared prefix now read from the cache
+    assert llm.llm_engine.block_manager.prefix_cache_hits > 0
+    assert sum(mixed_replays) >= 6
+
+
 @pytest.fixture(scope="module")
 def default_hf():
     from transformers import AutoModelForCausalLM

@@ -1,7 +1,17 @@
-"""CUDA graphs for decode steps: captured once per padded batch size, replayed from static buffers.
+"""CUDA graphs for whole forward passes, replayed from static input buffers.
 
-A decode step launches a few hundred small kernels; replaying a graph removes their launch cost. Each
-graph reads its inputs from buffers owned here, so a replay only needs the new values copied in.
+Two families, sharing one memory pool and one set of buffers:
+- decode graphs, one per padded batch size (1, 2, 4, 8, then multiples of 16): every sequence has one
+  query token, and attention runs the split-K decode kernel;
+- mixed graphs, one per padded token count (multiples of 64 up to 1,024, then of 256), for any other
+  step (prefill, prefill chunks, prefix hits, decodes riding along with them), with the sequence count
+  padded to `max_num_seqs`; attention runs the varlen kernel.
+
+Without graphs a forward pass costs the host about 25 ms of Python and launch overhead (measured on an
+H100 for Llama-3-8B), twice the GPU time of a 512-token prefill: time to first token was host-bound.
+A replay costs the host well under a millisecond. Padding rows write no KV (slot -1) and padding
+sequences have no query tokens and no context, so the kernels skip them; their hidden rows are
+never read.
 """
 from __future__ import annotations
 
@@ -16,70 +26,108 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes of the decode graphs."""
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
-    sizes = sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
-    return sizes
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts of the mixed graphs: fine steps where a step is host-bound, coarser above."""
+    sizes = list(range(64, min(max_tokens, 1024) + 1, 64)) + list(range(1280, max_tokens + 1, 256))
+    return sorted(set(sizes) | ({max_tokens} if max_tokens > 0 else set()))
 
 
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_model_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 max_mixed_tokens: int = 0) -> None:
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
+        self.mixed_sizes = mixed_capture_sizes(max_mixed_tokens)
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
-        n = self.max_batch
+        n = max(self.max_batch, max(self.mixed_sizes, default=0))
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(self.max_batch + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
-    def _metadata(self, batch: int) -> AttentionMetadata:
+    def _decode_metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.decode_query_start_loc[:batch + 1],
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
             max_query_len=1, max_seq_len=self.max_model_len)
 
+    def _mixed_metadata(self, num_tokens: int) -> AttentionMetadata:
+        # The query-length bound only picks the attention tile shape; any bound >= the real one is exact.
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, block_tables=self.block_tables,
+            max_query_len=min(num_tokens, self.max_model_len), max_seq_len=self.max_model_len)
+
+    def _capture_one(self, num_tokens: int, metadata: AttentionMetadata) -> torch.cuda.CUDAGraph:
+        with set_forward_context(metadata):
+            ids, positions = self.input_ids[:num_tokens], self.positions[:num_tokens]
+            self.hidden[:num_tokens] = self.model(ids, positions)  # warm-up: compiles kernels, sizes buffers
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.hidden[:num_tokens] = self.model(ids, positions)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
+
     @torch.inference_mode()
     def capture(self) -> None:
-        # Largest first, so smaller graphs reuse the largest one's memory pool.
+        # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
+        # sequence is a padding one: no query tokens, no context, nothing written.
+        self.seq_lens.zero_()
+        for num_tokens in reversed(self.mixed_sizes):
+            self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
         for batch in reversed(self.sizes):
             self.seq_lens[:batch] = 1
-            metadata = self._metadata(batch)
-            with set_forward_context(metadata):
-                self.hidden[:batch] = self.model(self.input_ids[:batch], self.positions[:batch])  # warm-up
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.hidden[:batch] = self.model(self.input_ids[:batch], self.positions[:batch])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch))
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs)",
+                    self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes))
 
     def can_run(self, inputs: ModelInputs) -> bool:
-        return inputs.metadata.is_decode_only and inputs.metadata.num_seqs <= self.max_batch
+        meta = inputs.metadata
+        if meta.num_seqs > self.max_batch:
+            return False
+        if meta.is_decode_only:
+            return True
+        return bool(self.mixed_sizes) and inputs.input_ids.shape[0] <= self.mixed_sizes[-1]
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
-        batch = inputs.metadata.num_seqs
-        padded = next(s for s in self.sizes if s >= batch)
         meta = inputs.metadata
-        self.input_ids[:batch].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:batch].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
+        batch, num_tokens = meta.num_seqs, inputs.input_ids.shape[0]
+        decode = meta.is_decode_only
+        padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)
+        self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         width = meta.block_tables.shape[1]
         self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
-        if padded > batch:
-            # Padding rows write nowhere and attend to nothing.
-            self.slot_mapping[batch:padded].fill_(-1)
-            self.seq_lens[batch:padded].zero_()
-        self.graphs[padded].replay()
-        return self.hidden[:batch]
+        if padded > num_tokens:
+            self.slot_mapping[num_tokens:padded].fill_(-1)
+        if decode:
+            if padded > batch:
+                self.seq_lens[batch:padded].zero_()
+            self.graphs[padded].replay()
+        else:
+            # Padding sequences own no query rows (they all start at the real token count) and no context.
+            self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
+            self.query_start_loc[batch + 1:].fill_(num_tokens)
+            self.seq_lens[batch:].zero_()
+            self.mixed_graphs[padded].replay()
+        return self.hidden[:num_tokens]

@@ -59,37 +59,75 @@ class ModelInputs:
 class StagingBuffer:
     """Packs several host arrays of one dtype into one pinned buffer and copies them to the device at once.
 
+    Each array starts on a 16-byte boundary: Triton specialises kernels on whether pointers are 16-byte
+    aligned, so an array landing at an odd offset in one step would recompile the kernels reading it
+    mid-run (a fresh compile costs a step ~200 ms).
+
     The copy is asynchronous; before the buffer is overwritten by the next step we wait on the event
     recorded after the previous copy, so a copy still in flight never reads half-new data.
     """
+
+    ALIGN_BYTES = 16
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
         self.pinned = device.type == "cuda"
         self.host = torch.empty(0, dtype=dtype)
         self.copied = torch.cuda.Event() if self.pinned else None
+        self.align = max(1, self.ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+
+    def _offsets(self, sizes: list[int]) -> list[int]:
+        offsets, offset = [], 0
+        for n in sizes:
+            offsets.append(offset)
+            offset += -(-n // self.align) * self.align
+        return offsets + [offset]
 
     def transfer(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        offsets = self._offsets(sizes)
+        total = offsets[-1]
         if not self.pinned:
-            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(self.dtype)
+            flat = torch.zeros(total, dtype=self.dtype)
+            for a, start, n in zip(arrays, offsets, sizes):
+                flat[start:start + n] = torch.from_numpy(np.ascontiguousarray(a).ravel())
+            flat = flat.to(self.device)
         else:
             self.copied.synchronize()
             if self.host.numel() < total:
                 self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
             host = self.host.numpy()
-            offset = 0
-            for a, n in zip(arrays, sizes):
-                host[offset:offset + n] = a.ravel()
-                offset += n
+            for a, start, n in zip(arrays, offsets, sizes):
+                host[start:start + n] = a.ravel()
             flat = self.host[:total].to(self.device, non_blocking=True)
             self.copied.record()
-        out, offset = [], 0
-        for a, n in zip(arrays, sizes):
-            out.append(flat[offset:offset + n].view(a.shape))
-            offset += n
-        return out
+        return [flat[start:start + n].view(a.shape) for a, start, n in zip(arrays, offsets, sizes)]
+
+
+class PinnedBufferPool:
+    """Pinned host buffers for the device-to-host copies of each step's sampled ids and logprobs,
+    reused across steps. Pinning fresh memory for every step's (differently sized) outputs cost 1 to
+    20 ms of host time per new size on the H100 host, while the GPU was busy."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []  # uint8 base buffers
+
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue a non-blocking copy of `tensor` into a pooled buffer; returns (host view, its buffer)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        for i, base in enumerate(self._free):
+            if base.numel() >= nbytes:
+                buffer = self._free.pop(i)
+                break
+        else:
+            buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+        host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+        host.copy_(tensor, non_blocking=True)
+        return host, buffer
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        """Give buffers back once their contents have been read on the host."""
+        self._free.extend(buffers)
 
 
 class InputStager:

@@ -19,7 +19,7 @@ from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.models.loader import ModelSource, load_model
 from minivllm.worker.cuda_graph import CUDAGraphRunner
-from minivllm.worker.inputs import InputStager, ModelInputs, PreviousSamples, prepare_inputs
+from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class ModelRunner:
             layer.backend = self.backend
         self.sampler = Sampler()
 
+        self.max_num_batched_tokens = max_num_batched_tokens
         peak = self._profile_peak_memory(max_num_batched_tokens)
         budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
         per_block = kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
@@ -90,6 +91,7 @@ class ModelRunner:
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = InputStager(self.device)
+        self.host_buffers = PinnedBufferPool()
         self._previous_samples: PreviousSamples | None = None
 
     @property
@@ -102,7 +104,8 @@ class ModelRunner:
         started = time.perf_counter()
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
-                                            self.hf_config.hidden_size, self.dtype, self.device)
+                                            self.hf_config.hidden_size, self.dtype, self.device,
+                                            min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens))
         self.graph_runner.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
 
@@ -135,8 +138,9 @@ class ModelRunner:
         return peak
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        # non_blocking from pageable memory: staged by CUDA without waiting for the stream
+        # (torch.tensor(..., device=cuda) would wait for every queued kernel).
+        src, dst = torch.tensor(pairs, dtype=torch.int64).t().contiguous().to(self.device, non_blocking=True)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -158,31 +162,34 @@ class ModelRunner:
         hidden = self._forward(inputs)
         if not inputs.sampling_rows:
             self._previous_samples = None
-            return PendingModelOutput(self, scheduler_output, inputs, None, None)
+            return PendingModelOutput(self, scheduler_output, inputs, None, None, [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         output = self.sampler(logits, metadata)
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
-        host_output, ready = self._start_copy_to_host(output)
-        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready)
+        host_output, ready, buffers = self._start_copy_to_host(output)
+        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers)
 
-    def _start_copy_to_host(self, output: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+    def _start_copy_to_host(self, output: SamplerOutput
+                            ) -> tuple[SamplerOutput, torch.cuda.Event | None, list[torch.Tensor]]:
         """Queue the copy of the sampled ids (and logprobs) to pinned host memory right behind the sampler.
         A plain `.tolist()` later would queue its copy behind the *next* step, already launched, and wait
         for that whole step too."""
         if self.device.type != "cuda":
-            return output, None
+            return output, None, []
+        buffers = []
 
         def to_host(tensor):
             if tensor is None:
                 return None
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            return host.copy_(tensor, non_blocking=True)
+            host, buffer = self.host_buffers.copy_to_host(tensor)
+            buffers.append(buffer)
+            return host
         host_output = SamplerOutput(*(to_host(t) for t in (output.token_ids, output.logprob_token_ids,
                                                              output.logprobs, output.ranks)))
         ready = torch.cuda.Event()
         ready.record()
-        return host_output, ready
+        return host_output, ready, buffers
 
     def _to_model_output(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> ModelOutput:
         sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
@@ -220,12 +227,16 @@ class PendingModelOutput:
     """A launched step whose sampled tokens have not been read back yet."""
 
     def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
-                 output: SamplerOutput | None, ready: torch.cuda.Event | None) -> None:
+                 output: SamplerOutput | None, ready: torch.cuda.Event | None,
+                 host_buffers: list[torch.Tensor]) -> None:
         self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
-        self._output, self._ready = output, ready
+        self._output, self._ready, self._host_buffers = output, ready, host_buffers
 
     def result(self) -> ModelOutput:
         """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return self._runner._to_model_output(self._scheduler_output, self._inputs, self._output)
+        model_output = self._runner._to_model_output(self._scheduler_output, self._inputs, self._output)
+        self._runner.host_buffers.release(self._host_buffers)  # read into Python lists: reusable now
+        self._host_buffers = []
+        return model_output

@@ -1,0 +1,34 @@
+"""The runner's host-side plumbing: staging buffers and the CUDA graph size ladders (no GPU needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm.worker.cuda_graph import capture_sizes, mixed_capture_sizes
+from minivllm.worker.inputs import StagingBuffer
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_staging_buffer_returns_every_array_on_a_16_byte_boundary(dtype):
+    rng = np.random.default_rng(0)
+    buffer = StagingBuffer(dtype, torch.device("cpu"))
+    for sizes in ([157, 157, 3], [1, 2, 3, 5], [0, 7, 0, 9], [64]):
+        arrays = [rng.integers(-5, 1000, size=n) for n in sizes]
+        arrays.append(rng.integers(0, 9, size=(3, 5)))  # a 2-D array keeps its shape
+        out = buffer.transfer(arrays)
+        for array, tensor in zip(arrays, out):
+            assert tensor.dtype == dtype and tuple(tensor.shape) == array.shape
+            assert tensor.data_ptr() % 16 == 0, "an unaligned array recompiles Triton kernels mid-run"
+            assert tensor.tolist() == array.tolist()
+
+
+def test_graph_size_ladders_cover_every_step_size():
+    sizes = capture_sizes(100)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 100 and sizes == sorted(set(sizes))
+    mixed = mixed_capture_sizes(4096)
+    assert mixed[0] == 64 and mixed[-1] == 4096 and mixed == sorted(set(mixed))
+    for n in range(1, 4097):   # every token count has a bucket: under 64 padding rows up to 1,024, 256 above
+        padded = next(s for s in mixed if s >= n)
+        assert padded - n < 64 if n <= 1024 else padded - n < 256
+    assert mixed_capture_sizes(40) == [40] and mixed_capture_sizes(0) == []
