@@ -3,6 +3,7 @@
 #   A: GPU kernel + engine tests that need no model file, W1 throughput vs peer vs roofline, single stream
 #   B: (after .carry/a then .carry/b were carried) default-model GPU tests, sweeps, ablation
 #   C: serving benchmark (dummy Llama-3-8B) and the attention microbenchmark
+#   E: GPU tests, W1 + peer + single stream, serving at 1/4/16/64 users with the default and a 1,024-token budget
 #   D: diagnosis: W1 and single stream traced step by step, TTFT at 1 and 4 users with and without async scheduling
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C   (results under $OUT)
 set -uo pipefail
@@ -40,4 +41,17 @@ case "${1:-A}" in
       tail -3 "$OUT/serve_$mode.log"
     done
     ;;
+  E)
+    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_E.log" | tail -3
+    python3 bench/throughput.py --out "$OUT" > "$OUT/throughput_w1.log" 2>&1; tail -12 "$OUT/throughput_w1.log"
+    for budget in default 1024; do
+      flag=$([ $budget = 1024 ] && echo --server-args=--max-num-batched-tokens=1024 || true)
+      tag=$([ $budget = 1024 ] && echo h100_mbt1024 || echo h100)
+      python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
+        --output-len 256 $flag --tag $tag --out "$OUT" > "$OUT/serve_$tag.log" 2>&1
+      tail -6 "$OUT/serve_$tag.log"
+    done
+    ;;
 esac
+# Only a few files come back from a device call: everything also travels in one archive.
+tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/results_$1.tgz"

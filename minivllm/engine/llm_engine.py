@@ -6,7 +6,6 @@ request validation; it knows nothing about HTTP and never touches tensors.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -112,10 +111,6 @@ class LLMEngine:
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
                     self.runner.num_kv_tokens)
-        # What exists now (model, tokenizer, graphs) lives as long as the engine: moving it out of the
-        # cyclic collector's reach keeps its full passes, which walk every tracked object, short.
-        gc.collect()
-        gc.freeze()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -64,6 +64,12 @@ class SamplingMetadata:
     max_num_logprobs: int | None               # widest `logprobs` asked; None when no row asked
     num_rows: int = 0
 
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether bias, min_tokens or penalties change the logits before the greedy argmax."""
+        return (self.logit_bias is not None or self.min_tokens_mask is not None
+                or self.repetition_penalties is not None)
+
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
         temperature, top_k, top_p, min_p = [], [], [], []
@@ -163,6 +169,9 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` [S, V]; may be overwritten in place when they are already fp32."""
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
+        if metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.modifies_logits:
+            # Widening to fp32 is exact and monotonic, so the argmax of the raw logits is the same token.
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
         logits = logits.float()
         raw_logprobs = compute_logprobs(logits) if metadata.max_num_logprobs is not None else None
 
