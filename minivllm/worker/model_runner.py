@@ -4,6 +4,7 @@ It is the only layer that turns sequences into tensors; it never decides what to
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -114,6 +115,7 @@ class ModelRunner:
         """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
         if self.device.type != "cuda":
             return 0
+        gc.collect()  # engines dropped but still in reference cycles give their memory back first
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         # Sequences of at most 512 tokens, and never longer than the model's positions allow.
