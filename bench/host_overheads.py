@@ -2,7 +2,8 @@
 
 1. whether allocating fresh pinned host memory waits for the GPU (it does when it blocks while a
    long kernel queue runs);
-2. Python launch cost of each Triton kernel wrapper against a plain torch op;
+2. host time per call of each Triton kernel wrapper against a plain torch op, on tiny shapes (the GPU
+   finishes each kernel before the next launch, so the host's own cost is what is timed);
 3. a cProfile of one eager prefill step of the engine (default: dummy Llama-3-8B, one 512-token prompt).
 
   python bench/host_overheads.py [--model llama-3-8b] [--prompt-len 512]
@@ -77,11 +78,10 @@ def launch_costs() -> None:
         "paged_decode_attention": lambda: paged_decode_attention(q.contiguous(), caches[0], caches[1], block_tables,
                                                                  seq_lens, 0.1),
     }
-    print("--- host time per call (us), 500 calls each, GPU kept waiting behind queued work")
+    print("--- host time per call (us), 500 calls each")
     for name, fn in calls.items():
         fn()
         torch.cuda.synchronize()
-        busy_gpu(300)
         started = time.perf_counter()
         for _ in range(500):
             fn()
