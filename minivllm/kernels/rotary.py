@@ -13,6 +13,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotate_heads(row_ptr, cos, sin, d, d_mask,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate, in place, the NUM_HEADS contiguous heads (each 2 * HALF wide) starting at `row_ptr`."""
+    heads = tl.arange(0, BLOCK_H)
+    for start in tl.static_range(0, NUM_HEADS, BLOCK_H):
+        h = start + heads
+        mask = (h < NUM_HEADS)[:, None] & d_mask[None, :]
+        ptr = row_ptr + h[:, None] * (2 * HALF) + d[None, :]
+        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptr, (x1 * cos - x2 * sin).to(row_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride, k_stride, cos_sin_stride,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -22,23 +37,8 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride, k_stride,
     d_mask = d < HALF
     cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d, mask=d_mask, other=0.0)[None, :]
-    heads = tl.arange(0, BLOCK_H)
-    for start in tl.static_range(0, NUM_Q_HEADS, BLOCK_H):
-        h = start + heads
-        mask = (h < NUM_Q_HEADS)[:, None] & d_mask[None, :]
-        ptr = q_ptr + token * q_stride + h[:, None] * (2 * HALF) + d[None, :]
-        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptr, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-    for start in tl.static_range(0, NUM_K_HEADS, BLOCK_H):
-        h = start + heads
-        mask = (h < NUM_K_HEADS)[:, None] & d_mask[None, :]
-        ptr = k_ptr + token * k_stride + h[:, None] * (2 * HALF) + d[None, :]
-        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptr, (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty), mask=mask)
+    _rotate_heads(q_ptr + token * q_stride, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_H)
+    _rotate_heads(k_ptr + token * k_stride, cos, sin, d, d_mask, NUM_K_HEADS, HALF, BLOCK_H)
 
 
 def apply_rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
