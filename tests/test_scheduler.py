@@ -176,6 +176,31 @@ def test_decodes_keep_a_token_behind_a_higher_priority_long_prompt():
         assert out.seqs[0].request_id == "urgent" and out.num_scheduled_tokens == [13, 1, 1, 1]
 
 
+def test_small_batch_prefills_prompts_arriving_together_one_after_another():
+    scheduler = make_scheduler(num_blocks=128, max_num_batched_tokens=64, max_model_len=128,
+                               small_batch_prefill_tokens=16, small_batch_max_seqs=2)
+    runner = FakeRunner(scheduler.block_manager)
+    for i in range(3):
+        scheduler.add_seq_group(make_group(f"p{i}", range(16 * i, 16 * i + 16), max_tokens=20, arrival=i))
+    firsts = []
+    for _ in range(3):  # one whole prompt per step, the earlier ones decoding alongside
+        out, _ = step(scheduler, runner)
+        firsts.append([(s.request_id, n) for s, n in zip(out.seqs, out.num_scheduled_tokens)])
+    assert firsts == [[("p0", 16)], [("p0", 1), ("p1", 16)], [("p0", 1), ("p1", 1), ("p2", 16)]]
+    # More sequences running than small_batch_max_seqs: the full budget takes every waiting prompt.
+    scheduler.add_seq_group(make_group("p3", range(60, 76), max_tokens=20, arrival=3))
+    scheduler.add_seq_group(make_group("p4", range(80, 96), max_tokens=20, arrival=4))
+    out, _ = step(scheduler, runner)
+    assert out.num_scheduled_tokens == [1, 1, 1, 16, 16]
+
+
+def test_small_batch_budget_keeps_outputs_identical():
+    requests = workload(seed=3)
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64, max_model_len=64,
+                               small_batch_prefill_tokens=5, small_batch_max_seqs=4)
+    assert run(scheduler, [(i, make_group(**r)) for i, r in enumerate(requests)]) == reference_outputs(requests)
+
+
 def test_token_budget_and_outputs_match_unconstrained_run():
     requests = workload(seed=1)
     scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=7, max_model_len=64)

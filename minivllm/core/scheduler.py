@@ -34,17 +34,28 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority": lower priority value is served first, as in vLLM
     max_num_waiting: int | None = None  # admission control: add_seq_group raises SchedulerFullError beyond this
+    # While at most `small_batch_max_seqs` sequences run, a step computes at most this many prompt tokens
+    # (plus one per running sequence). Prompts arriving together are then prefilled one after another,
+    # so the first gets its first token after one chunk's compute instead of all of them after the whole
+    # batch's; a chunk big enough to be compute-bound loses nothing by the split. With many sequences
+    # decoding the full budget applies: fewer, larger prefill steps interrupt fewer inter-token gaps.
+    # Only with chunked prefill (a prompt must otherwise fit one step). None: off (the offline default;
+    # `minivllm serve` turns it on).
+    small_batch_prefill_tokens: int | None = None
+    small_batch_max_seqs: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "small_batch_max_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a sequence must be computed in one step; a longer one would wait forever.
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
+        if self.small_batch_prefill_tokens is not None and self.small_batch_prefill_tokens < 1:
+            raise ValueError(f"small_batch_prefill_tokens must be at least 1, got {self.small_batch_prefill_tokens}")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")
 
@@ -132,6 +143,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         config, block_manager = self.config, self.block_manager
         budget = config.max_num_batched_tokens
+        small_batch = len(self.running) <= config.small_batch_max_seqs
+        if config.enable_chunked_prefill and config.small_batch_prefill_tokens and small_batch:
+            budget = min(budget, config.small_batch_prefill_tokens + len(self.running))
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
 

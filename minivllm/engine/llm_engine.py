@@ -98,7 +98,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
-            enable_chunked_prefill=chunked, policy=config.scheduling_policy, max_num_waiting=config.max_num_waiting),
+            enable_chunked_prefill=chunked, policy=config.scheduling_policy, max_num_waiting=config.max_num_waiting,
+            small_batch_prefill_tokens=config.small_batch_prefill_tokens),
             self.block_manager)
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
