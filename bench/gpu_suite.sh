@@ -5,8 +5,9 @@
 #   C: serving benchmark (dummy Llama-3-8B) and the attention microbenchmark
 #   E: (carrying .carry/a) GPU tests that need no model file, W1 + peer + single stream
 #   F: (carrying .carry/b next) default-model GPU tests, serving at 1/4/16/64 users, and at 4 users over 64 requests
+#   G: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
 #   D: diagnosis: W1 and single stream traced step by step, TTFT at 1 and 4 users with and without async scheduling
-# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|E|F   (results under $OUT)
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|E|F|G   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh
@@ -53,6 +54,11 @@ case "${1:-A}" in
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
     python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 4 --num-prompts 64 --input-len 512 \
       --output-len 256 --tag h100_c4_64req --out "$OUT" > "$OUT/serve_c4.log" 2>&1; tail -3 "$OUT/serve_c4.log"
+    ;;
+  G)
+    python3 bench/throughput.py --out "$OUT" --skip-w1 --sweeps --ablation > "$OUT/sweeps_ablation.log" 2>&1
+    tail -22 "$OUT/sweeps_ablation.log"
+    python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1; tail -12 "$OUT/attention_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

@@ -311,22 +311,27 @@ def fusions_switch_exists() -> bool:
 
 def run_ablation(args, sizes: Sizes, shape: ModelShape, device: torch.device) -> list[dict]:
     """Each optimisation added in turn, from the plain-PyTorch eager engine to the default one."""
-    configs = [  # (name, attention_backend, enforce_eager, fusions)
-        ("torch attention, eager", "torch", True, False),
-        ("+ triton attention", "triton", True, False),
-        ("+ CUDA graphs", "triton", False, False),
-        ("+ fusions (default)", "triton", False, True),
+    eager = dict(attention_backend="torch", enforce_eager=True, async_scheduling=False)
+    configs = [  # (name, engine options, fusions)
+        ("torch attention, eager", eager, False),
+        ("+ triton attention", {**eager, "attention_backend": "triton"}, False),
+        ("+ CUDA graphs for decode steps", {**eager, "attention_backend": "triton", "enforce_eager": False,
+                                            "cuda_graph_max_tokens": 0}, False),
+        ("+ fusions", {**eager, "attention_backend": "triton", "enforce_eager": False, "cuda_graph_max_tokens": 0},
+         True),
+        ("+ async scheduling", {"attention_backend": "triton", "cuda_graph_max_tokens": 0}, True),
+        ("+ CUDA graphs for prompt steps (default)", {"attention_backend": "triton"}, True),
     ]
-    if device.type != "cuda":   # no Triton and no CUDA graphs on the CPU
-        configs = [("torch attention, eager", "torch", True, False), ("+ fusions", "torch", True, True)]
+    if device.type != "cuda":   # no Triton, CUDA graphs or overlap on the CPU
+        configs = [("torch attention, eager", eager, False), ("+ fusions", eager, True)]
     if not fusions_switch_exists():
         print(f"note: the engine does not read {FUSIONS_ENV}: fusions stay as built in every row")
-        configs = [(name, backend, eager, True) for name, backend, eager, fusions in configs if not fusions]
+        configs = [(name, options, True) for name, options, fusions in configs if fusions]
     work, single = sizes.ablation, sizes.ablation_single
     prompts = random_prompts(work, shape.vocab_size, seed=200)
     single_prompt = random_prompts(single, shape.vocab_size, seed=201)
     rows = []
-    for name, backend, eager, fusions in configs:
+    for name, options, fusions in configs:
         print(f"\nablation: {name}")
         if fusions:
             os.environ.pop(FUSIONS_ENV, None)
@@ -335,17 +340,21 @@ def run_ablation(args, sizes: Sizes, shape: ModelShape, device: torch.device) ->
         try:
             llm = build_llm(args, max_num_seqs=work.num_requests,
                             max_model_len=max(work.prompt_len + work.output_len, single.prompt_len + single.output_len),
-                            attention_backend=backend, enforce_eager=eager)
+                            **options)
         finally:
             os.environ.pop(FUSIONS_ENV, None)
         warm_up(llm, work, shape.vocab_size)
         run = timed_generate(llm, prompts, work.output_len)
         run1 = timed_generate(llm, single_prompt, single.output_len)
-        rows.append({"config": name, "attention_backend": backend, "cuda_graphs": not eager, "fusions": fusions,
+        engine = llm.llm_engine
+        rows.append({"config": name, "attention_backend": options["attention_backend"],
+                     "cuda_graphs": not options.get("enforce_eager", False),
+                     "cuda_graph_max_tokens": options.get("cuda_graph_max_tokens", engine.config.cuda_graph_max_tokens),
+                     "fusions": fusions, "async_scheduling": engine.async_scheduling,
                      "output_tokens_per_s": run["output_tokens_per_s"], "total_tokens_per_s": run["total_tokens_per_s"],
                      "elapsed_s": run["elapsed_s"], "single_stream_ms_per_token": run1["median_tpot_ms"]})
         print(f"  {run['output_tokens_per_s']:.1f} output tok/s; single stream {run1['median_tpot_ms']:.2f} ms/token")
-        del llm
+        del llm, engine
         free_device_memory(device)
     return rows
 
