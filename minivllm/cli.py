@@ -10,6 +10,7 @@ import re
 import sys
 
 from minivllm.config import EngineConfig
+from minivllm.core.scheduler import SchedulerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -45,9 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--max-num-waiting", type=int, default=None,
                    help="reject requests with HTTP 429 while this many are waiting (default: no limit)")
     g.add_argument("--small-batch-prefill-tokens", type=int, default=512 if serving else None,
-                   help="while at most 8 sequences run, a step computes at most this many prompt tokens, so prompts "
-                        "arriving together get first tokens one chunk apart rather than all after the whole batch "
-                        f"(chunked prefill only; default: {'512' if serving else 'off'}; 0: off)")
+                   help=f"while at most {SchedulerConfig.small_batch_max_seqs} sequences run, a step computes at "
+                        "most this many prompt tokens, so prompts arriving together get first tokens one chunk "
+                        f"apart rather than all after the whole batch (chunked prefill only; default: "
+                        f"{'512' if serving else 'off'}; 0: off)")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=4096,
                    help="steps with prompt tokens of up to this many tokens replay CUDA graphs too (0: decode only)")

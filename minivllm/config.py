@@ -23,8 +23,8 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"     # "fcfs" | "priority"
     max_num_waiting: int | None = None  # admission control: reject beyond this many waiting requests
-    # While at most 8 sequences run, a step takes at most this many prompt tokens: prompts that arrive
-    # together are prefilled one after another (see SchedulerConfig). None: off; `serve` defaults to 512.
+    # While few sequences run (SchedulerConfig.small_batch_max_seqs), a step takes at most this many prompt
+    # tokens: prompts that arrive together are prefilled one after another. None: off; `serve` uses 512.
     small_batch_prefill_tokens: int | None = None
     enforce_eager: bool = False
     # Steps with prompt tokens (prefill, chunks, prefix hits) of up to this many tokens also replay a
