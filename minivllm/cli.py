@@ -4,6 +4,7 @@ run one prompt through the offline `LLM` API and print the result. Engine flags 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -58,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         "one step more TTFT for new requests (default: on with CUDA, off on CPU)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' or '
+                        '\'{"method": "draft_model", "draft_layers": 8}\'')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -72,7 +76,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         attention_backend=args.attention_backend,
-        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,8 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "triton"; None picks by device
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
+    # vLLM's speculative_config dict (spec_decode/config.py): {"method": "ngram" | "draft_model", ...}
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -52,5 +54,8 @@ class EngineConfig:
             raise ValueError("small_batch_prefill_tokens must be at least 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
+        if self.speculative_config is not None:
+            from minivllm.spec_decode.config import SpeculativeConfig
+            SpeculativeConfig.from_dict(self.speculative_config)  # validate early, with the reason
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")

@@ -200,6 +200,16 @@ class BlockManager:
         seq.block_table = []
         self._seq_block_hashes.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the tail blocks `seq` holds beyond its tokens (slots of rejected speculative drafts)."""
+        keep = _cdiv(max(seq.num_tokens, seq.num_computed_tokens), self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, f"{block} was not private to {seq}"
+            self.free_block_queue[block.block_id] = None
+            self.free_block_queue.move_to_end(block.block_id, last=False)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks; the first write into a shared partial block copies it."""
         assert not child.block_table

@@ -18,12 +18,20 @@ class SchedulerOutput:
     With async scheduling the last of those positions may hold a token still being sampled by the step in
     flight (`seq.num_pending_tokens`); the runner takes it from that step's device output.
     `num_computed_tokens` is the chunk's start; empty means "each sequence's current value".
+    `spec_token_ids[i]` (empty list when none, or the whole list empty when no sequence speculates) are
+    draft tokens appended to the chunk: the runner verifies them and samples num_drafts + 1 positions,
+    returning 1 to num_drafts + 1 tokens for that sequence.
     """
     seqs: list[Sequence] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_samples: list[int] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_spec_tokens(self) -> list[int]:
+        return [len(d) for d in self.spec_token_ids] if self.spec_token_ids else [0] * len(self.seqs)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -36,6 +44,7 @@ class SchedulerOutput:
 
 @dataclass
 class ModelOutput:
-    """Sampled tokens for each scheduled sequence, in `SchedulerOutput.seqs` order ([] when none)."""
+    """Sampled tokens for each scheduled sequence, in `SchedulerOutput.seqs` order ([] when none); a
+    speculating sequence gets its accepted drafts followed by one sampled token."""
     sampled_token_ids: list[list[int]]
     logprobs: list[list[SampleLogprobs]] | None = None

@@ -127,6 +127,9 @@ class Scheduler:
         """End one sequence (also used by the engine for stop strings): frees its blocks, leaves its queue."""
         assert status.is_finished
         if seq.is_finished:
+            # Already ended later in the same multi-token step (speculation); an earlier stop string wins.
+            if stop_reason is not None and isinstance(stop_reason, str):
+                seq.status, seq.stop_reason = status, stop_reason
             return
         queue = self.waiting if seq.status is SequenceStatus.WAITING else self.running
         queue.remove(seq)
@@ -157,6 +160,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
             num_new = 0 if self._ends_with_pending_token(seq) else seq.num_total_tokens - seq.num_computed_tokens
             if num_new > 0:
                 num_behind -= 1
@@ -167,7 +171,14 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while not block_manager.allocate_slots(seq, num_new):
+            # Drafts ride along a decode (one token behind, none in flight), as far as the budget allows.
+            if num_new != 1 or seq.num_pending_tokens:
+                drafts = []
+            drafts = drafts[:max(0, budget - num_behind - num_new)]
+            while not block_manager.allocate_slots(seq, num_new + len(drafts)):
+                if drafts:
+                    drafts = []  # speculate less before preempting anyone
+                    continue
                 victim = self.running[-1]  # scheduled ones sit before i, so the tail is never one of them
                 if victim is not seq and victim.num_computed_tokens < victim.num_total_tokens:
                     num_behind -= 1
@@ -176,8 +187,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append((seq, num_new))
-                budget -= num_new
+                scheduled.append((seq, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
 
         # 2. Waiting sequences, head of line only; none while preempting (their blocks would be taken back).
@@ -202,19 +213,22 @@ class Scheduler:
                 group.num_cached_tokens = num_hit_tokens
                 group.metrics.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
+            seq.spec_token_ids = []
             self.running.append(seq)
-            scheduled.append((seq, num_new))
+            scheduled.append((seq, num_new, []))
             budget -= num_new
             num_seq_slots += 1 + seq.num_pending_forks
 
         # 3. A sequence samples only when this step reaches its last token (then once per pending fork too).
         output = SchedulerOutput(blocks_to_copy=block_manager.take_blocks_to_copy())
-        for seq, num_new in scheduled:
+        if any(drafts for _, _, drafts in scheduled):
+            output.spec_token_ids = [drafts for _, _, drafts in scheduled]
+        for seq, num_new, drafts in scheduled:
             output.seqs.append(seq)
             output.num_computed_tokens.append(seq.num_computed_tokens)
-            output.num_scheduled_tokens.append(num_new)
-            seq.num_computed_tokens += num_new
-            done = seq.num_computed_tokens == seq.num_total_tokens
+            output.num_scheduled_tokens.append(num_new + len(drafts))
+            seq.num_computed_tokens += num_new + len(drafts)
+            done = seq.num_computed_tokens >= seq.num_total_tokens
             output.num_samples.append(1 + seq.num_pending_forks if done else 0)
             if done:
                 seq.num_pending_tokens += 1
@@ -233,6 +247,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -245,14 +260,19 @@ class Scheduler:
         """
         touched: dict[str, SequenceGroup] = {}
         now = time.monotonic()
+        num_spec_tokens = scheduler_output.num_spec_tokens
         for i, seq in enumerate(scheduler_output.seqs):
             if seq.is_finished:
                 continue  # aborted or stopped since schedule(): the tokens computed for it are dropped
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.cache_blocks(seq)
             # A sequence preempted after this step was scheduled still takes its sampled token: it is
             # the right continuation, and the recompute will include it.
             token_ids = model_output.sampled_token_ids[i] if model_output.sampled_token_ids else []
+            if num_spec_tokens[i]:
+                self._update_speculative(seq, num_spec_tokens[i], token_ids, model_output, i)
+                touched[seq.request_id] = seq.group
+                continue
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_blocks(seq)
             assert len(token_ids) == scheduler_output.num_samples[i], "runner sampled the wrong count"
             if not token_ids:
                 continue
@@ -279,6 +299,30 @@ class Scheduler:
             for target in seqs:
                 self._check_stop(target)
         return list(touched.values())
+
+    def _update_speculative(self, seq: Sequence, num_drafts: int, token_ids: list[int], model_output: ModelOutput,
+                            index: int) -> None:
+        """Take a verified step's accepted drafts plus one token; roll back the rejected drafts' KV."""
+        num_accepted = len(token_ids) - 1
+        assert 0 <= num_accepted <= num_drafts, "runner returned the wrong number of verified tokens"
+        seq.num_pending_tokens -= 1
+        if seq.status is SequenceStatus.RUNNING:
+            # Rejected positions hold KV of tokens that are not in the sequence: no longer computed, and
+            # the blocks only they used go back (no hash was ever taken of them).
+            seq.num_computed_tokens -= num_drafts - num_accepted
+            self.block_manager.cache_blocks(seq)
+        group, now = seq.group, time.monotonic()
+        group.metrics.spec_num_draft_tokens += num_drafts
+        group.metrics.spec_num_accepted_tokens += num_accepted
+        logprobs = model_output.logprobs[index] if model_output.logprobs is not None else [None] * len(token_ids)
+        for token_id, token_logprobs in zip(token_ids, logprobs):
+            seq.append_token(token_id, token_logprobs)
+            self._check_stop(seq)
+            if seq.is_finished:
+                break  # tokens after a stop are dropped, exactly as if they had come one per step
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.trim(seq)
+        group.metrics.last_token_time = now
 
     def _check_stop(self, seq: Sequence) -> None:
         params = seq.sampling_params

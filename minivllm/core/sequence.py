@@ -53,6 +53,9 @@ class Sequence:
         # Sampled by a step still in flight (async scheduling), not yet appended to token_ids.
         self.num_pending_tokens = 0
         self.block_table: list[int] = []
+        # Draft tokens to verify in the next step (speculative decoding), set before scheduling; -1
+        # marks a draft the runner's device proposer fills in. Cleared when the step is scheduled.
+        self.spec_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_logprobs: list[SampleLogprobs] = []
@@ -112,6 +115,13 @@ class Sequence:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
+    def truncate(self, num_tokens: int) -> None:
+        """Drop tokens past `num_tokens` (and their logprobs) of a finished sequence: a stop string
+        matched before the end of a multi-token (speculative) step."""
+        assert self.is_finished and num_tokens >= self.num_prompt_tokens
+        del self.output_logprobs[num_tokens - self.num_prompt_tokens:]
+        del self.token_ids[num_tokens:]
+
     def fork(self, index: int) -> Sequence:
         """A sibling sharing the prompt: its one token (appended by the caller) is the last not computed.
         Its blocks are shared by the BlockManager."""
@@ -132,6 +142,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass

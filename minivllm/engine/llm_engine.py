@@ -21,6 +21,8 @@ from minivllm.engine.tokenizer import load_tokenizer
 from minivllm.models.loader import resolve_model
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.controller import SpecDecodeStats, SpeculationController
 from minivllm.worker.model_runner import ModelRunner, PendingModelOutput
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    spec_decode: SpecDecodeStats | None = None
 
 
 class _InFlightStep(NamedTuple):
@@ -108,6 +111,8 @@ class LLMEngine:
         self._in_flight: _InFlightStep | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+        self.spec = None if spec_config is None else SpeculationController(spec_config, self.max_model_len)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
@@ -164,12 +169,18 @@ class LLMEngine:
         Penalties need every previous token on the host, so a step using them is read back before the
         next is scheduled; a step that samples some request's first token is read back at once.
         """
+        started = time.perf_counter()
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self._in_flight.needs_sync:
+        # Speculation needs every token on the host (drafts continue it): a step that may speculate
+        # first reads back the step in flight.
+        num_drafts = self.spec.choose_k(self.scheduler.running) if self.spec is not None else 0
+        if self._in_flight is not None and (self._in_flight.needs_sync or num_drafts):
             outputs = self._complete_in_flight()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, num_drafts)
         scheduler_output = self.scheduler.schedule()
         launched = None
-        read_back_now = not self.async_scheduling
+        read_back_now = not self.async_scheduling or bool(scheduler_output.spec_token_ids)
         if not scheduler_output.is_empty:
             needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
             launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
@@ -182,6 +193,8 @@ class LLMEngine:
         self._in_flight = launched
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
+        if self.spec is not None and launched is not None:
+            self.spec.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
         return outputs
 
     def _complete_in_flight(self) -> list[RequestOutput]:
@@ -198,6 +211,11 @@ class LLMEngine:
                                           scheduler_output.num_scheduled_tokens, model_output.sampled_token_ids):
             self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
             self.num_generation_tokens += len(samples)
+        if scheduler_output.spec_token_ids:
+            for seq, drafts, samples in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
+                                            model_output.sampled_token_ids):
+                if drafts and samples:
+                    self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
 
     def _seq_state(self, seq: Sequence) -> _SeqOutputState:
         state = self._outputs.get(seq.seq_id)
@@ -211,11 +229,10 @@ class LLMEngine:
         state = self._seq_state(seq)
         new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_seen:]
         if new_ids:
-            state.num_seen += len(new_ids)
             if state.detokenizer is not None:
-                _, stop_string = state.detokenizer.update(new_ids, finished=seq.is_finished)
-                if stop_string is not None and not seq.is_finished:
-                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
+                self._detokenize(seq, state, new_ids)
+            else:
+                state.num_seen += len(new_ids)
             for lp in seq.output_logprobs[len(state.logprobs):]:
                 state.logprobs.append({
                     tid: Logprob(value, rank=lp.rank if k == 0 else k,
@@ -233,12 +250,30 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
         )
 
+    def _detokenize(self, seq: Sequence, state: _SeqOutputState, new_ids: list[int]) -> None:
+        """Feed new ids to the detokenizer. Several ids at once (a verified speculative step) go one by one
+        when the request has stop strings: a match ends the sequence at that token, as it would have
+        without speculation, and the later ids are dropped."""
+        chunks = [new_ids] if len(new_ids) == 1 or not seq.sampling_params.stop else [[t] for t in new_ids]
+        for n, chunk in enumerate(chunks):
+            last = n == len(chunks) - 1
+            state.num_seen += len(chunk)
+            _, stop_string = state.detokenizer.update(chunk, finished=seq.is_finished and last)
+            if stop_string is None:
+                continue
+            self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
+            if not last:
+                seq.truncate(seq.num_prompt_tokens + state.num_seen)
+            return
+
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         outputs = [self._completion(seq) for seq in sorted(group.seqs, key=lambda s: s.index)]
         finished = group.is_finished
         if finished:
             for seq in group.seqs:
                 self._outputs.pop(seq.seq_id, None)
+                if self.spec is not None:
+                    self.spec.forget(seq.seq_id)
             if group.metrics.finished_time is None:
                 group.metrics.finished_time = time.monotonic()
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
@@ -250,7 +285,8 @@ class LLMEngine:
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
                            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
-                           num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+                           num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+                           spec_decode=self.spec.stats if self.spec is not None else None)
 
     def shutdown(self) -> None:
         """Abort every unfinished request and forget the step in flight."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 
 # Probability mass this close to top_p counts as reaching it: fp32 softmax rounds each probability,
 # and without slack a nucleus whose exact mass equals top_p would gain one token by rounding alone.
@@ -166,12 +167,16 @@ class Sampler(nn.Module):
         super().__init__()
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """`logits` [S, V]; may be overwritten in place when they are already fp32."""
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                spec: SpecDecodeMetadata | None = None) -> SamplerOutput:
+        """`logits` [S, V]; may be overwritten in place when they are already fp32.
+
+        With `spec`, rows verifying draft tokens go through rejection sampling: a speculating sequence's
+        rows then hold its accepted drafts, its corrected or bonus token, and -1 past that."""
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
         if metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.modifies_logits:
             # Widening to fp32 is exact and monotonic, so the argmax of the raw logits is the same token.
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(self._verify(logits.argmax(dim=-1), None, spec), None, None, None)
         logits = logits.float()
         raw_logprobs = compute_logprobs(logits) if metadata.max_num_logprobs is not None else None
 
@@ -185,6 +190,7 @@ class Sampler(nn.Module):
                                      metadata.repetition_penalties)
 
         greedy_tokens = None if metadata.all_random else logits.argmax(dim=-1)
+        probs = None
         if metadata.all_greedy:
             token_ids = greedy_tokens
         else:
@@ -193,14 +199,29 @@ class Sampler(nn.Module):
                                              max_k=metadata.max_top_k)
             probs = logits.softmax(dim=-1)
             noise = self._exponential_noise(probs, metadata)
-            token_ids = random_sample(probs, noise)
+            # random_sample overwrites its input; verification needs the distributions themselves.
+            token_ids = random_sample(probs.clone() if spec is not None else probs, noise)
             if greedy_tokens is not None:
                 token_ids = torch.where(metadata.greedy_mask, greedy_tokens, token_ids)
+        token_ids = self._verify(token_ids, probs, spec)
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
-        ids, values, ranks = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, token_ids)
+        ids, values, ranks = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, token_ids.clamp_min(0))
         return SamplerOutput(token_ids, ids, values, ranks)
+
+    @staticmethod
+    def _verify(token_ids: torch.Tensor, probs: torch.Tensor | None,
+                spec: SpecDecodeMetadata | None) -> torch.Tensor:
+        """Replace the rows of speculating sequences by the outcome of verifying their drafts."""
+        if spec is None:
+            return token_ids
+        output, _ = rejection_sample(token_ids, probs, spec)
+        # Padding entries of row_index repeat a sequence's last row: give them that row's value, so
+        # the scatter writes each row one value (a boolean mask would cost a host sync).
+        positions = torch.arange(output.shape[1], device=output.device).unsqueeze(0)
+        values = output.gather(1, torch.minimum(positions, spec.num_drafts.unsqueeze(1)))
+        return token_ids.scatter(0, spec.row_index.flatten(), values.flatten())
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Exp(1) noise per logit: one batched draw, then seeded rows redrawn from their own generator state."""

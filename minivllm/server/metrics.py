@@ -61,6 +61,16 @@ class _EngineStatsCollector(Collector):
                       stats.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)
+            family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for position, value in enumerate(spec.accepted_per_position):
+                family.add_metric([self.model_name, str(position)], value)
+            yield family
 
 
 class ServerMetrics:

@@ -21,8 +21,10 @@ class SequenceSamplingRow(SamplingRow):
     """A SamplingRow that reads its token lists from the sequence only when the sampler asks (penalties),
     instead of copying both lists for every row of every step."""
 
-    def __init__(self, seq: Sequence, sample_index: int) -> None:
+    def __init__(self, seq: Sequence, sample_index: int, drafts: list[int] = ()) -> None:
+        """`drafts`: the draft tokens before this row's position (a verified position sees them as output)."""
         self.seq, self.params, self.sample_index = seq, seq.sampling_params, sample_index
+        self.drafts = list(drafts)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -30,13 +32,13 @@ class SequenceSamplingRow(SamplingRow):
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.seq.output_token_ids
+        return self.seq.output_token_ids + self.drafts if self.drafts else self.seq.output_token_ids
 
     @property
     def num_output_tokens(self) -> int:
         # Tokens before this row's sample: the appended ones plus any still in flight (the scheduler
-        # counted this row's own sample as pending already).
-        return self.seq.num_output_tokens + self.seq.num_pending_tokens - 1
+        # counted this row's own sample as pending already), plus the drafts before this position.
+        return self.seq.num_output_tokens + self.seq.num_pending_tokens - 1 + len(self.drafts)
 
 
 @dataclass
@@ -47,6 +49,29 @@ class PreviousSamples:
 
 
 @dataclass
+class SpecLayout:
+    """Where a step's draft tokens sit: N speculating sequences with up to K drafts each (host arrays,
+    then device copies). Drafts marked -1 are proposed on the device and written into `input_ids`."""
+    seq_index: np.ndarray          # [N] index of each speculating sequence in the SchedulerOutput
+    num_drafts: np.ndarray         # [N]
+    draft_token_ids: np.ndarray    # [N, K] -1 = proposed on the device (and past num_drafts)
+    row_index_cpu: np.ndarray      # [N, K + 1]
+    last_positions: np.ndarray     # [N] position of each one's last known token (the one before its drafts)
+    row_index: torch.Tensor        # [N, K + 1] sampling rows of the verified positions (device)
+    draft_positions: torch.Tensor  # [N, K] flat input rows holding the drafts (device; pads repeat the last)
+    num_drafts_d: torch.Tensor     # [N] (device)
+    draft_token_ids_d: torch.Tensor  # [N, K] (device)
+
+    @property
+    def max_num_drafts(self) -> int:
+        return self.draft_token_ids.shape[1]
+
+    @property
+    def proposed_on_device(self) -> bool:
+        return bool((self.draft_token_ids[:, 0] < 0).any())
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor       # [T] int64 (pending tokens filled in on the device)
     positions: torch.Tensor       # [T] int64
@@ -54,6 +79,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from (repeated for forks)
     sampling_rows: list[SamplingRow]
     sample_row_of_seq: dict[int, int]  # seq_id -> the sampling row of its own next token
+    spec: SpecLayout | None = None     # draft tokens to verify, if any sequence speculates
 
 
 class StagingBuffer:
@@ -150,10 +176,12 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
     np.cumsum(num_scheduled, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
 
+    spec_tokens = scheduler_output.spec_token_ids or [[]] * len(seqs)
     token_ids: list[int] = []
     fill_positions: list[int] = []  # flat input rows whose token is still being sampled
     fill_rows: list[int] = []       # ... and its row in the in-flight step's sampled ids
-    for seq, start, n in zip(seqs, starts.tolist(), num_scheduled.tolist()):
+    for seq, start, n, drafts in zip(seqs, starts.tolist(), num_scheduled.tolist(), spec_tokens):
+        n -= len(drafts)
         known = seq.token_ids[start:start + n]
         token_ids.extend(known)
         if len(known) < n:
@@ -161,6 +189,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
             fill_positions.append(len(token_ids))
             fill_rows.append(previous_samples.row_of_seq[seq.seq_id])
             token_ids.append(0)
+        token_ids.extend(max(t, 0) for t in drafts)  # device-proposed drafts are written in later
 
     max_blocks = max(len(s.block_table) for s in seqs)
     block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
@@ -176,17 +205,31 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
     logits_indices: list[int] = []
     rows: list[SamplingRow] = []
     sample_row_of_seq: dict[int, int] = {}
-    for i, (seq, num_samples) in enumerate(zip(seqs, scheduler_output.num_samples)):
+    spec_rows: list[list[int]] = []  # per speculating sequence: the sampling rows of its verified positions
+    for i, (seq, num_samples, drafts) in enumerate(zip(seqs, scheduler_output.num_samples, spec_tokens)):
         if num_samples:
             sample_row_of_seq[seq.seq_id] = len(rows)
+        end = int(query_start_loc[i + 1])
+        if drafts:
+            # Every draft position and the one after the last draft are scored: num_drafts + 1 rows.
+            spec_rows.append(list(range(len(rows), len(rows) + len(drafts) + 1)))
+            for j in range(len(drafts) + 1):
+                logits_indices.append(end - 1 - len(drafts) + j)
+                rows.append(SequenceSamplingRow(seq, sample_index=seq.index, drafts=drafts[:j]))
+            continue
         for k in range(num_samples):
-            logits_indices.append(int(query_start_loc[i + 1]) - 1)
+            logits_indices.append(end - 1)
             # A forking sequence samples for its future siblings too: sample k becomes sibling k.
             rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
 
-    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d = stager.int64.transfer([
-        np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, np.asarray(logits_indices, dtype=np.int64),
-        np.asarray(fill_positions, dtype=np.int64), np.asarray(fill_rows, dtype=np.int64)])
+    int64_arrays = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping,
+                    np.asarray(logits_indices, dtype=np.int64), np.asarray(fill_positions, dtype=np.int64),
+                    np.asarray(fill_rows, dtype=np.int64)]
+    spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
+    if spec_host is not None:
+        int64_arrays += list(spec_host[1:])
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = \
+        stager.int64.transfer(int64_arrays)
     if fill_positions:
         input_ids_d[fill_positions_d] = previous_samples.token_ids[fill_rows_d]
     query_start_loc_d, seq_lens_d, block_tables_d = stager.int32.transfer([
@@ -208,4 +251,28 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         logits_indices=logits_indices_d,
         sampling_rows=rows,
         sample_row_of_seq=sample_row_of_seq,
+        spec=None if spec_host is None else SpecLayout(
+            seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
+            last_positions=positions[spec_host[4][:, 0] - 1],
+            num_drafts_d=spec_d[0], draft_token_ids_d=spec_d[1], row_index=spec_d[2], draft_positions=spec_d[3]),
     )
+
+
+def _spec_layout_arrays(spec_tokens: list[list[int]], spec_rows: list[list[int]], query_start_loc: np.ndarray
+                        ) -> tuple[np.ndarray, ...]:
+    """(seq_index, num_drafts, draft ids, row index, draft positions), padded to the longest draft list."""
+    seq_index = np.asarray([i for i, drafts in enumerate(spec_tokens) if drafts], dtype=np.int64)
+    num_drafts = np.asarray([len(spec_tokens[i]) for i in seq_index], dtype=np.int64)
+    k = int(num_drafts.max())
+    draft_ids = np.full((len(seq_index), k), -1, dtype=np.int64)
+    row_index = np.empty((len(seq_index), k + 1), dtype=np.int64)
+    draft_positions = np.empty((len(seq_index), k), dtype=np.int64)
+    for n, (i, rows) in enumerate(zip(seq_index.tolist(), spec_rows)):
+        d = len(rows) - 1
+        draft_ids[n, :d] = spec_tokens[i]
+        row_index[n, :d + 1] = rows
+        row_index[n, d + 1:] = rows[-1]
+        first = int(query_start_loc[i + 1]) - d
+        draft_positions[n, :d] = np.arange(first, first + d)
+        draft_positions[n, d:] = first + d - 1
+    return seq_index, num_drafts, draft_ids, row_index, draft_positions

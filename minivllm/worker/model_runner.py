@@ -18,7 +18,10 @@ from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
 from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
-from minivllm.models.loader import ModelSource, load_model
+from minivllm.models.loader import ModelSource, load_model, resolve_model
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
+from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
@@ -65,8 +68,13 @@ class ModelRunner:
                     self.dtype, self.device, time.perf_counter() - started)
         self.weight_bytes = weight_bytes
 
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.proposer = self._load_proposer(SpeculativeConfig.from_dict(config.speculative_config))
+        # A separate draft model's attention layers come after the target's: block i of the pool holds
+        # KV in both.
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.proposer is not None and not self.proposer.shares_target_kv:
+            self.attention_layers += [m for m in self.proposer.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
@@ -74,7 +82,8 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         peak = self._profile_peak_memory(max_num_batched_tokens)
         budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
-        per_block = kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+                        for layer in self.attention_layers)
         num_blocks = budget // per_block
         if config.num_gpu_blocks_override is not None:
             num_blocks = min(num_blocks, config.num_gpu_blocks_override)
@@ -83,8 +92,15 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, self.device)
+        self.draft_kv_cache = None
+        if len(self.attention_layers) > self.num_layers:
+            draft = self.attention_layers[self.num_layers]
+            self.draft_kv_cache = allocate_kv_cache(len(self.attention_layers) - self.num_layers, self.num_blocks,
+                                                    self.block_size, draft.num_kv_heads, draft.head_dim, self.dtype,
+                                                    self.device)
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            cache, index = (self.kv_cache, i) if i < self.num_layers else (self.draft_kv_cache, i - self.num_layers)
+            layer.k_cache, layer.v_cache = cache[0, index], cache[1, index]
         self.kv_cache_bytes = self.num_blocks * per_block
         self.kv_budget_bytes = budget
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
@@ -94,6 +110,21 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         self.host_buffers = PinnedBufferPool()
         self._previous_samples: PreviousSamples | None = None
+
+    def _load_proposer(self, spec_config: SpeculativeConfig | None) -> DraftModelProposer | None:
+        """The device proposer of a draft_model speculative config (n-gram proposals come from the host)."""
+        if spec_config is None or not spec_config.uses_draft_model:
+            return None
+        if spec_config.draft_layers is not None:
+            return DraftModelProposer(EarlyExitModel(self.model, spec_config.draft_layers), shares_target_kv=True)
+        source = resolve_model(spec_config.model, self.config.load_format if self.config.load_format == "dummy"
+                               else "auto")
+        if source.hf_config.vocab_size != self.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({source.hf_config.vocab_size}) differs from the "
+                             f"target's ({self.vocab_size}): a draft must share the target's tokenizer")
+        draft = load_model(source, self.dtype, self.device, self.config.load_format, self.config.seed + 1).eval()
+        logger.info("draft model %s loaded", source.name)
+        return DraftModelProposer(draft, shares_target_kv=False)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -161,16 +192,34 @@ class ModelRunner:
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
+        draft_ids, draft_probs = self._propose(inputs)
         hidden = self._forward(inputs)
         if not inputs.sampling_rows:
             self._previous_samples = None
             return PendingModelOutput(self, scheduler_output, inputs, None, None, [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
-        output = self.sampler(logits, metadata)
+        spec = None if inputs.spec is None else build_spec_metadata(
+            inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
+        output = self.sampler(logits, metadata, spec)
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
         host_output, ready, buffers = self._start_copy_to_host(output)
         return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers)
+
+    def _propose(self, inputs: ModelInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the device proposer (drafts written into `inputs.input_ids`); (None, None) without one."""
+        if self.proposer is None:
+            return None, None
+        spec = inputs.spec
+        if spec is None or not spec.proposed_on_device:
+            self.proposer.catch_up(inputs.input_ids, inputs.positions, inputs.metadata)
+            return None, None
+        rows_per_step = [SamplingMetadata.build([inputs.sampling_rows[r] for r in spec.row_index_cpu[:, j].tolist()],
+                                                self.vocab_size, self.device)
+                         for j in range(spec.max_num_drafts)]
+        last_hidden_index = spec.draft_positions[:, 0] - 1
+        return self.proposer.propose(inputs.input_ids, inputs.positions, inputs.metadata, spec, rows_per_step,
+                                     last_hidden_index, spec.last_positions.tolist())
 
     def _start_copy_to_host(self, output: SamplerOutput
                             ) -> tuple[SamplerOutput, torch.cuda.Event | None, list[torch.Tensor]]:
@@ -202,11 +251,14 @@ class ModelRunner:
         logprobs: list[list[SampleLogprobs]] | None = [[] for _ in scheduler_output.seqs] \
             if per_row_logprobs is not None else None
         row = 0
-        for i, num_samples in enumerate(scheduler_output.num_samples):
-            for _ in range(num_samples):
-                sampled[i].append(token_ids[row])
-                if logprobs is not None:
-                    logprobs[i].append(per_row_logprobs[row])
+        for i, (num_samples, num_drafts) in enumerate(zip(scheduler_output.num_samples,
+                                                          scheduler_output.num_spec_tokens)):
+            # A verified sequence has num_drafts + 1 rows: its accepted drafts, one more token, then -1s.
+            for _ in range(num_drafts + 1 if num_drafts else num_samples):
+                if token_ids[row] >= 0:
+                    sampled[i].append(token_ids[row])
+                    if logprobs is not None:
+                        logprobs[i].append(per_row_logprobs[row])
                 row += 1
         return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs)
 

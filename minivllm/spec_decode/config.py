@@ -1,0 +1,60 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dict, validated once.
+
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
+    {"method": "draft_model", "draft_layers": N, "num_speculative_tokens": 4}   # the target's first N layers
+
+`adaptive` (minivllm's own, default on) lets the engine pick k per step, down to 0, from measured
+acceptance and step cost; off, every eligible sequence speculates `num_speculative_tokens` each step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None          # draft_model: a folder, .gguf or dummy config name
+    draft_layers: int | None = None   # draft_model: the target's first N layers (self-speculation)
+    adaptive: bool = True
+
+    @classmethod
+    def from_dict(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            value = {**value, "method": "draft_model" if value.get("model") or value.get("draft_layers") else "ngram"}
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft":   # vLLM's older name
+            self.method = "draft_model"
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.method == "ngram":
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        elif (self.model is None) == (self.draft_layers is None):
+            raise ValueError("draft_model needs exactly one of 'model' (a draft checkpoint) or 'draft_layers' "
+                             "(the target's first N layers)")
+        elif self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be at least 1, got {self.draft_layers}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"

@@ -1,0 +1,330 @@
+"""Speculative decoding: proposers, exact verification, KV rollback, adaptive k — against the engine
+without speculation (greedy: identical tokens; sampling: the same distribution)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import ModelOutput
+from minivllm.core.scheduler import Scheduler, SchedulerConfig
+from minivllm.core.sequence import SequenceGroup
+from minivllm.spec_decode import rejection_sampler
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.controller import SpeculationController
+from minivllm.spec_decode.ngram import NgramProposer
+from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
+from tests.conftest import make_tiny_hf_checkpoint
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
+DRAFT_LAYERS = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3, "adaptive": False}
+
+
+# ---- pieces --------------------------------------------------------------------------------------------------
+
+def test_ngram_proposes_continuation_of_latest_longest_match():
+    proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+    #                 0  1  2  3  4  5  6  7  8  9
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]   # latest of two 3-gram matches
+    assert proposer.propose([5, 6, 1, 2, 8, 8, 2], 2) == [8, 8]                  # only the 1-gram "2" recurs
+    assert proposer.propose([1, 2, 3, 4], 3) == []                               # nothing recurs
+    assert proposer.propose([4, 5, 4], 5) == [5, 4]                              # shorter than k near the end
+    assert NgramProposer(2, 3).propose([1, 2, 3, 9, 4, 3], 2) == []              # a 1-gram is below the minimum
+
+
+def test_speculative_config_validation():
+    assert SpeculativeConfig.from_dict({"draft_layers": 4}).method == "draft_model"
+    for bad in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},
+                {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+                {"method": "draft_model"}, {"method": "draft_model", "model": "x", "draft_layers": 2},
+                {"method": "ngram", "bogus": 1}):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.from_dict(bad)
+
+
+def _chi_square_p_value(counts_a: Counter, counts_b: Counter, min_expected: float = 5.0) -> float:
+    """Two-sample chi-square test of equal distributions; rare categories are pooled."""
+    total_a, total_b = sum(counts_a.values()), sum(counts_b.values())
+    keys = sorted(set(counts_a) | set(counts_b))
+    cells, pooled = [], [0, 0]
+    for key in keys:
+        a, b = counts_a.get(key, 0), counts_b.get(key, 0)
+        if (a + b) * min(total_a, total_b) / (total_a + total_b) < min_expected:
+            pooled[0] += a
+            pooled[1] += b
+        else:
+            cells.append((a, b))
+    if sum(pooled):
+        cells.append(tuple(pooled))
+    statistic = 0.0
+    for a, b in cells:
+        n = a + b
+        for observed, total in ((a, total_a), (b, total_b)):
+            expected = n * total / (total_a + total_b)
+            statistic += (observed - expected) ** 2 / expected
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("deterministic_drafts", [True, False])
+def test_rejection_sampling_reproduces_the_target_distribution(deterministic_drafts):
+    """Three positions drawn through verification are distributed as three draws from p (the target
+    distributions here do not depend on the prefix, so each position's marginal must be p_j)."""
+    torch.manual_seed(0)
+    vocab, k, n = 6, 2, 40_000
+    p = torch.softmax(1.5 * torch.randn(k + 1, vocab), dim=-1)
+    q = torch.softmax(torch.randn(k, vocab), dim=-1)
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True) for j in range(k)], dim=1)
+    if deterministic_drafts:
+        drafts = torch.full((n, k), 1)
+    probs = p.repeat(n, 1)
+    sampled = torch.multinomial(probs, 1).squeeze(1)
+    spec = SpecDecodeMetadata(
+        row_index=torch.arange(n * (k + 1)).view(n, k + 1), num_drafts=torch.full((n,), k), draft_token_ids=drafts,
+        draft_probs=None if deterministic_drafts else q.expand(n, k, vocab), is_greedy=torch.zeros(n, dtype=torch.bool),
+        uniform=torch.rand(n, k), residual_noise=torch.empty(n, vocab).exponential_())
+    output, num_accepted = rejection_sample(sampled, probs, spec)
+    assert 0 < num_accepted.float().mean() < k
+    for j in range(k + 1):
+        kept = output[:, j][output[:, j] >= 0]
+        reference = Counter(torch.multinomial(p[j], len(kept), replacement=True).tolist())
+        assert _chi_square_p_value(Counter(kept.tolist()), reference) > 1e-4, f"position {j}"
+
+
+def test_greedy_verification_accepts_while_argmax_matches():
+    # Targets (argmax per position) 5 7 9 2; drafts 5 7 4 -> accept two, then the target's 9.
+    sampled = torch.tensor([5, 7, 9, 2])
+    spec = SpecDecodeMetadata(
+        row_index=torch.tensor([[0, 1, 2, 3]]), num_drafts=torch.tensor([3]), draft_token_ids=torch.tensor([[5, 7, 4]]),
+        draft_probs=None, is_greedy=torch.tensor([True]), uniform=torch.rand(1, 3),
+        residual_noise=torch.ones(1, 10))
+    output, accepted = rejection_sample(sampled, None, spec)
+    assert output.tolist() == [[5, 7, 9, -1]] and accepted.tolist() == [2]
+    spec.draft_token_ids = torch.tensor([[5, 7, 9]])
+    output, accepted = rejection_sample(sampled, None, spec)
+    assert output.tolist() == [[5, 7, 9, 2]] and accepted.tolist() == [3]   # all accepted: bonus token
+
+
+def test_scheduler_rolls_back_rejected_drafts_and_frees_their_blocks():
+    block_manager = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), block_manager)
+    group = SequenceGroup("r", None, list(range(6)), SamplingParams(max_tokens=20))
+    scheduler.add_seq_group(group)
+    seq = group.seqs[0]
+    out = scheduler.schedule()
+    scheduler.update(out, ModelOutput([[100]]))                 # prompt done: 7 tokens, 6 computed
+    seq.spec_token_ids = [101, 102, 103, 104, 105]
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == [6] and out.spec_token_ids == [[101, 102, 103, 104, 105]]
+    assert len(seq.block_table) == 3 and seq.num_computed_tokens == 12
+    scheduler.update(out, ModelOutput([[101, 102, 200]]))       # two accepted, then a corrected token
+    assert seq.token_ids[6:] == [100, 101, 102, 200]
+    assert seq.num_computed_tokens == 9 and len(seq.block_table) == 3   # 10 tokens need 3 blocks of 4
+    seq.spec_token_ids = [7, 8, 9, 10, 11]
+    out = scheduler.schedule()
+    scheduler.update(out, ModelOutput([[300]]))                 # nothing accepted
+    assert seq.num_computed_tokens == 10 and len(seq.block_table) == 3 and seq.num_tokens == 11
+    block_manager.check_integrity([seq])
+    # Hashes only for blocks of accepted tokens: blocks 0 and 1 are full and computed.
+    assert len(block_manager.cached_block_hash_to_block) == 2
+    scheduler.abort_request("r")
+    assert block_manager.num_free_blocks == 16
+
+
+def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_much():
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1024)
+    group = SequenceGroup("r", None, [1, 2, 3], SamplingParams(max_tokens=100))
+    seq = group.seqs[0]
+    seq.append_token(4)
+    seq.num_computed_tokens = 3
+    assert controller.choose_k([seq]) == 4           # nothing measured: optimistic
+    for _ in range(5):
+        controller.observe_verification(seq, 4, 1)   # low acceptance (~0.2 per token)
+    for num_tokens, seconds in ((1, 0.010), (2, 0.016), (3, 0.024), (5, 0.030)):
+        controller.observe_step(num_tokens, seconds)  # verifying 4 drafts costs 3x a decode
+    assert controller.choose_k([seq]) == 0
+    for _ in range(50):
+        controller.observe_verification(seq, 4, 4)   # high acceptance
+    for num_tokens in (2, 3, 5) * 20:
+        controller.observe_step(num_tokens, 0.011)   # and cheap verification: speculate again
+    assert controller.choose_k([seq]) == 4
+
+
+# ---- the engine: greedy exactness ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_hf_checkpoint(folder, "llama3")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    make_tiny_hf_checkpoint(folder, "llama-tied-bias", seed=3)   # another architecture variant, same vocabulary
+    return str(folder)
+
+
+def _tiny_llm(model: str, speculative_config=None, **kwargs) -> LLM:
+    options = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory=4 * 2**20, max_model_len=256,
+                   seed=0, speculative_config=speculative_config)
+    options.update(kwargs)
+    return LLM(model, **options)
+
+
+def _repetitive_prompts(count: int, length: int = 40, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeated phrases (shared prefixes across prompts), so n-grams recur."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 128, 16).tolist()
+    prompts = []
+    for _ in range(count):
+        phrase = rng.integers(3, 128, 5).tolist()
+        body = (phrase * (length // 5 + 1))[:length - 16]
+        prompts.append(prefix + body)
+    return prompts
+
+
+def _generate(llm: LLM, prompts, params):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.block_manager.check_integrity()
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    return outputs
+
+
+def _engine_variants(tiny_model, tiny_draft):
+    return {"ngram": dict(speculative_config=NGRAM), "draft_layers": dict(speculative_config=DRAFT_LAYERS),
+            "draft_model": dict(speculative_config={"method": "draft_model", "model": tiny_draft,
+                                                    "num_speculative_tokens": 2, "adaptive": False})}
+
+
+@pytest.mark.parametrize("variant", ["ngram", "draft_layers", "draft_model"])
+def test_greedy_is_token_identical_under_batching_chunking_prefix_hits_and_preemption(variant, tiny_model, tiny_draft):
+    prompts = _repetitive_prompts(10)
+    params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(len(prompts))]
+    # Small budget (chunked prefill), a KV pool too small for all (preemption), shared prefixes (hits).
+    engine_options = dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, block_size=4, max_num_seqs=8,
+                          max_model_len=128)
+    reference = _generate(_tiny_llm(tiny_model, **engine_options), prompts, params)
+    llm = _tiny_llm(tiny_model, **engine_options, **_engine_variants(tiny_model, tiny_draft)[variant])
+    outputs = _generate(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decode.num_draft_tokens > 0
+    if variant != "draft_layers":   # a one-layer draft of a random model rarely agrees
+        assert stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
+    """Greedy requests with stop token ids, max_tokens, min_tokens, logprobs, penalties and logit bias give
+    the same tokens and logprobs with n-gram drafts; seeded sampling is reproducible."""
+    prompts = _repetitive_prompts(6, seed=1)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[prompts[0][20]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=10, stop_token_ids=[prompts[2][18]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5,
+                       presence_penalty=0.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, logit_bias={prompts[5][17]: 3.0}, ignore_eos=True),
+    ]
+    reference = _generate(_tiny_llm(tiny_model), prompts, params)
+    llm = _tiny_llm(tiny_model, speculative_config=NGRAM)
+    outputs = _generate(llm, prompts, params)
+    for ours, ref in zip(outputs, reference):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert ours.outputs[0].finish_reason == ref.outputs[0].finish_reason
+        assert ours.outputs[0].stop_reason == ref.outputs[0].stop_reason
+    for ours, ref in zip(outputs[3].outputs[0].logprobs, reference[3].outputs[0].logprobs):
+        assert ours.keys() == ref.keys()
+        for token_id in ours:
+            assert math.isclose(ours[token_id].logprob, ref[token_id].logprob, abs_tol=1e-4)
+    assert llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+    seeded = SamplingParams(temperature=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    first = _generate(llm, prompts[:3], seeded)
+    again = _generate(llm, prompts[:3] + prompts[3:], seeded)[:3]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
+    llm = _tiny_llm(tiny_model, speculative_config=NGRAM, num_gpu_blocks_override=48, block_size=4, max_model_len=128)
+    engine = llm.llm_engine
+    prompts = _repetitive_prompts(12, seed=2)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0 if i % 2 else 0.8, max_tokens=40, ignore_eos=True, n=1 + (i % 3 == 0))
+        engine.add_request(str(i), prompt, params)
+    for step in range(60):
+        engine.step()
+        if step in (5, 12, 20):
+            engine.abort_request([str(step % 12), str((step + 1) % 12)])
+        engine.block_manager.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.get_stats().spec_decode.num_draft_tokens > 0
+
+
+# ---- the engine: sampling distribution -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peaked_model(tmp_path_factory) -> tuple[str, list[int]]:
+    """A tiny random model whose next-token distributions are peaked (scaled LM head), and a prompt that
+    repeats the model's own greedy continuation, so drafts of both proposers are accepted often enough
+    (but not always) for both branches of verification to be exercised."""
+    folder = tmp_path_factory.mktemp("tiny-peaked")
+    model = make_tiny_hf_checkpoint(folder, "llama3", seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.5)
+    model.save_pretrained(str(folder))
+    start = [7, 8, 9, 10, 7, 8, 9]
+    continuation = _tiny_llm(str(folder)).generate(
+        [{"prompt_token_ids": start}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    return str(folder), start + continuation + start
+
+
+STATISTICS_ENGINE = dict(max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_memory=16 * 2**20)
+
+
+def _sample_positions(llm: LLM, prompt: list[int], num_samples: int) -> list[Counter]:
+    """Histograms of output positions 1 and 2, the ones verified steps produce (position 0 comes from
+    the prompt's own step)."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, ignore_eos=True, n=64)
+    outputs = _generate(llm, [prompt] * (num_samples // 64), params)
+    tokens = [c.token_ids for o in outputs for c in o.outputs]
+    return [Counter(t[j] for t in tokens) for j in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def reference_distribution(peaked_model) -> list[Counter]:
+    model, prompt = peaked_model
+    return _sample_positions(_tiny_llm(model, **STATISTICS_ENGINE), prompt, 20_480)
+
+
+@pytest.mark.parametrize("config", [NGRAM, DRAFT_LAYERS], ids=["ngram", "draft_layers"])
+def test_sampled_distribution_equals_non_speculative(config, peaked_model, reference_distribution):
+    """20,480 samples at temperature 0.8 with top-p 0.9: the speculated positions are distributed as
+    without speculation (two-sample chi-square against the same number of plain samples)."""
+    model, prompt = peaked_model
+    llm = _tiny_llm(model, speculative_config=config, **STATISTICS_ENGINE)
+    speculative = _sample_positions(llm, prompt, 20_480)
+    stats = llm.llm_engine.get_stats().spec_decode
+    assert 0.05 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.95
+    p_values = [_chi_square_p_value(a, b) for a, b in zip(speculative, reference_distribution)]
+    assert min(p_values) > 1e-3, p_values
+
+
+def test_broken_acceptance_rule_is_caught(peaked_model, reference_distribution, monkeypatch):
+    """The same test fails when verification accepts every draft."""
+    monkeypatch.setattr(rejection_sampler, "accept_mask", lambda p, q, u: torch.ones_like(u, dtype=torch.bool))
+    model, prompt = peaked_model
+    broken = _sample_positions(_tiny_llm(model, speculative_config=NGRAM, **STATISTICS_ENGINE), prompt, 4096)
+    assert min(_chi_square_p_value(a, b) for a, b in zip(broken, reference_distribution)) < 1e-6

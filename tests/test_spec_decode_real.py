@@ -1,0 +1,80 @@
+"""Speculative decoding on the real default model (CPU, fp32): greedy output identical to no speculation
+for both proposers, and a speculative server driven by the openai SDK (streaming, usage, metrics)."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.async_engine import AsyncEngine
+from minivllm.server.api_server import ServerThread, build_app
+
+SETTINGS = dict(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, seed=0)
+TEXT = ("The lighthouse keeper climbed the stairs every evening at dusk. He lit the lamp, wiped the glass, "
+        "and wrote the weather in his logbook before the ships came past the rocks.")
+CHATS = [
+    [{"role": "user", "content": f"Repeat this text word for word: {TEXT}"}],
+    [{"role": "user", "content": f"Summarise in one sentence: {TEXT}"}],
+    [{"role": "user", "content": "Rewrite this code with better names:\ndef f(a, b):\n    c = a + b\n    return c * c\n"}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "draft_layers": {"method": "draft_model", "draft_layers": 20, "num_speculative_tokens": 3, "adaptive": False},
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.outputs[0].token_ids for o in LLM(**SETTINGS).chat(CHATS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_output_is_identical_to_no_speculation(name, reference):
+    llm = LLM(**SETTINGS, speculative_config=CONFIGS[name])
+    outputs = llm.chat(CHATS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    stats = llm.llm_engine.get_stats().spec_decode
+    assert stats.num_accepted_tokens > 0
+    assert sum(o.metrics.spec_num_accepted_tokens for o in outputs) == stats.num_accepted_tokens
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
+def _spec_counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("minivllm:spec_decode") and "position" not in sample.labels:
+                values[sample.name.removesuffix("_total")] = sample.value
+    return values
+
+
+def test_server_streams_speculative_requests_with_right_usage(reference):
+    engine = AsyncEngine(LLM(**SETTINGS, speculative_config=CONFIGS["ngram"]).llm_engine)
+    thread = ServerThread(build_app(engine))
+    url = thread.start()
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        before = _spec_counters(url)
+        stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHATS[0], max_tokens=48,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHATS[0], max_tokens=48,
+                                               temperature=0)
+        assert text == plain.choices[0].message.content
+        assert usage.completion_tokens == plain.usage.completion_tokens == len(reference[0])
+        assert usage.prompt_tokens == plain.usage.prompt_tokens
+        # Verified steps deliver several tokens at once: fewer content chunks than tokens.
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) < usage.completion_tokens
+        after = _spec_counters(url)
+        for name in ("minivllm:spec_decode_num_drafts", "minivllm:spec_decode_num_draft_tokens",
+                     "minivllm:spec_decode_num_accepted_tokens"):
+            assert after[name] > before.get(name, 0), name
+    finally:
+        thread.stop()
