@@ -6,6 +6,8 @@
 #   C: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
 #   D: diagnosis: per-phase step profile, W1 and single stream traced step by step, TTFT at 1 and 4 users
 #      with and without async scheduling
+#   V: speculative decoding: the real model at batch 1 (needs the model file: run after A/B carried both
+#      halves), verify-step cost and speculation under load on dummy Llama-3-8B
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +46,10 @@ case "${1:-A}" in
         --output-len 256 $flag --tag "h100_$mode" --out "$OUT" > "$OUT/serve_$mode.log" 2>&1
       tail -3 "$OUT/serve_$mode.log"
     done
+    ;;
+  V)
+    python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_V.log" | tail -3
+    python3 bench/spec_decode.py --out "$OUT" > "$OUT/spec_decode.log" 2>&1; tail -25 "$OUT/spec_decode.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

@@ -16,7 +16,7 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import SpeculationController
+from minivllm.spec_decode.controller import EXPLORE_EVERY, SpeculationController
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from tests.conftest import make_tiny_hf_checkpoint
@@ -140,21 +140,35 @@ def test_scheduler_rolls_back_rejected_drafts_and_frees_their_blocks():
 
 def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_much():
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1024)
-    group = SequenceGroup("r", None, [1, 2, 3], SamplingParams(max_tokens=100))
+    group = SequenceGroup("r", None, [1, 2, 3], SamplingParams(max_tokens=1000))
     seq = group.seqs[0]
     seq.append_token(4)
     seq.num_computed_tokens = 3
     assert controller.choose_k([seq]) == 4           # nothing measured: optimistic
     for _ in range(5):
         controller.observe_verification(seq, 4, 1)   # low acceptance (~0.2 per token)
-    for num_tokens, seconds in ((1, 0.010), (2, 0.016), (3, 0.024), (5, 0.030)):
-        controller.observe_step(num_tokens, seconds)  # verifying 4 drafts costs 3x a decode
-    assert controller.choose_k([seq]) == 0
+    controller.observe_step(1, 0.010, speculative=False)
+    for num_tokens, seconds in ((2, 0.016), (3, 0.024), (5, 0.030)):
+        controller.observe_step(num_tokens, seconds, speculative=True)  # verifying 4 drafts costs 3x a decode
+    ks = [controller.choose_k([seq]) for _ in range(EXPLORE_EVERY)]
+    assert ks[:-1] == [0] * (EXPLORE_EVERY - 1) and ks[-1] == 4   # off, but tried again now and then
     for _ in range(50):
         controller.observe_verification(seq, 4, 4)   # high acceptance
     for num_tokens in (2, 3, 5) * 20:
-        controller.observe_step(num_tokens, 0.011)   # and cheap verification: speculate again
+        controller.observe_step(num_tokens, 0.011, speculative=True)   # and cheap verification: on again
     assert controller.choose_k([seq]) == 4
+
+
+def test_ngram_without_matches_lowers_the_proposal_rate():
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    group = SequenceGroup("r", None, list(range(10, 20)), SamplingParams(max_tokens=100))
+    seq = group.seqs[0]
+    seq.append_token(99)
+    seq.num_computed_tokens = 10
+    before = controller.proposal_rate(seq)
+    assert controller.propose([seq], 3) == 0 and seq.spec_token_ids == []
+    assert controller.proposal_rate(seq) < before
 
 
 # ---- the engine: greedy exactness ------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ class LLMEngine:
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
         if self.spec is not None and launched is not None:
-            self.spec.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
+            self.spec.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started,
+                                   speculative=bool(scheduler_output.spec_token_ids))
         return outputs
 
     def _complete_in_flight(self) -> list[RequestOutput]:

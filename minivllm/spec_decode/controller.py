@@ -3,14 +3,18 @@
 Adaptive speculation: before each step the controller picks one draft length k for the batch (0 means
 plain decoding) to maximise expected tokens per second:
 
-    E[tokens](k) = sum over sequences of (1 - a^(k+1)) / (1 - a)     (a: that sequence's acceptance rate)
+    E[tokens](k) = sum over sequences of 1 + h * (a + a^2 + ... + a^k)
     cost(k)      = measured wall time of a step computing B * (1 + k) tokens (B running sequences)
 
-Acceptance rates are per sequence (accepted / (accepted + rejected), with a prior from all sequences);
-step costs are kept per power-of-two bucket of scheduled tokens and learned as the engine runs. A bucket
-never measured is assumed to cost what the nearest smaller measured one does, so each is tried once and
-then judged on its measured cost: at high load a verify step costs nearly (1 + k) decode steps and k
-falls to 0 by itself.
+with a the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h the share of
+its tries in which the proposer had anything to propose (n-gram lookups often find nothing), each with
+a prior from all sequences. Costs are the median of the last few steps in each power-of-two bucket of
+scheduled tokens, kept separately for plain steps and for verify steps: a verify
+step also gives up the overlap of host work with the previous step (async scheduling), so its cost
+includes that. A bucket never measured is assumed to cost what the plain step of the same batch does,
+so each is tried once and then judged on its measured cost: at high load a verify step costs nearly
+(1 + k) decode steps and k falls to 0 by itself. While k stays 0, one step in `EXPLORE_EVERY` tries
+speculation again, so a workload that turns repetitive is noticed.
 
 The n-gram proposer runs here (it needs only token ids). A device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
@@ -18,6 +22,8 @@ penalties of a verified position count the drafts before it, which are not on th
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.core.sequence import Sequence
@@ -25,7 +31,8 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
-_COST_SMOOTHING = 0.2    # weight of a new measurement in a bucket's running cost
+_COST_WINDOW = 8         # recent step times kept per bucket (their median is the cost: compiles are outliers)
+EXPLORE_EVERY = 16       # steps of plain decoding between two speculative tries
 
 
 @dataclass
@@ -48,10 +55,15 @@ class SpeculationController:
         self.max_model_len = max_model_len
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                       if config.method == "ngram" else None)
+        self.reset_stats()
+        self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
+        self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
+        self._spec_cost: dict[int, deque] = {}               # ... and verify steps
+        self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
+        self._plain_steps = 0
+
+    def reset_stats(self) -> None:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_k)
-        self._seq_counts: dict[int, tuple[int, int]] = {}   # seq_id -> (accepted, rejected)
-        self._step_cost: dict[int, float] = {}               # token bucket -> seconds
-        self._num_rejections = 0
 
     # ---- decisions ---------------------------------------------------------------------------------
     def _cap(self, seq: Sequence) -> int:
@@ -65,15 +77,20 @@ class SpeculationController:
         return max(cap, 0)
 
     def acceptance_rate(self, seq: Sequence) -> float:
-        stats = self.stats
-        global_rate = (stats.num_accepted_tokens + 1) / (stats.num_accepted_tokens + self._num_rejections + 2)
-        accepted, rejected = self._seq_counts.get(seq.seq_id, (0, 0))
+        global_rate = (self._num_accepted + 1) / (self._num_accepted + self._num_rejections + 2)
+        accepted, rejected, _, _ = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
         return (accepted + _PRIOR_WEIGHT * global_rate) / (accepted + rejected + _PRIOR_WEIGHT)
 
-    def step_cost(self, num_tokens: int) -> float | None:
+    def proposal_rate(self, seq: Sequence) -> float:
+        global_rate = (self._num_proposed + 1) / (self._num_tries + 2)
+        _, _, proposed, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
+        return (proposed + _PRIOR_WEIGHT * global_rate) / (tries + _PRIOR_WEIGHT)
+
+    def step_cost(self, num_tokens: int, speculative: bool) -> float | None:
+        table = self._spec_cost if speculative else self._plain_cost
         bucket = _bucket(num_tokens)
-        known = [b for b in self._step_cost if b <= bucket]
-        return self._step_cost[max(known)] if known else None
+        known = [b for b in table if b <= bucket]
+        return statistics.median(table[max(known)]) if known else None
 
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
@@ -83,16 +100,22 @@ class SpeculationController:
         if not self.config.adaptive:
             return self.max_k
         rates = [min(self.acceptance_rate(s), 0.999) for s in decoding]
+        hits = [self.proposal_rate(s) for s in decoding]
         caps = [self._cap(s) for s in decoding]
-        best_k, best_rate = 0, None
-        for k in range(self.max_k + 1):
-            cost = self.step_cost(len(running) + sum(min(k, c) for c in caps))
-            if cost is None:
-                cost = self.step_cost(len(running)) or 1.0
-            expected = sum((1 - a ** (min(k, c) + 1)) / (1 - a) for a, c in zip(rates, caps))
-            rate = expected / cost
-            if best_rate is None or rate > best_rate * 1.02:  # longer drafts must earn a clear gain
-                best_k, best_rate = k, rate
+        plain_cost = self.step_cost(len(running), speculative=False) or 1.0
+        best_k, best_rate = 0, len(decoding) / plain_cost
+        for k in range(1, self.max_k + 1):
+            num_tokens = len(running) + sum(min(k, c) for c in caps)
+            cost = self.step_cost(num_tokens, speculative=True)
+            if cost is None or _bucket(num_tokens) not in self._spec_cost:
+                cost = max(cost or 0.0, plain_cost)   # optimistic until this size has been measured
+            expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
+            if expected / cost > best_rate * 1.02:  # longer drafts must earn a clear gain
+                best_k, best_rate = k, expected / cost
+        self._plain_steps = self._plain_steps + 1 if best_k == 0 else 0
+        if self._plain_steps >= EXPLORE_EVERY:
+            self._plain_steps = 0
+            return self.max_k
         return best_k
 
     def propose(self, running: list[Sequence], k: int) -> int:
@@ -106,16 +129,17 @@ class SpeculationController:
             cap = min(k, self._cap(seq))
             if self.ngram is not None:
                 seq.spec_token_ids = self.ngram.propose(seq.token_ids, cap)
+                if cap:
+                    self._count(seq, tried=True, proposed=bool(seq.spec_token_ids))
             else:
                 seq.spec_token_ids = [-1] * cap
             count += bool(seq.spec_token_ids)
         return count
 
     # ---- feedback ----------------------------------------------------------------------------------
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        bucket = _bucket(num_tokens)
-        old = self._step_cost.get(bucket)
-        self._step_cost[bucket] = seconds if old is None else (1 - _COST_SMOOTHING) * old + _COST_SMOOTHING * seconds
+    def observe_step(self, num_tokens: int, seconds: float, speculative: bool) -> None:
+        table = self._spec_cost if speculative else self._plain_cost
+        table.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats
@@ -124,9 +148,18 @@ class SpeculationController:
         stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             stats.accepted_per_position[j] += 1
-        accepted, rejected = self._seq_counts.get(seq.seq_id, (0, 0))
-        self._num_rejections += num_accepted < num_drafts
-        self._seq_counts[seq.seq_id] = (accepted + num_accepted, rejected + (num_accepted < num_drafts))
+        self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.ngram is None,
+                    proposed=self.ngram is None)
+
+    def _count(self, seq: Sequence, num_accepted: int = 0, rejected: bool = False, tried: bool = False,
+               proposed: bool = False) -> None:
+        accepted, rejections, proposals, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
+        self._num_accepted += num_accepted
+        self._num_rejections += rejected
+        self._num_proposed += proposed
+        self._num_tries += tried
+        self._seq_counts[seq.seq_id] = (accepted + num_accepted, rejections + rejected, proposals + proposed,
+                                        tries + tried)
 
     def forget(self, seq_id: int) -> None:
         self._seq_counts.pop(seq_id, None)

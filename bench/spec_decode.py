@@ -1,0 +1,225 @@
+"""Speculative decoding benchmark: what each proposer buys, and what it costs.
+
+Three parts, all in one run on one device (results in spec_decode_<gpu>.json with device, commit, date):
+  real   the real default model (SmolLM2-135M), batch 1, greedy, input-grounded chat prompts built
+         from text that ships with Python itself (the language reference in `pydoc_data.topics`, and
+         stdlib source for code edits): tokens/s with no speculation, n-gram and draft-layers, the
+         acceptance per draft position and the mean tokens per verify step; outputs compared.
+  load   dummy Llama-3-8B, W1 (64 x 512 -> 256) and 256 x 512 -> 256, speculation (n-gram, adaptive)
+         off and on in the same engine: the adaptive controller must not lose throughput.
+  verify dummy Llama-3-8B at batch 1, 512-token context: the time of one verify step with k = 1..8
+         drafts relative to one decode step (both run synchronously through the runner), from which
+         the speedup at any acceptance rate can be read: (1 - a^(k+1)) / (1 - a) / cost(k).
+
+Usage: python bench/spec_decode.py --out DIR [--parts real,load,verify] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+# ---- prompts from real text ----------------------------------------------------------------------------------
+def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
+    """(kind, chat) pairs: summarise / rewrite a passage of the Python language reference, or edit a
+    function of the standard library."""
+    import json.decoder
+    import pydoc_data.topics
+    import textwrap as textwrap_module
+
+    passages = []
+    for name in ("assert", "for", "while", "if", "import", "return", "pass", "global"):
+        text = pydoc_data.topics.topics[name]
+        paragraphs = [p for p in text.split("\n\n") if len(p) > 200 and "::=" not in p]
+        if paragraphs:
+            passages.append(" ".join(paragraphs[0].split())[:700])
+    functions = [inspect.getsource(f) for f in (textwrap_module.dedent, textwrap_module.indent,
+                                                 json.decoder.py_scanstring)]
+    chats = []
+    for i in range(count):
+        kind = ("summarise", "rewrite", "code-edit")[i % 3]
+        if kind == "summarise":
+            content = f"Summarise this text in a few sentences:\n\n{passages[i % len(passages)]}"
+        elif kind == "rewrite":
+            content = f"Rewrite this text in simpler words, keeping every point:\n\n{passages[(i + 3) % len(passages)]}"
+        else:
+            code = textwrap.dedent(functions[i % len(functions)])[:1200]
+            content = f"Add a docstring and type hints to this function and show the whole function:\n\n{code}"
+        chats.append((kind, [{"role": "user", "content": content}]))
+    return chats
+
+
+# ---- parts ----------------------------------------------------------------------------------------------------
+def _spec_summary(stats, elapsed: float, num_tokens: int) -> dict:
+    result = {"output_tokens": num_tokens, "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}
+    if stats is not None and stats.num_drafts:
+        result.update(
+            num_verify=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            acceptance_rate=stats.num_accepted_tokens / stats.num_draft_tokens,
+            mean_tokens_per_verify=1 + stats.num_accepted_tokens / stats.num_drafts,
+            acceptance_per_position=[n / stats.num_drafts for n in stats.accepted_per_position])
+    return result
+
+
+def run_real(args) -> dict:
+    from minivllm import LLM, SamplingParams
+    chats = grounded_chats(args.num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    configs = {"off": None, "ngram": NGRAM}
+    for layers in args.draft_layers:
+        configs[f"draft_layers_{layers}"] = {"method": "draft_model", "draft_layers": layers,
+                                             "num_speculative_tokens": 3}
+    results, reference = {}, None
+    for name, config in configs.items():
+        llm = LLM(seed=0, max_model_len=args.real_max_model_len, speculative_config=config, **args.engine_options)
+        llm.chat(chats[0][1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)   # warm-up
+        if llm.llm_engine.spec is not None:
+            llm.llm_engine.spec.reset_stats()
+        outputs, started = [], time.perf_counter()
+        for _, chat in chats:   # batch 1: one request at a time
+            outputs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)
+        elapsed = time.perf_counter() - started
+        spec = llm.llm_engine.spec
+        results[name] = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
+        if reference is None:
+            reference = outputs
+        else:
+            results[name]["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
+        results[name]["speedup_vs_off"] = results[name]["tokens_per_s"] / results["off"]["tokens_per_s"]
+        print(f"  {name}: {results[name]['tokens_per_s']:.1f} tok/s, x{results[name]['speedup_vs_off']:.2f}")
+        del llm
+        gc.collect()
+    return {"model": "SmolLM2-135M-Instruct", "batch": 1, "max_tokens": args.max_tokens,
+            "prompts": [kind for kind, _ in chats], "configs": configs, "results": results}
+
+
+def run_load(args) -> list[dict]:
+    from minivllm import LLM
+    from bench.throughput import Workload, random_prompts, timed_generate, warm_up
+    rows = []
+    for workload in args.load_workloads:
+        llm = LLM(model=args.dummy_model, load_format="dummy", skip_tokenizer_init=True, seed=0,
+                  max_num_seqs=workload.num_requests, max_model_len=workload.prompt_len + workload.output_len + 16,
+                  max_num_batched_tokens=max(8192, workload.num_requests), speculative_config=NGRAM,
+                  **args.engine_options)
+        engine = llm.llm_engine
+        controller, vocab = engine.spec, engine.vocab_size
+        warm_up(llm, workload, vocab)
+        row = {"workload": str(workload)}
+        for mode in ("off", "on", "off_again"):
+            engine.spec = None if mode.startswith("off") else controller
+            result = timed_generate(llm, random_prompts(workload, vocab, seed=len(rows) * 10 + len(row)),
+                                    workload.output_len)
+            row[f"{mode}_tokens_per_s"] = result["output_tokens_per_s"]
+        engine.spec = controller
+        off = max(row["off_tokens_per_s"], row["off_again_tokens_per_s"])
+        row["on_over_off"] = row["on_tokens_per_s"] / off
+        row.update({f"spec_{k}": v for k, v in _spec_summary(controller.stats, 1.0, 1).items()
+                    if k.startswith(("num_", "acceptance_rate", "mean_"))})
+        rows.append(row)
+        print(f"  {workload}: off {off:.0f} tok/s, on {row['on_tokens_per_s']:.0f} tok/s "
+              f"(x{row['on_over_off']:.3f})")
+        del llm, engine, controller
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def run_verify_cost(args) -> list[dict]:
+    """Synchronous runner steps of one sequence at a 512-token context: decode vs verify with k drafts."""
+    from minivllm import LLM, SamplingParams
+    llm = LLM(model=args.dummy_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=8,
+              max_model_len=2048, **args.engine_options)
+    engine = llm.llm_engine
+    scheduler, runner = engine.scheduler, engine.runner
+    engine.add_request("verify", list(range(1000, 1512)), SamplingParams(temperature=0.0, max_tokens=1500,
+                                                                        ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens == 0:
+        engine.step()
+    while engine._in_flight is not None:
+        engine.step()
+    seq = scheduler.running[0]
+
+    def one_step(k: int) -> float:
+        seq.spec_token_ids = [seq.token_ids[-1]] * k
+        out = scheduler.schedule()
+        if k and not out.spec_token_ids:
+            raise RuntimeError("the scheduler dropped the drafts")
+        started = time.perf_counter()
+        model_output = runner.execute(out)
+        seconds = time.perf_counter() - started
+        scheduler.update(out, model_output)
+        return seconds
+
+    rows = []
+    for k in range(0, args.max_verify_k + 1):
+        times = [one_step(k) for _ in range(args.verify_repeats + 5)][5:]
+        rows.append({"k": k, "ms": 1e3 * statistics.median(times)})
+    base = rows[0]["ms"]
+    for row in rows:
+        row["relative_to_decode"] = row["ms"] / base
+        # Tokens per step at acceptance a, over the step's cost: the speedup at that acceptance rate.
+        for a in (0.5, 0.7, 0.9):
+            expected = (1 - a ** (row["k"] + 1)) / (1 - a)
+            row[f"speedup_at_a{a}"] = expected / row["relative_to_decode"]
+    return rows
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict:
+    from bench.throughput import Workload
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="real,load,verify")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
+    parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 3, 24, 3, 3
+        args.real_max_model_len = 1024
+        args.dummy_model = "tiny-llama"
+        args.load_workloads = [Workload(4, 32, 16)]
+        args.engine_options = {"kv_cache_memory": 64 << 20} if device.type == "cpu" else {}
+    else:
+        args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 9, 256, 8, 30
+        args.real_max_model_len = 4096
+        args.dummy_model = "llama-3-8b"
+        args.load_workloads = [Workload(64, 512, 256), Workload(256, 512, 256)]
+        args.engine_options = {"gpu_memory_utilization": 0.9} if device.type == "cuda" else {}
+    result = run_metadata(device)
+    print(f"speculative decoding benchmark | {result['device']} | commit {result['commit']} | {result['date']}")
+    parts = args.parts.split(",")
+    if "real" in parts:
+        print("real model, batch 1:")
+        result["real_batch1"] = run_real(args)
+    if "verify" in parts:
+        print(f"verify-step cost, {args.dummy_model}, batch 1:")
+        result["verify_cost"] = run_verify_cost(args)
+        print_table(result["verify_cost"], "verify step vs decode step")
+    if "load" in parts:
+        print(f"under load, {args.dummy_model}:")
+        result["load"] = run_load(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"spec_decode_{device_slug(result['device'])}.json"
+    write_json(path, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
