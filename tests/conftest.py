@@ -60,13 +60,16 @@ NEW_FAMILY_ARCHS = ("gpt2", "qwen3-moe", "qwen2-moe", "mixtral")
 
 
 @torch.no_grad()
-def make_tiny_hf_checkpoint(folder: Path, arch: str, seed: int = 0):
+def make_tiny_hf_checkpoint(folder: Path, arch: str, seed: int = 0, **config_overrides):
     """Build a seeded random HF model of `arch`, save it (safetensors + config.json) into `folder`,
     and return it in eval mode as the reference. Every tensor is randomised, norms and biases too, so
     a misplaced weight cannot hide behind HF's ones/zeros initialisation."""
     import transformers
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
+    config = tiny_hf_config(arch)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, param in model.named_parameters():
         if "norm" in name or ".ln_" in name:
             param.copy_(1.0 + 0.1 * torch.randn_like(param))
