@@ -6,7 +6,9 @@
 #   C: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
 #   D: diagnosis: per-phase step profile, W1 and single stream traced step by step, TTFT at 1 and 4 users
 #      with and without async scheduling
-# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D   (results under $OUT)
+#   M: model families: GPU tests of GPT-2 / MoE models and the fused MoE kernel, then bench/models_bench.py
+#      (dummy Qwen3-30B-A3B and GPT-2 XL W1 + single stream vs floor, MoE kernel microbenchmark) -> models_<gpu>.json
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|M   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh
@@ -44,6 +46,11 @@ case "${1:-A}" in
         --output-len 256 $flag --tag "h100_$mode" --out "$OUT" > "$OUT/serve_$mode.log" 2>&1
       tail -3 "$OUT/serve_$mode.log"
     done
+    ;;
+  M)
+    python3 -m pytest -q -m gpu tests/test_models_families.py tests/test_models_moe_kernel.py 2>&1 \
+      | tee "$OUT/gpu_tests_M.log" | tail -3
+    python3 bench/models_bench.py --out "$OUT" > "$OUT/models_bench.log" 2>&1; tail -30 "$OUT/models_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

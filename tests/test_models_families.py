@@ -105,3 +105,23 @@ def test_shipped_configs_have_the_real_parameter_counts():
         with torch.device("meta"):
             model = get_model_class(config)(config)
         assert sum(p.numel() for p in model.parameters()) == count, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", NEW_FAMILY_ARCHS)
+def test_gpu_fp32_greedy_matches_transformers(arch, tmp_path):
+    """On CUDA (Triton attention and MoE kernel, CUDA graphs for decode and mixed steps) the greedy
+    tokens still equal transformers'."""
+    reference = make_tiny_hf_checkpoint(tmp_path, arch).cuda()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_model_len=256, max_num_batched_tokens=48)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    with torch.inference_mode():
+        expected = [reference.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert ours == expected

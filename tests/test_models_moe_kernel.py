@@ -53,6 +53,16 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_experts_bf16_rounds_like_a_linear_layer():
+    """bf16 inputs, fp32 accumulation: within bf16 rounding of the fp32 computation."""
+    w13, w2 = _weights(4, 32, 24, torch.bfloat16)
+    x, weights, ids = _routing(9, 4, 2, 32, torch.bfloat16)
+    ours = fused_experts(x, w13, w2, weights, ids)
+    assert ours.dtype == torch.bfloat16
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_align_groups_slots_by_expert_in_whole_tiles():
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 3]], device=DEVICE)   # expert 2 empty
     block_m = 4

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
+from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 
 
 def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -45,10 +46,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     """topk_ids [M, top_k] -> (sorted_slot_ids [S], expert_ids [S // block_m]): slots grouped by
     expert, each group padded to a multiple of block_m with the sentinel M * top_k; a tile's expert is
     -1 past the last group. S is an upper bound that depends only on the shapes."""
-    flat = topk_ids.flatten()
+    flat = topk_ids.flatten().long()
     num_slots = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA syncs to size its output (no CUDA graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)
@@ -69,6 +72,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                       N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile."""
     pid_m = tl.program_id(0)
@@ -89,7 +93,7 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_i
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, b)
+        acc += _dot(a, b, DOT_PRECISION, UPCAST)
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -111,9 +115,9 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
     num_experts, n, k = b.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
+        a, b, c, c if weights is None else weights, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
         b.stride(1), b.stride(2), c.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
-        **config)
+        DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_upcast_dot(a.dtype), **config)
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
