@@ -52,11 +52,16 @@ def tiny_hf_config(arch: str):
     if arch == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=None, tie_word_embeddings=False)
+    if arch == "phi3":              # checkpoint already holds fused qkv_proj and gate_up_proj
+        return transformers.Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
+    if arch == "gemma":             # GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings, tied
+        return transformers.GemmaConfig(**common, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                                        tie_word_embeddings=True)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
 TINY_ARCHS = ("llama3", "llama-tied-bias", "mistral", "qwen2", "qwen3")
-NEW_FAMILY_ARCHS = ("gpt2", "qwen3-moe", "qwen2-moe", "mixtral")
+NEW_FAMILY_ARCHS = ("gpt2", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "gemma")
 
 
 @torch.no_grad()

@@ -55,3 +55,16 @@ class LayerNorm(nn.Module):
             x = x + residual
         out = F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         return out if residual is None else (out, x)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: weights stored as an offset from one, `(1 + w)`, and applied in fp32 before the
+    single rounding to the input dtype (Llama rounds first, then scales)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)

@@ -1,7 +1,8 @@
 """HF architecture name (config.json's `architectures`) -> model class.
 
 The Llama family is one class whose variants are config options (models/llama.py); the MoE models
-reuse its decoder with a different MLP; GPT-2 has its own file. Classes are imported when first
+reuse its decoder with a different MLP, Gemma with its norms, MLP and embedding swapped, Phi-3 as is
+(fused checkpoint tensors); GPT-2 has its own file. Classes are imported when first
 asked for, so loading one family does not import the others.
 """
 from __future__ import annotations
@@ -20,11 +21,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "mixtral": "MixtralForCausalLM"}
+                "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
