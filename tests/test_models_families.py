@@ -126,3 +126,51 @@ def test_gpu_fp32_greedy_matches_transformers(arch, tmp_path):
         expected = [reference.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
                                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert ours == expected
+
+
+def write_gpt2_gguf(model, path) -> None:
+    """A GGUF file laid out as llama.cpp's converter writes GPT-2 (f32 tensors, no vocabulary)."""
+    import gguf
+    config = model.config
+    block = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+             "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+    top = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm"}
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_context_length(config.n_positions)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(4 * config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_head_count(config.n_head)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    for name, tensor in model.state_dict().items():
+        name = name.removeprefix("transformer.")
+        if name == "lm_head.weight":
+            continue
+        module, _, suffix = name.rpartition(".")
+        if module.startswith("h."):
+            _, layer, rest = module.split(".", 2)
+            gguf_name = f"blk.{layer}.{block[rest]}.{suffix}"
+            if suffix == "weight" and rest in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+                tensor = tensor.t()   # Conv1D [in, out] -> [out, in], as llama.cpp stores it
+        else:
+            gguf_name = f"{top[module]}.{suffix}"
+        writer.add_tensor(gguf_name, tensor.contiguous().numpy())
+        if gguf_name == "token_embd.weight":
+            writer.add_tensor("output.weight", tensor.contiguous().numpy())   # llama.cpp's tied copy
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gpt2_from_gguf_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    reference = make_tiny_hf_checkpoint(tmp_path / "hf", "gpt2")
+    write_gpt2_gguf(reference, tmp_path / "tiny-gpt2.gguf")
+    source = resolve_model(str(tmp_path / "tiny-gpt2.gguf"))
+    assert source.hf_config.model_type == "gpt2" and source.tokenizer_dir is None
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    sequences = [[5, 9, 17, 3, 88], [100, 2]]
+    with torch.no_grad():
+        for seq, ours in zip(sequences, PagedRun(model, 2, 8).step(sequences)):
+            assert_logits_equal(ours, reference(torch.tensor([seq])).logits[0])
