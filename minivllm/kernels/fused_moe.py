@@ -61,7 +61,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     # At most min(E, slots) groups are non-empty, each wasting fewer than block_m rows.
     max_rows = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
     sorted_ids = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
-    sorted_ids[destination] = order.to(torch.int32)
+    sorted_ids.scatter_(0, destination, order.to(torch.int32))
     tile_starts = torch.arange(0, max_rows, block_m, device=device)
     expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
