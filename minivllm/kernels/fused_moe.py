@@ -68,7 +68,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     return sorted_ids, expert_ids
 
 
-@triton.jit
+# The slot count changes every eager step; specialising on it would recompile mid-run.
+@triton.jit(do_not_specialize=["num_slots"])
 def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                       N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
