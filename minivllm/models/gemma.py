@@ -37,16 +37,18 @@ class ScaledEmbedding(VocabParallelEmbedding):
     """Embedding rows times sqrt(hidden_size), the scale rounded to the weight dtype like HF's."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
-        return super().forward(input_ids) * scale.to(self.weight.device)
+        # A Python scalar (no device tensor, so CUDA graphs can capture it) holding the rounded value.
+        scale = torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype).item()
+        return super().forward(input_ids) * scale
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
     def __init__(self, hf_config):
         super().__init__(hf_config)
         model = self.model
-        embedding = ScaledEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        embedding.weight = model.embed_tokens.weight    # the same (tied) parameter
+        with torch.device("meta"):   # its table is replaced at once by the existing (tied) parameter
+            embedding = ScaledEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        embedding.weight = model.embed_tokens.weight
         model.embed_tokens = embedding
         for parent in [model, *model.layers, *(layer.self_attn for layer in model.layers)]:
             for name, child in list(parent.named_children()):
