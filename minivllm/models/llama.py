@@ -140,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    make_mlp = None   # subclasses with another MLP (MoE, Gemma) set a method (hf_config, layer_idx) -> module
 
     def __init__(self, hf_config):
         super().__init__()
@@ -151,8 +152,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.model.embed_tokens)
         use_window = getattr(hf_config, "use_sliding_window", hf_config.model_type == "mistral")
         self.sliding_window = getattr(hf_config, "sliding_window", None) if use_window else None
-
-    make_mlp = None   # subclasses with another MLP (MoE) set a method (hf_config, layer_idx) -> module
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token batch [T] -> final hidden states [T, hidden]."""
