@@ -8,7 +8,9 @@
 #      with and without async scheduling
 #   V: speculative decoding: the real model at batch 1 (needs the model file: run after A/B carried both
 #      halves), verify-step cost and speculation under load on dummy Llama-3-8B
-# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D   (results under $OUT)
+#   M: model families: GPU tests of GPT-2 / MoE models and the fused MoE kernel, then bench/models_bench.py
+#      (dummy Qwen3-30B-A3B and GPT-2 XL W1 + single stream vs floor, MoE kernel microbenchmark) -> models_<gpu>.json
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh
@@ -50,6 +52,11 @@ case "${1:-A}" in
   V)
     python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_V.log" | tail -3
     python3 bench/spec_decode.py --out "$OUT" > "$OUT/spec_decode.log" 2>&1; tail -25 "$OUT/spec_decode.log"
+    ;;
+  M)
+    python3 -m pytest -q -m gpu tests/test_models_families.py tests/test_models_moe_kernel.py 2>&1 \
+      | tee "$OUT/gpu_tests_M.log" | tail -3
+    python3 bench/models_bench.py --out "$OUT" > "$OUT/models_bench.log" 2>&1; tail -30 "$OUT/models_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

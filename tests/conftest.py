@@ -39,22 +39,44 @@ def tiny_hf_config(arch: str):
     if arch == "qwen3":             # per-head q/k RMSNorm, explicit head_dim
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
                                         rope_theta=1000000.0)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "gpt2":
+        return transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                       bos_token_id=1, eos_token_id=2)
+    if arch == "qwen3-moe":         # layer 0 dense (mlp_only_layers), layer 1 sparse; top-k renormalised
+        return transformers.Qwen3MoeConfig(**common, **moe, head_dim=16, norm_topk_prob=True,
+                                           mlp_only_layers=[0], tie_word_embeddings=False)
+    if arch == "qwen2-moe":         # shared expert with sigmoid gate; top-k not renormalised
+        return transformers.Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=48,
+                                           norm_topk_prob=False, tie_word_embeddings=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=None, tie_word_embeddings=False)
+    if arch == "phi3":              # checkpoint already holds fused qkv_proj and gate_up_proj
+        return transformers.Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
+    if arch == "gemma":             # GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings, tied
+        return transformers.GemmaConfig(**common, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                                        tie_word_embeddings=True)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
 TINY_ARCHS = ("llama3", "llama-tied-bias", "mistral", "qwen2", "qwen3")
+NEW_FAMILY_ARCHS = ("gpt2", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "gemma")
 
 
 @torch.no_grad()
-def make_tiny_hf_checkpoint(folder: Path, arch: str, seed: int = 0):
+def make_tiny_hf_checkpoint(folder: Path, arch: str, seed: int = 0, **config_overrides):
     """Build a seeded random HF model of `arch`, save it (safetensors + config.json) into `folder`,
     and return it in eval mode as the reference. Every tensor is randomised, norms and biases too, so
     a misplaced weight cannot hide behind HF's ones/zeros initialisation."""
     import transformers
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
+    config = tiny_hf_config(arch)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or ".ln_" in name:
             param.copy_(1.0 + 0.1 * torch.randn_like(param))
         else:
             param.copy_(0.08 * torch.randn_like(param))

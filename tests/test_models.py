@@ -101,7 +101,7 @@ def test_registry_maps_family_and_rejects_others():
         config = tiny_hf_config(arch)
         config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
         assert get_model_class(config).__name__ == "LlamaForCausalLM"
-    other = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    other = transformers.BertConfig(architectures=["BertForMaskedLM"])
     with pytest.raises(ValueError, match="unsupported model architecture"):
         get_model_class(other)
 

@@ -25,3 +25,22 @@ class SiluAndMul(nn.Module):
             from minivllm.kernels.activation import silu_and_mul as triton_silu_and_mul
             return triton_silu_and_mul(x)
         return silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluAndMul(nn.Module):
+    """x [..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:] (GeGLU, Gemma's `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)
+
+
+class NewGELU(nn.Module):
+    """GPT-2's `gelu_new`: the tanh approximation of GELU (no gating)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")

@@ -1,10 +1,11 @@
-"""RMSNorm, with the residual add folded in (vLLM style) so a fused add+norm kernel can replace it.
+"""RMSNorm (and GPT-2's LayerNorm), with the residual add folded in (vLLM style) so a fused add+norm kernel can replace it.
 
 Numerics follow HF Llama: normalise in fp32, cast back to the input dtype, then scale by the weight.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minivllm.layers.fusion import fusions_enabled
@@ -37,3 +38,33 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (GPT-2), same residual convention as `RMSNorm`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        out = F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return out if residual is None else (out, x)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: weights stored as an offset from one, `(1 + w)`, and applied in fp32 before the
+    single rounding to the input dtype (Llama rounds first, then scales)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)

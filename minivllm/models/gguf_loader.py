@@ -1,4 +1,4 @@
-"""Convert a llama-architecture GGUF file into an HF-style folder that the normal loader reads.
+"""Convert a llama- or gpt2-architecture GGUF file into an HF-style folder that the normal loader reads.
 
 The folder (`$MINIVLLM_CACHE` or `~/.cache/minivllm`, then `gguf-<first 16 hex of the file's sha256>`)
 holds config.json, model.safetensors (dequantized to fp32, or bf16 above 1B parameters), the
@@ -44,6 +44,12 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# GPT-2 (llama.cpp's `gpt2` architecture): HF names without the `.weight`/`.bias` suffix, which carries
+# over. llama.cpp stores the Conv1D weights transposed to [out, in]; they are transposed back.
+_GPT2_GLOBAL_NAMES = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                      "output_norm": "transformer.ln_f", "output": "lm_head"}
+_GPT2_BLOCK_NAMES = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+                     "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 
 
 def cache_root() -> Path:
@@ -80,8 +86,10 @@ def _metadata(reader) -> dict:
 def hf_config_from_gguf(reader, has_output: bool) -> dict:
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
+    if arch == "gpt2":
+        return _gpt2_config(reader, meta)
     if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama' and 'gpt2')")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported")
     num_heads = meta["llama.attention.head_count"]
@@ -119,6 +127,36 @@ def hf_config_from_gguf(reader, has_output: bool) -> dict:
     return config
 
 
+def _gpt2_config(reader, meta: dict) -> dict:
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": int(embedding.shape[1]),   # GGUF dims are fastest-first: [hidden, vocab]
+        "n_positions": meta["gpt2.context_length"],
+        "n_embd": meta["gpt2.embedding_length"],
+        "n_inner": meta["gpt2.feed_forward_length"],
+        "n_layer": meta["gpt2.block_count"],
+        "n_head": meta["gpt2.attention.head_count"],
+        "layer_norm_epsilon": float(meta["gpt2.attention.layer_norm_epsilon"]),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": True,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def _gpt2_hf_name(name: str) -> str | None:
+    stem, _, suffix = name.rpartition(".")
+    match = _BLOCK_RE.fullmatch(stem)
+    if stem in _GPT2_GLOBAL_NAMES:
+        return f"{_GPT2_GLOBAL_NAMES[stem]}.{suffix}"
+    if match and match.group(2) in _GPT2_BLOCK_NAMES:
+        return f"transformer.h.{match.group(1)}.{_GPT2_BLOCK_NAMES[match.group(2)]}.{suffix}"
+    return None
+
+
 def hf_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
     num_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
@@ -127,7 +165,12 @@ def hf_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     for tensor in reader.tensors:
         name = tensor.name
         match = _BLOCK_RE.fullmatch(name)
-        if name in _GLOBAL_NAMES:
+        is_gpt2 = config["model_type"] == "gpt2"
+        if is_gpt2:
+            hf_name = _gpt2_hf_name(name)
+            if hf_name is None:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+        elif name in _GLOBAL_NAMES:
             hf_name = _GLOBAL_NAMES[name]
         elif match and match.group(2) in _BLOCK_NAMES:
             hf_name = f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
@@ -135,12 +178,14 @@ def hf_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
         # GGUF lists dims fastest-first; the dequantized array is already [rows, cols] as HF stores it.
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        if name.endswith("attn_q.weight"):
+        if is_gpt2 and weight.ndim == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.weight$", name):
+            weight = weight.T   # back to HF's Conv1D [in, out]
+        elif name.endswith("attn_q.weight"):
             weight = unpermute_rows(weight, config["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
             weight = unpermute_rows(weight, config["num_key_value_heads"])
         # np.array copies: F32 tensors are read-only views into the memory-mapped file.
-        tensors[hf_name] = torch.from_numpy(np.array(weight, dtype=np.float32)).to(dtype)
+        tensors[hf_name] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C")).to(dtype)
     return tensors
 
 
@@ -183,7 +228,8 @@ def convert_gguf(path: str) -> str:
         save_file(hf_tensors(reader, config), str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
         # Written as a plain dict with both rope styles, so transformers 4.x and 5.x read it alike.
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
-        _save_tokenizer(gguf_path, reader, tmp_dir)
+        if "tokenizer.ggml.tokens" in reader.fields:   # a file without a vocabulary runs from token ids
+            _save_tokenizer(gguf_path, reader, tmp_dir)
         (tmp_dir / MARKER_FILE).write_text(json.dumps(
             {"converter_version": CONVERTER_VERSION, "source": str(gguf_path)}))
         if out_dir.exists():        # left by an older converter version

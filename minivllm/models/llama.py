@@ -36,6 +36,8 @@ def _attention_biases(hf_config) -> tuple[bool, bool]:
     """(bias of q/k/v, bias of o_proj)."""
     if hf_config.model_type == "qwen2":
         return True, False
+    if hf_config.model_type == "qwen2_moe":
+        return bool(getattr(hf_config, "qkv_bias", True)), False
     bias = bool(getattr(hf_config, "attention_bias", False))
     return bias, bias
 
@@ -53,7 +55,7 @@ class LlamaAttention(nn.Module):
                                           self.num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, hf_config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
-        if hf_config.model_type == "qwen3":
+        if hf_config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
         else:
@@ -73,12 +75,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, intermediate_size: int | None = None):
         super().__init__()
         if hf_config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only 'silu')")
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        size = hf_config.intermediate_size
+        size = intermediate_size or hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [size, size], bias=bias)
         self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -88,10 +90,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, rotary_emb: nn.Module):
+    def __init__(self, hf_config, rotary_emb: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(hf_config, rotary_emb)
-        self.mlp = LlamaMLP(hf_config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(hf_config)   # MoE models plug in theirs
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
@@ -108,14 +110,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, make_mlp=None):
+        """`make_mlp(hf_config, layer_idx)`, if given, builds each layer's MLP (e.g. an MoE block)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin table shared by all layers (128k positions x 128 dims is 64 MB in fp32).
         rope_theta, rope_scaling = rope_parameters_of(hf_config)
         rotary_emb = get_rope(_head_dim(hf_config), hf_config.max_position_embeddings, rope_theta, rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, rotary_emb)
-                                    for _ in range(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, rotary_emb, make_mlp(hf_config, i) if make_mlp else None)
+            for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
@@ -137,11 +141,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    make_mlp = None   # subclasses with another MLP (MoE, Gemma) set a method (hf_config, layer_idx) -> module
 
     def __init__(self, hf_config):
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config)
+        self.model = LlamaModel(hf_config, self.make_mlp)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -19,6 +19,8 @@ any draft distribution q keeps verification exact, and q is returned for it).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -32,7 +34,11 @@ class EarlyExitModel(nn.Module):
 
     def __init__(self, target: nn.Module, num_layers: int) -> None:
         super().__init__()
-        total = len(target.model.layers)
+        inner = getattr(target, "model", None)
+        if inner is None or "num_layers" not in inspect.signature(inner.forward).parameters:
+            raise ValueError(f"draft_layers needs a model that can exit early (the Llama family); "
+                             f"{type(target).__name__} cannot")
+        total = len(inner.layers)
         if not 1 <= num_layers < total:
             raise ValueError(f"draft_layers must be in [1, {total - 1}] for a target of {total} layers, got {num_layers}")
         self.target, self.num_layers = target, num_layers

@@ -1,0 +1,143 @@
+"""Fused Mixture-of-Experts MLP: every routed (token, expert) pair through its expert's SwiGLU MLP,
+as two grouped GEMM launches over the stacked expert weights, with no Python loop over experts.
+
+Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate_up_proj`) and
+`w2` [E, H, I]. A token routed to `top_k` experts occupies `top_k` "slots" (slot = token * top_k + k).
+
+1. `moe_align_block_size` sorts the slots by expert and pads each expert's group to a multiple of
+   BLOCK_M, so every BLOCK_M-row tile belongs to a single expert; padding rows hold the sentinel
+   `num_slots`. It uses only tensor ops with a size fixed by (slots, experts, BLOCK_M), so there is no
+   host sync and the step stays capturable in a CUDA graph; tiles past the last group get expert -1
+   and exit at once.
+2. `_fused_moe_kernel` computes, per (tile, BLOCK_N columns), the tile's gathered input rows times its
+   expert's weight: first hidden[slot // top_k] @ w13[e]^T -> [slots, 2I], then (after SiLU-and-mul)
+   act[slot] @ w2[e]^T scaled by the routing weight -> [slots, H]; the top_k slots of each token are
+   summed at the end. fp32 accumulation, one rounding to the model dtype per GEMM, like a linear layer.
+
+`fused_experts_reference` is the plain-PyTorch computation (the loop over experts HF uses); the MoE
+layer runs it on CPU and the tests compare the kernel against it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
+from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
+
+
+def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [M, top_k] -> [M, H], computed
+    expert by expert as transformers does (so fp32 results agree to rounding)."""
+    out = torch.zeros_like(hidden_states)
+    for expert in topk_ids.unique().tolist():
+        token_idx, k_idx = torch.where(topk_ids == expert)
+        x = hidden_states[token_idx]
+        y = F.linear(silu_and_mul_reference(F.linear(x, w13[expert])), w2[expert])
+        y = y * topk_weights[token_idx, k_idx, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [M, top_k] -> (sorted_slot_ids [S], expert_ids [S // block_m]): slots grouped by
+    expert, each group padded to a multiple of block_m with the sentinel M * top_k; a tile's expert is
+    -1 past the last group. S is an upper bound that depends only on the shapes."""
+    flat = topk_ids.flatten().long()
+    num_slots = flat.numel()
+    device = flat.device
+    # scatter_add, not bincount: bincount on CUDA syncs to size its output (no CUDA graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank_in_group = torch.arange(num_slots, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    destination = (padded_end - padded)[sorted_experts] + rank_in_group
+    # At most min(E, slots) groups are non-empty, each wasting fewer than block_m rows.
+    max_rows = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, destination, order.to(torch.int32))
+    tile_starts = torch.arange(0, max_rows, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids
+
+
+# The slot count changes every eager step; specialising on it would recompile mid-run.
+@triton.jit(do_not_specialize=["num_slots"])
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+                      N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                      ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = slots < num_slots
+    a_rows = (slots // ROWS_PER_A).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    b_base = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += _dot(a, b, DOT_PRECISION, UPCAST)
+    if MUL_WEIGHT:
+        weight = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
+        acc = acc * weight.to(tl.float32)[:, None]
+    c = c_ptr + slots[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _tile_config(num_slots: int, num_experts: int) -> dict:
+    """Small tiles while each expert sees few rows (decode), larger once tiles fill up."""
+    rows_per_expert = num_slots / num_experts
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
+    if rows_per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+
+
+def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict) -> None:
+    num_experts, n, k = b.shape
+    grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
+    _fused_moe_kernel[grid](
+        a, b, c, c if weights is None else weights, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
+        b.stride(1), b.stride(2), c.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
+        DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_upcast_dot(a.dtype), **config)
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as `fused_experts_reference`, in two grouped-GEMM launches."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden {hidden}")
+    if num_tokens == 0:
+        return torch.zeros_like(hidden_states)
+    hidden_states = hidden_states.contiguous()
+    num_slots = num_tokens * top_k
+    config = _tile_config(num_slots, num_experts)
+    sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
+    _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config)
+    activated = silu_and_mul(gate_up)
+    down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
+    _grouped_gemm(activated, w2, down, topk_weights.contiguous().float(), sorted_ids, expert_ids, 1, config)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,76 @@
+"""Mixture-of-Experts layer: top-k routing plus the experts' SwiGLU MLPs over stacked weights.
+
+Expert weights live in two stacked parameters, `w13_weight` [E, 2I, H] (each expert's gate rows then
+up rows) and `w2_weight` [E, H, I], filled from the HF per-expert tensors by `weight_loader` with
+shard id (expert, "w1" | "w3" | "w2") (Mixtral's names; Qwen's gate/up/down map onto them). On CUDA
+the fused Triton kernel (minivllm.kernels.fused_moe) runs them; elsewhere its PyTorch reference.
+The router's linear layer belongs to the model's MoE block, which passes its logits in.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.layers.fusion import fusions_enabled
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """softmax over all experts in fp32, keep the top_k, optionally rescale them to sum to one
+    (Mixtral always; Qwen-MoE when `norm_topk_prob`) -> (fp32 weights, int64 ids), each [T, top_k].
+    Renormalised top-k softmax probabilities equal a softmax over the top-k logits (Mixtral's form)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    _SHARDS = ("w1", "w3", "w2")
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k ({top_k}) must be in 1..num_experts ({num_experts})")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.use_triton = fusions_enabled()
+
+    def expected_shards(self, param_name: str) -> set:
+        names = ("w2",) if param_name.endswith("w2_weight") else ("w1", "w3")
+        return {(e, name) for e in range(self.num_experts) for name in names}
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id) -> None:
+        """Copy one expert's w1 (gate), w3 (up) or w2 (down) [out, in] into its slice."""
+        try:
+            expert, name = shard_id
+        except (TypeError, ValueError):
+            raise ValueError(f"expert weights need a shard id (expert, w1|w3|w2), got {shard_id!r}") from None
+        if not 0 <= expert < self.num_experts or name not in self._SHARDS:
+            raise ValueError(f"unknown expert shard {shard_id!r} ({self.num_experts} experts)")
+        if (name == "w2") != (param is self.w2_weight):
+            raise ValueError(f"shard {name!r} does not belong to this parameter")
+        size = self.intermediate_size
+        target = {"w1": lambda: param.data[expert, :size], "w3": lambda: param.data[expert, size:],
+                  "w2": lambda: param.data[expert]}[name]()
+        if target.shape != loaded_weight.shape:
+            raise ValueError(f"shape mismatch for expert {expert} {name}: parameter slice "
+                             f"{tuple(target.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
+        target.copy_(loaded_weight)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, E] -> [T, H]."""
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.use_triton and hidden_states.is_cuda:
+            from minivllm.kernels.fused_moe import fused_experts
+        else:
+            from minivllm.kernels.fused_moe import fused_experts_reference as fused_experts
+        return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

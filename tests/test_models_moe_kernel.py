@@ -1,0 +1,93 @@
+"""The fused MoE Triton kernel against its PyTorch reference (under TRITON_INTERPRET=1 without CUDA):
+odd token counts, every expert hit, some experts empty, and the sort/pad bookkeeping on its own."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
+from minivllm.kernels.fused_moe import (  # noqa: E402
+    fused_experts, fused_experts_reference, moe_align_block_size)
+from minivllm.layers.fused_moe import select_experts  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _weights(num_experts, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5).to(DEVICE, dtype)
+    return w13, w2
+
+
+def _routing(num_tokens, num_experts, top_k, hidden, dtype, allowed=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if allowed is not None:   # experts outside `allowed` are never chosen: they stay empty
+        mask = torch.full((num_experts,), float("-inf"))
+        mask[list(allowed)] = 0.0
+        logits = logits + mask
+    weights, ids = select_experts(logits.to(DEVICE), top_k, renormalize=True)
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, allowed", [
+    (1, 8, 2, None),            # decode: one token, most experts empty
+    (37, 8, 2, None),           # odd count, every expert hit
+    (19, 6, 3, {0, 2, 5}),      # experts 1, 3, 4 empty
+    (70, 4, 1, None),           # several tiles per expert
+])
+def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
+    hidden, inter, dtype = 48, 40, torch.float32   # not multiples of the tile sizes
+    w13, w2 = _weights(num_experts, hidden, inter, dtype)
+    x, weights, ids = _routing(num_tokens, num_experts, top_k, hidden, dtype, allowed)
+    if allowed is None and num_tokens > 1:
+        assert ids.unique().numel() == num_experts
+    ours = fused_experts(x, w13, w2, weights, ids)
+    expected = fused_experts_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_experts_bf16_rounds_like_a_linear_layer():
+    """bf16 inputs, fp32 accumulation: within bf16 rounding of the fp32 computation."""
+    w13, w2 = _weights(4, 32, 24, torch.bfloat16)
+    x, weights, ids = _routing(9, 4, 2, 32, torch.bfloat16)
+    ours = fused_experts(x, w13, w2, weights, ids)
+    assert ours.dtype == torch.bfloat16
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_align_groups_slots_by_expert_in_whole_tiles():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 3]], device=DEVICE)   # expert 2 empty
+    block_m = 4
+    sorted_ids, expert_ids = moe_align_block_size(ids, num_experts=4, block_m=block_m)
+    num_slots = ids.numel()
+    flat = ids.flatten().tolist()
+    seen = []
+    for tile, expert in enumerate(expert_ids.tolist()):
+        slots = [s for s in sorted_ids[tile * block_m:(tile + 1) * block_m].tolist() if s < num_slots]
+        if expert < 0:
+            assert not slots
+            continue
+        assert slots and all(flat[s] == expert for s in slots)
+        seen.extend(slots)
+    assert sorted(seen) == list(range(num_slots))       # every slot exactly once
+    assert 2 not in expert_ids.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 513])
+def test_fused_experts_bf16_realistic_shapes(num_tokens):
+    """Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, 768 per expert) in bf16."""
+    w13, w2 = _weights(128, 2048, 768, torch.bfloat16)
+    x, weights, ids = _routing(num_tokens, 128, 8, 2048, torch.bfloat16)
+    ours = fused_experts(x, w13, w2, weights, ids)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(ours.float(), expected, rtol=3e-2, atol=3e-2)
