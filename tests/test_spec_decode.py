@@ -38,6 +38,22 @@ def test_ngram_proposes_continuation_of_latest_longest_match():
     assert NgramProposer(2, 3).propose([1, 2, 3, 9, 4, 3], 2) == []              # a 1-gram is below the minimum
 
 
+def test_ngram_matches_a_brute_force_search():
+    def brute_force(tokens, k, low, high):
+        for n in range(min(high, len(tokens) - 1), low - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):   # latest earlier occurrence first
+                if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        tokens = rng.integers(0, 4, rng.integers(1, 40)).tolist()
+        low = int(rng.integers(1, 4))
+        high, k = int(rng.integers(low, 6)), int(rng.integers(1, 6))
+        assert NgramProposer(low, high).propose(tokens, k) == brute_force(tokens, k, low, high), (tokens, low, high)
+
+
 def test_speculative_config_validation():
     assert SpeculativeConfig.from_dict({"draft_layers": 4}).method == "draft_model"
     for bad in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},

@@ -32,7 +32,7 @@ from minivllm.spec_decode.ngram import NgramProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
 _COST_WINDOW = 8         # recent step times kept per bucket (their median is the cost: compiles are outliers)
-EXPLORE_EVERY = 16       # steps of plain decoding between two speculative tries
+EXPLORE_EVERY = 32       # steps of plain decoding between two speculative tries
 
 
 @dataclass
