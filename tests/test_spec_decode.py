@@ -128,6 +128,22 @@ def test_greedy_verification_accepts_while_argmax_matches():
     assert output.tolist() == [[5, 7, 9, 2]] and accepted.tolist() == [3]   # all accepted: bonus token
 
 
+def test_sampler_verifies_greedy_drafts_next_to_random_rows():
+    """A batch whose speculating rows are greedy while another row samples: the random row draws as
+    usual, the greedy rows keep their accepted drafts and argmax."""
+    from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+    logits = torch.full((4, 8), -5.0)
+    logits[0, 3] = logits[1, 4] = logits[2, 6] = 5.0   # argmax per verified position: 3, 4, 6
+    logits[3, 1] = 9.0                                 # the random row's near-certain token
+    rows = [SamplingRow(SamplingParams(temperature=0), [1], []) for _ in range(3)]
+    rows.append(SamplingRow(SamplingParams(temperature=1.0), [1], []))
+    spec = SpecDecodeMetadata(
+        row_index=torch.tensor([[0, 1, 2]]), num_drafts=torch.tensor([2]), draft_token_ids=torch.tensor([[3, 5]]),
+        draft_probs=None, is_greedy=torch.tensor([True]), uniform=None, residual_noise=None)
+    out = Sampler()(logits, SamplingMetadata.build(rows, 8, torch.device("cpu")), spec)
+    assert out.token_ids.tolist() == [3, 4, -1, 1]
+
+
 def test_scheduler_rolls_back_rejected_drafts_and_frees_their_blocks():
     block_manager = BlockManager(num_blocks=16, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), block_manager)

@@ -19,13 +19,16 @@ def build_spec_metadata(layout, rows: list[SamplingRow], draft_token_ids: torch.
         if row.params.seed is not None and not row.params.greedy:
             seeded.append(n)
             seeds.append(_row_seed(row.params.seed, row.sample_index, row.num_output_tokens))
-    is_greedy = torch.tensor([row.params.greedy for row in first_rows]).to(device, non_blocking=True)
+    greedy = [row.params.greedy for row in first_rows]
+    all_greedy = all(greedy)
     return SpecDecodeMetadata(
         row_index=layout.row_index,
         num_drafts=layout.num_drafts_d,
         draft_token_ids=layout.draft_token_ids_d if draft_token_ids is None else draft_token_ids,
         draft_probs=draft_probs,
-        is_greedy=is_greedy,
-        uniform=uniform((num_seqs, k), device, seeded, seeds, salt=2),
-        residual_noise=exponential_noise((num_seqs, vocab_size), device, seeded, seeds, salt=3),
+        is_greedy=torch.tensor(greedy).to(device, non_blocking=True),
+        # Random numbers only for random rows (greedy verification compares argmaxes).
+        uniform=None if all_greedy else uniform((num_seqs, k), device, seeded, seeds, salt=2),
+        residual_noise=None if all_greedy else exponential_noise((num_seqs, vocab_size), device, seeded, seeds,
+                                                                  salt=3),
     )

@@ -31,8 +31,8 @@ class SpecDecodeMetadata:
     draft_token_ids: torch.Tensor         # [N, K] int64 (entries past num_drafts arbitrary)
     draft_probs: torch.Tensor | None      # [N, K, V] fp32, None when drafts are deterministic
     is_greedy: torch.Tensor               # [N] bool
-    uniform: torch.Tensor                 # [N, K] U(0, 1) for the acceptance tests
-    residual_noise: torch.Tensor          # [N, V] Exp(1) for drawing from the residual
+    uniform: torch.Tensor | None          # [N, K] U(0, 1) for the acceptance tests (None: all greedy)
+    residual_noise: torch.Tensor | None   # [N, V] Exp(1) for drawing from the residual (None: all greedy)
 
     @property
     def max_num_drafts(self) -> int:
@@ -60,6 +60,8 @@ def rejection_sample(sampled: torch.Tensor, probs: torch.Tensor | None, spec: Sp
     valid = positions < spec.num_drafts.unsqueeze(1)
     target = sampled[spec.row_index]                                    # [N, K + 1]
     accepted = drafts == target[:, :k]
+    if spec.uniform is None:
+        probs = None   # every speculating row is greedy
     if probs is not None:
         draft_rows = spec.row_index[:, :k]
         safe_drafts = drafts.clamp_min(0)
