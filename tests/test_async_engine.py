@@ -121,14 +121,15 @@ def test_streams_cumulative_outputs_from_one_engine_thread():
 
 
 def test_admission_errors_surface_to_the_caller_and_the_loop_keeps_serving():
-    fake = ScriptedEngine(max_waiting=1)
+    # "a" stays queued for 20 slow steps, so "b" meets a full queue however late the test thread runs.
+    fake = ScriptedEngine(max_waiting=1, step_delay=0.02)
 
     async def main():
         engine = AsyncEngine(fake)
         engine.start()
         with pytest.raises(ValueError, match="empty"):
             await engine.add_request("bad", [], SamplingParams())
-        first = await engine.add_request("a", [1], SamplingParams(max_tokens=2))
+        first = await engine.add_request("a", [1], SamplingParams(max_tokens=20))
         with pytest.raises(SchedulerFullError):
             await engine.add_request("b", [1], SamplingParams(max_tokens=2))
         outputs = [out async for out in first]
