@@ -52,5 +52,5 @@ class EngineConfig:
             raise ValueError("small_batch_prefill_tokens must be at least 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")

@@ -1,0 +1,80 @@
+"""Tensor parallelism on CPU: two gloo ranks (the driver and one worker process) against one process.
+
+The reference is the same engine with tensor_parallel_size=1: greedy tokens must be identical on the
+real default model in fp32, with batching and preemption (a KV pool too small for the batch). A worker
+that raises during a step must put the server into a clear error state, not hang it.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.distributed import attention_head_partition, split_evenly
+from minivllm.engine.async_engine import AsyncEngine
+from minivllm.server.api_server import ServerThread, build_app
+
+PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind:", "1, 2, 3, 4,",
+           "def fibonacci(n):", "Once upon a time, in a land far away,", "Q: What is 12 times 12?\nA:"]
+# 8 blocks of 16 tokens cannot hold six sequences of ~40 tokens: the scheduler must preempt.
+SMALL_POOL = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128, max_num_seqs=6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,ranks", [(9, 3, 2), (32, 8, 2), (32, 8, 3), (8, 2, 4), (64, 8, 8)])
+def test_head_partition_covers_every_head_once_with_its_kv_head(heads, kv_heads, ranks):
+    group = heads // kv_heads
+    seen = []
+    for rank in range(ranks):
+        q0, nq, kv0, nkv = attention_head_partition(heads, kv_heads, rank, ranks)
+        assert nq > 0 and nkv > 0
+        seen += range(q0, q0 + nq)
+        assert all(kv0 <= h // group < kv0 + nkv for h in range(q0, q0 + nq))  # each q head sees its KV head
+        assert nq == nkv * group or nkv == 1
+    assert seen == list(range(heads))
+
+
+def test_head_partition_rejects_splits_that_do_not_fit():
+    with pytest.raises(ValueError, match="tensor_parallel_size 3"):
+        attention_head_partition(8, 2, 0, 3)
+
+
+def test_split_evenly_tiles_the_range():
+    parts = [split_evenly(10, 4, i) for i in range(4)]
+    assert parts == [(0, 3), (3, 3), (6, 2), (8, 2)]
+
+
+def _greedy(tp: int) -> tuple[list[list[int]], int]:
+    llm = LLM(tensor_parallel_size=tp, **SMALL_POOL)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.get_stats().num_preemptions
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_greedy_matches_tp1_under_batching_and_preemption():
+    reference, ref_preemptions = _greedy(1)
+    ours, preemptions = _greedy(2)
+    assert ref_preemptions > 0 and preemptions > 0
+    assert ours == reference
+
+
+def test_worker_fault_during_a_step_fails_requests_and_health(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_TP_FAIL_AT_STEP", "3")  # read by the worker process at each step
+    engine = AsyncEngine.from_config(EngineConfig(tensor_parallel_size=2, dtype="float32", max_model_len=256,
+                                                  kv_cache_memory=16 << 20))
+    with ServerThread(build_app(engine, served_model_name="smol")) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        started = time.monotonic()
+        response = httpx.post(url + "/v1/completions", timeout=120,
+                              json={"model": "smol", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
+        assert time.monotonic() - started < 60   # an error, not a wait for the collective timeout
+        assert response.status_code == 503, response.text
+        assert "rank 1" in response.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        again = httpx.post(url + "/v1/completions", timeout=30, json={"model": "smol", "prompt": "Hi", "max_tokens": 1})
+        assert again.status_code == 503
