@@ -90,7 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model name(s) clients use (default: the model's name)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas, each its own server process, behind one router on --port")
     add_engine_args(serve, serving=True)
+
+    router = sub.add_parser("router", help="route OpenAI requests across running servers (prefix affinity, "
+                                           "least outstanding tokens, health checks)")
+    router.add_argument("--backend", action="append", required=True, help="a server's base URL (repeat)")
+    router.add_argument("--host", default="0.0.0.0")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    router.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
+                        help="key the router uses for the backends' /v1/models (clients' keys are forwarded)")
 
     for name, help_text in (("generate", "complete one prompt and print the text"),
                             ("chat", "send one user message through the chat template and print the reply")):
@@ -126,11 +137,19 @@ def _run_once(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.command in ("serve", "router") else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "serve":
+        if args.command == "router":
+            from minivllm.router.app import run_router
+            run_router(args.backend, args.host, args.port, args.health_interval, args.api_key)
+        elif args.command == "serve" and args.data_parallel_size != 1:
+            from minivllm.router.launcher import serve_data_parallel
+            serve_data_parallel(argv, args.data_parallel_size, args.tensor_parallel_size, args.host, args.port,
+                                args.uvicorn_log_level)
+        elif args.command == "serve":
             from minivllm.server.api_server import run_server
             run_server(engine_config_from_args(args), host=args.host, port=args.port,
                        served_model_name=args.served_model_name, api_key=args.api_key,
