@@ -10,12 +10,14 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.distributed import attention_head_partition, split_evenly
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server.api_server import ServerThread, build_app
+from tests.conftest import make_tiny_hf_checkpoint
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind:", "1, 2, 3, 4,",
            "def fibonacci(n):", "Once upon a time, in a land far away,", "Q: What is 12 times 12?\nA:"]
@@ -61,6 +63,39 @@ def test_tp2_greedy_matches_tp1_under_batching_and_preemption():
     ours, preemptions = _greedy(2)
     assert ref_preemptions > 0 and preemptions > 0
     assert ours == reference
+
+
+def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
+    llm = LLM(model=str(folder), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp,
+              max_model_len=256, **options)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.runner
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_shards_biases_and_tied_embeddings_like_tp1(tmp_path):
+    """q/k/v and MLP biases split with their rows, o_proj/down_proj biases added once after the
+    all-reduce, the tied LM head sharded like the embedding (a tiny random checkpoint, every tensor
+    random)."""
+    make_tiny_hf_checkpoint(tmp_path, "llama-tied-bias")
+    options = dict(kv_cache_memory=4 << 20)
+    assert _tiny_greedy(tmp_path, 2, **options)[0] == _tiny_greedy(tmp_path, 1, **options)[0]
+
+
+@pytest.mark.gpu
+def test_tp2_on_two_gpus_with_cuda_graphs_and_async_scheduling(tmp_path):
+    """NCCL, decode and mixed steps replayed from CUDA graphs holding the all-reduces, async scheduling
+    on (the CUDA default): greedy tokens equal TP = 1's, fp32."""
+    make_tiny_hf_checkpoint(tmp_path, "llama3")
+    options = dict(gpu_memory_utilization=0.3, max_num_batched_tokens=96, max_num_seqs=8)
+    ours, runner = _tiny_greedy(tmp_path, 2, **options)
+    assert runner.graph_runner is not None and runner.graph_runner.graphs
+    assert ours == _tiny_greedy(tmp_path, 1, **options)[0]
 
 
 def test_worker_fault_during_a_step_fails_requests_and_health(monkeypatch):
