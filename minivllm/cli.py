@@ -96,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", help="route OpenAI requests across running servers (prefix affinity, "
                                            "least outstanding tokens, health checks)")
-    router.add_argument("--backend", action="append", required=True, help="a server's base URL (repeat)")
+    router.add_argument("--backend", action="append", default=[], help="a running server's base URL (repeat)")
+    router.add_argument("--serve", action="append", default=[], metavar="ARGS",
+                        help="start a server with these `minivllm serve` arguments behind the router (repeat: "
+                             "one per model, e.g. --serve 'MODEL --served-model-name a')")
     router.add_argument("--host", default="0.0.0.0")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
@@ -143,8 +146,10 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "router":
-            from minivllm.router.app import run_router
-            run_router(args.backend, args.host, args.port, args.health_interval, args.api_key)
+            if not args.backend and not args.serve:
+                raise ValueError("the router needs --backend URL or --serve ARGS (at least one)")
+            from minivllm.router.launcher import route_and_serve
+            route_and_serve(args.backend, args.serve, args.host, args.port, args.health_interval, args.api_key)
         elif args.command == "serve" and args.data_parallel_size != 1:
             from minivllm.router.launcher import serve_data_parallel
             serve_data_parallel(argv, args.data_parallel_size, args.tensor_parallel_size, args.host, args.port,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from minivllm.router.app import BACKEND_HEADER, build_router_app
-from minivllm.router.launcher import replica_argv, start_replicas, stop_replicas
+from minivllm.router.launcher import replica_argv, serve_specs, start_servers, stop_replicas
 from minivllm.router.policy import PrefixAffinityPolicy, Replica
 from minivllm.server.api_server import ServerThread
 
@@ -27,10 +27,11 @@ PREFIX_B = ("Translate the following sentence from English into French, keeping 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two replicas started the way `minivllm serve --data-parallel-size 2` starts them, and the router."""
-    argv = ["serve", "--data-parallel-size", "2", "--port", "1", "--served-model-name", "smol",
-            "--kv-cache-memory", "32MiB", "--max-model-len", "512", "--uvicorn-log-level", "warning"]
-    urls, procs = start_replicas(argv, 2, startup_timeout_s=240)
+    """Two servers started by the launcher (`minivllm router --serve ARGS --serve ARGS`), both serving the
+    default model as `smol`, one also as `a` and the other as `b`, and the router in front."""
+    common = "--kv-cache-memory 32MiB --max-model-len 512 --uvicorn-log-level warning"
+    specs = serve_specs([f"--served-model-name smol a {common}", f"--served-model-name smol b {common}"])
+    urls, procs = start_servers(specs, startup_timeout_s=240)
     try:
         thread = ServerThread(build_router_app(urls, health_interval=0.5))
         router = thread.start()
@@ -68,6 +69,8 @@ def test_policy_prefers_the_prefix_owner_until_it_is_far_busier():
 def test_replica_argv_replaces_dp_host_and_port():
     argv = ["serve", "m", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0", "-tp", "2"]
     assert replica_argv(argv, 1234) == ["serve", "m", "-tp", "2", "--host", "127.0.0.1", "--port", "1234"]
+    specs = serve_specs(["m --served-model-name a -tp 2 -dp 2", "n"])   # GPUs each server takes
+    assert [n for _, n in specs] == [2, 2, 1] and specs[2][0] == ["serve", "n"]
 
 
 def test_shared_prefixes_stick_to_one_replica_and_hit_its_cache(cluster):
@@ -88,6 +91,16 @@ def test_shared_prefixes_stick_to_one_replica_and_hit_its_cache(cluster):
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     assert _complete(router, "Hi", model="nope").status_code == 404
+
+
+def test_requests_route_by_model_name(cluster):
+    urls, _, router = cluster
+    names = {card["id"] for card in httpx.get(router + "/v1/models").json()["data"]}
+    assert names == {"smol", "a", "b"}
+    for _ in range(2):   # whatever the load or the prefix, a model goes where it is served
+        for model, url in (("a", urls[0]), ("b", urls[1])):
+            response = _complete(router, PREFIX_A + "Which model?", model=model)
+            assert response.status_code == 200 and response.headers[BACKEND_HEADER] == url
 
 
 def test_killed_replica_fails_its_request_and_the_other_keeps_serving(cluster):

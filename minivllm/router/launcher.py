@@ -4,11 +4,14 @@ Each replica is an ordinary `minivllm serve` process on an internal port of 127.
 engine, KV cache and, with tensor parallelism, its own TP group); on CUDA replica i sees GPUs
 [i*TP, (i+1)*TP) of the visible ones through CUDA_VISIBLE_DEVICES. Once every replica answers
 /health, the router opens the public port in front of them. Stopping the router stops the replicas.
+`minivllm router --serve "ARGS" --serve "ARGS"` starts servers of different models the same way, so
+several models are served behind one URL by one command (the router routes by the request's `model`).
 """
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -72,20 +75,28 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: floa
 
 def start_replicas(argv: list[str], data_parallel_size: int, tensor_parallel_size: int = 1,
                    startup_timeout_s: float = 1800) -> tuple[list[str], list[subprocess.Popen]]:
-    """Start the replica servers and wait until all are healthy; returns their URLs and processes."""
+    """Start `data_parallel_size` copies of the serve command line `argv` and wait until all are healthy;
+    returns their URLs and processes."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    return start_servers([(argv, tensor_parallel_size)] * data_parallel_size, startup_timeout_s)
+
+
+def start_servers(specs: list[tuple[list[str], int]], startup_timeout_s: float = 1800
+                  ) -> tuple[list[str], list[subprocess.Popen]]:
+    """One server per (serve argv, GPUs it takes), on internal ports, GPUs handed out in order."""
     gpus = _visible_gpus()
-    if gpus and len(gpus) < data_parallel_size * tensor_parallel_size:
-        raise ValueError(f"{data_parallel_size} replicas of {tensor_parallel_size} GPUs need "
-                         f"{data_parallel_size * tensor_parallel_size} GPUs, {len(gpus)} visible")
-    ports = [_free_port() for _ in range(data_parallel_size)]
+    needed = sum(n for _, n in specs)
+    if gpus and len(gpus) < needed:
+        raise ValueError(f"the servers need {needed} GPUs, {len(gpus)} visible")
+    ports = [_free_port() for _ in specs]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = []
-    for i, p in enumerate(ports):
+    procs, first_gpu = [], 0
+    for (argv, num_gpus), p in zip(specs, ports):
         env = dict(os.environ)
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tensor_parallel_size:(i + 1) * tensor_parallel_size])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[first_gpu:first_gpu + num_gpus])
+            first_gpu += num_gpus
         procs.append(subprocess.Popen([sys.executable, "-m", "minivllm.cli"] + replica_argv(argv, p), env=env))
     try:
         wait_healthy(urls, procs, startup_timeout_s)
@@ -93,6 +104,18 @@ def start_replicas(argv: list[str], data_parallel_size: int, tensor_parallel_siz
         stop_replicas(procs)
         raise
     return urls, procs
+
+
+def serve_specs(texts: list[str]) -> list[tuple[list[str], int]]:
+    """`minivllm router --serve "MODEL --served-model-name a -tp 2" ...`: each text is the arguments of
+    one `minivllm serve`; its --data-parallel-size becomes that many replicas."""
+    from minivllm.cli import build_parser
+    specs = []
+    for text in texts:
+        argv = ["serve"] + shlex.split(text)
+        args = build_parser().parse_args(argv)
+        specs += [(argv, args.tensor_parallel_size)] * args.data_parallel_size
+    return specs
 
 
 def stop_replicas(procs: list[subprocess.Popen], timeout_s: float = 30) -> None:
@@ -113,5 +136,15 @@ def serve_data_parallel(argv: list[str], data_parallel_size: int, tensor_paralle
     logger.info("%d replicas ready: %s", data_parallel_size, urls)
     try:
         run_router(urls, host, port, log_level=log_level)
+    finally:
+        stop_replicas(procs)
+
+
+def route_and_serve(backends: list[str], serve: list[str], host: str, port: int, health_interval: float,
+                    api_key: str | None) -> None:
+    """`minivllm router`: the given backends plus the servers of each --serve spec, behind one port."""
+    urls, procs = start_servers(serve_specs(serve)) if serve else ([], [])
+    try:
+        run_router(list(backends) + urls, host, port, health_interval, api_key)
     finally:
         stop_replicas(procs)

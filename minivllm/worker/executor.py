@@ -116,7 +116,9 @@ class MultiprocTPExecutor:
         env = dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n))
         os.environ.update(MASTER_ADDR=env["MASTER_ADDR"], MASTER_PORT=env["MASTER_PORT"])
-        config_json = json.dumps(dataclasses.asdict(config))
+        # Each worker's "cuda" is the GPU of its LOCAL_RANK (set before the model is built).
+        worker_config = dataclasses.replace(config, device="cuda") if device.type == "cuda" else config
+        config_json = json.dumps(dataclasses.asdict(worker_config))
         self.workers = [subprocess.Popen(
             [sys.executable, "-m", "minivllm.worker.executor_worker", config_json, str(max_num_batched_tokens)],
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))) for rank in range(1, n)]
