@@ -17,6 +17,7 @@ the rank, which stops the engine loop (the server's /health then fails, requests
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -122,7 +123,8 @@ class MultiprocTPExecutor:
         self.workers = [subprocess.Popen(
             [sys.executable, "-m", "minivllm.worker.executor_worker", config_json, str(max_num_batched_tokens)],
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))) for rank in range(1, n)]
-        self._closed = False
+        self._closed = False     # the group can no longer run a step
+        self._shut_down = False  # shutdown() was called
         atexit.register(self.shutdown)
         try:
             init_distributed(0, n, backend, collective_timeout_s())
@@ -132,8 +134,24 @@ class MultiprocTPExecutor:
             self.shutdown()
             raise error from e
         self.driver.step_broadcaster = broadcast_step
-        self._lock = threading.Lock()
+        self._backend = backend
+        threading.Thread(target=self._watch_workers, name="minivllm-tp-watchdog", daemon=True).start()
         logger.info("tensor parallel: %d ranks over %s", n, backend)
+
+    def _watch_workers(self) -> None:
+        """A worker that exits unasked leaves the driver's next (or current) collective without a peer. gloo
+        notices the closed connection; NCCL would wait out the timeout, so its group is aborted, which makes
+        the blocked collective raise now."""
+        while not (self._closed or self._shut_down):
+            dead = [(rank, p.returncode) for rank, p in enumerate(self.workers, 1) if p.poll() is not None]
+            if dead and not (self._closed or self._shut_down):
+                logger.error("tensor-parallel worker rank %d exited with code %s", *dead[0])
+                self._closed = True
+                if self._backend == "nccl":
+                    with contextlib.suppress(Exception):
+                        torch.distributed.distributed_c10d._abort_process_group()
+                return
+            time.sleep(0.5)
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["driver"], name)
@@ -161,7 +179,7 @@ class MultiprocTPExecutor:
 
     def execute_async(self, scheduler_output):
         if self._closed:
-            raise WorkerFailedError("the tensor-parallel group was shut down")
+            raise self._failure(WorkerFailedError("the tensor-parallel group is shut down"))
         try:
             return self.driver.execute_async(scheduler_output)
         except Exception as e:
@@ -170,7 +188,7 @@ class MultiprocTPExecutor:
 
     def shutdown(self) -> None:
         """Tell live workers to stop, then leave the group (idempotent)."""
-        if getattr(self, "_shut_down", False):
+        if self._shut_down:
             return
         self._shut_down = True
         atexit.unregister(self.shutdown)
