@@ -81,9 +81,9 @@ def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object]:
 def test_tp2_shards_biases_and_tied_embeddings_like_tp1(tmp_path):
     """q/k/v and MLP biases split with their rows, o_proj/down_proj biases added once after the
     all-reduce, the tied LM head sharded like the embedding (a tiny random checkpoint, every tensor
-    random)."""
+    random). Async scheduling on: the driver fills the tokens still in flight before broadcasting."""
     make_tiny_hf_checkpoint(tmp_path, "llama-tied-bias")
-    options = dict(kv_cache_memory=4 << 20)
+    options = dict(kv_cache_memory=4 << 20, async_scheduling=True)
     assert _tiny_greedy(tmp_path, 2, **options)[0] == _tiny_greedy(tmp_path, 1, **options)[0]
 
 
