@@ -73,6 +73,12 @@ def child_engine(args) -> dict:
     result["w1_end_wall"] = time.time()
     if not args.barrier:
         result["single"] = timed_generate(llm, random_prompts(single, vocab, seed=1), single.output_len)
+    if args.tp > 1:   # the step profile: where the all-reduces sit in real steps
+        try:
+            result["profile"] = [profile_collectives(llm, Workload(n, w1.prompt_len, min(64, w1.output_len)), vocab,
+                                                     device, seed=2 + n) for n in (1, w1.num_requests)]
+        except Exception as e:   # the numbers above stand without it
+            result["profile_error"] = repr(e)
     llm.llm_engine.shutdown()
     if args.roofline:   # after the engine, whose KV cache sizing must not see the probe's memory
         del llm
@@ -81,6 +87,36 @@ def child_engine(args) -> dict:
             torch.cuda.empty_cache()
         result["roofline"] = measure_roofline(device, dtype)
     return result
+
+
+def profile_collectives(llm, workload, vocab: int, device: torch.device, seed: int) -> dict:
+    """Run `workload` under torch.profiler on the driver and split its time: all-reduce kernels (NCCL;
+    gloo ops on a CPU) against every kernel (CPU: the wall time). With L layers a step holds 2 L + 1
+    all-reduces (two per layer, one in the embedding)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.throughput import random_prompts, timed_generate
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run = timed_generate(llm, random_prompts(workload, vocab, seed), workload.output_len)
+    allreduce_us, calls, kernels_us = 0.0, 0, 0.0
+    for event in prof.key_averages():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        time_us = event.self_device_time_total if cuda else event.cpu_time_total
+        name = event.key.lower()
+        if ("allreduce" in name and "nccl" in name) or (not cuda and name == "gloo:all_reduce"):
+            allreduce_us += time_us
+            calls += event.count
+        kernels_us += time_us if cuda else 0.0
+    layers = llm.llm_engine.runner.num_layers
+    busy_us = kernels_us if cuda else run["elapsed_s"] * 1e6
+    return {"workload": str(workload), "wall_s": run["elapsed_s"], "busy_s": busy_us / 1e6,
+            "allreduce_s": allreduce_us / 1e6, "allreduce_calls": calls,
+            "allreduce_share": allreduce_us / busy_us if busy_us else None,
+            "allreduce_per_call_us": allreduce_us / calls if calls else None,
+            "allreduce_per_layer_us": 2 * allreduce_us / calls if calls else None,
+            "steps_seen": calls / (2 * layers + 1)}
 
 
 def _allreduce_worker(rank: int, world: int, port: int, device_type: str, shapes: list, queue) -> None:
@@ -244,6 +280,9 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
         result["tp2_over_tp1_single"] = result["tp2_8b"]["single_tokens_per_s"] / result["tp1_8b"]["single_tokens_per_s"]
     if tp1 and dp2:
         result["dp2_over_tp1_w1"] = dp2["w1_output_tokens_per_s"] / result["tp1_8b"]["w1_output_tokens_per_s"]
+    for key, run in (("tp2_8b", tp2), ("tp2_70b", big)):
+        if run is not None:
+            result[f"{key}_step_profile"] = run.get("profile") or run.get("profile_error")
     if ar:
         result["allreduce"] = ar["allreduce"]
         result["allreduce_bus_bandwidth_GBps"] = ar["allreduce"][-1]["bus_bandwidth_GBps"]
@@ -324,7 +363,10 @@ def main(argv: list[str] | None = None) -> dict | None:
             for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_70b") if result.get(k)]
     print_table(rows, "tensor / data parallel")
     print_table(result.get("allreduce", []), "all-reduce")
-    print_table(result.get("allreduce_share", []), "all-reduce share of a decode step")
+    print_table(result.get("allreduce_share", []), "all-reduce share of a decode step (microbenchmark x layers)")
+    for key in ("tp2_8b_step_profile", "tp2_70b_step_profile"):
+        if isinstance(result.get(key), list):
+            print_table(result[key], f"{key}: all-reduce in the profiled steps (driver)")
     print(f"wrote {path} in {result['bench_wall_s']:.0f} s")
     return result
 
