@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minivllm.router.policy import PrefixAffinityPolicy, Replica, estimate_tokens
 
 logger = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health probe
 
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _RETURNED_HEADERS = ("content-type", "retry-after")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -55,6 +56,8 @@ def serve(runner: ModelRunner) -> None:
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s rank %(process)d %(name)s: "
                         "%(message)s")
+    # Ctrl-C reaches the whole process group; the driver decides when workers stop (its "stop" message).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = EngineConfig(**json.loads(argv[0]))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
