@@ -10,6 +10,9 @@
 #      halves), verify-step cost and speculation under load on dummy Llama-3-8B
 #   M: model families: GPU tests of GPT-2 / MoE models and the fused MoE kernel, then bench/models_bench.py
 #      (dummy Qwen3-30B-A3B and GPT-2 XL W1 + single stream vs floor, MoE kernel microbenchmark) -> models_<gpu>.json
+#   T: (nvidia-h200-x2) tensor/data parallelism: dummy Llama-3-8B W1 + single stream at TP=1, TP=2, DP=2,
+#      NCCL all-reduce timings, Llama-3-70B dummy bf16 TP=2 W1 + single stream -> tp_h200x2.json (~6 min)
+#   U: (nvidia-h200-x2) Llama-3-70B dummy TP=2 served: p50 TTFT at 4 users, p95 ITL at 64 users
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +60,17 @@ case "${1:-A}" in
     python3 -m pytest -q -m gpu tests/test_models_families.py tests/test_models_moe_kernel.py 2>&1 \
       | tee "$OUT/gpu_tests_M.log" | tail -3
     python3 bench/models_bench.py --out "$OUT" > "$OUT/models_bench.log" 2>&1; tail -30 "$OUT/models_bench.log"
+    ;;
+  T)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+    python3 -m pytest -q -m gpu tests/test_tp.py 2>&1 | tee "$OUT/gpu_tests_T.log" | tail -3
+    timeout 520 python3 bench/tp_bench.py --out "$OUT" > "$OUT/tp_bench.log" 2>&1; tail -30 "$OUT/tp_bench.log"
+    ;;
+  U)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout 540 python3 bench/serve.py --model llama-3-70b --load-format dummy --concurrency 4,64 --num-prompts 64 \
+      --input-len 512 --output-len 128 --server-args="--tensor-parallel-size 2 --max-model-len 1024 --cuda-graph-max-tokens 512" \
+      --tag h200x2_70b_tp2 --out "$OUT" > "$OUT/serve_70b_tp2.log" 2>&1; tail -6 "$OUT/serve_70b_tp2.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

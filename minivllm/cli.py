@@ -95,7 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model name(s) clients use (default: the model's name)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas, each its own server process, behind one router on --port")
     add_engine_args(serve, serving=True)
+
+    router = sub.add_parser("router", help="route OpenAI requests across running servers (prefix affinity, "
+                                           "least outstanding tokens, health checks)")
+    router.add_argument("--backend", action="append", default=[], help="a running server's base URL (repeat)")
+    router.add_argument("--serve", action="append", default=[], metavar="ARGS",
+                        help="start a server with these `minivllm serve` arguments behind the router (repeat: "
+                             "one per model, e.g. --serve 'MODEL --served-model-name a')")
+    router.add_argument("--host", default="0.0.0.0")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    router.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
+                        help="key the router uses for the backends' /v1/models (clients' keys are forwarded)")
 
     for name, help_text in (("generate", "complete one prompt and print the text"),
                             ("chat", "send one user message through the chat template and print the reply")):
@@ -131,11 +145,21 @@ def _run_once(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.command in ("serve", "router") else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "serve":
+        if args.command == "router":
+            if not args.backend and not args.serve:
+                raise ValueError("the router needs --backend URL or --serve ARGS (at least one)")
+            from minivllm.router.launcher import route_and_serve
+            route_and_serve(args.backend, args.serve, args.host, args.port, args.health_interval, args.api_key)
+        elif args.command == "serve" and args.data_parallel_size != 1:
+            from minivllm.router.launcher import serve_data_parallel
+            serve_data_parallel(argv, args.data_parallel_size, args.tensor_parallel_size, args.host, args.port,
+                                args.uvicorn_log_level)
+        elif args.command == "serve":
             from minivllm.server.api_server import run_server
             run_server(engine_config_from_args(args), host=args.host, port=args.port,
                        served_model_name=args.served_model_name, api_key=args.api_key,

@@ -54,8 +54,12 @@ class EngineConfig:
             raise ValueError("small_batch_prefill_tokens must be at least 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.speculative_config is not None:
             from minivllm.spec_decode.config import SpeculativeConfig
-            SpeculativeConfig.from_dict(self.speculative_config)  # validate early, with the reason
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+            spec = SpeculativeConfig.from_dict(self.speculative_config)  # validate early, with the reason
+            if spec.uses_draft_model and self.tensor_parallel_size > 1:
+                # The draft runs on the driver only; worker ranks would miss its collectives.
+                raise ValueError("draft_model speculation does not support tensor_parallel_size > 1 yet; "
+                                 "use the ngram method")

@@ -23,7 +23,8 @@ from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import SpecDecodeStats, SpeculationController
-from minivllm.worker.model_runner import ModelRunner, PendingModelOutput
+from minivllm.worker.executor import create_executor
+from minivllm.worker.model_runner import PendingModelOutput
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class LLMEngine:
         if max_batched < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_batched}) must be at least max_num_seqs ({config.max_num_seqs})")
 
-        self.runner = ModelRunner(config, source, max_batched)
+        self.runner = create_executor(config, source, max_batched)  # the ModelRunner, or TP ranks behind one
         if self.runner.num_kv_tokens < self.max_model_len:
             if config.max_model_len is not None:
                 raise ValueError(f"the KV cache holds {self.runner.num_kv_tokens} tokens, fewer than max_model_len "
@@ -293,3 +294,5 @@ class LLMEngine:
         """Abort every unfinished request and forget the step in flight."""
         self.abort_request(list(self.scheduler.groups))
         self._in_flight = None
+        if hasattr(self.runner, "shutdown"):  # tensor parallelism: stop the worker processes
+            self.runner.shutdown()

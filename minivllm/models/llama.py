@@ -45,15 +45,18 @@ def _attention_biases(hf_config) -> tuple[bool, bool]:
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, rotary_emb: nn.Module):
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim = _head_dim(hf_config)
+        qkv_bias, o_bias = _attention_biases(hf_config)
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, total_heads,
+                                          total_kv_heads, bias=qkv_bias)
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias, o_bias = _attention_biases(hf_config)
-        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, self.num_heads,
-                                          self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
+                                        input_partition=self.qkv_proj.q_partition)
         self.rotary_emb = rotary_emb
         if hf_config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)

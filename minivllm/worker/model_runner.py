@@ -16,6 +16,7 @@ from minivllm.attention.metadata import AttentionMetadata, set_forward_context
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
+from minivllm.distributed import min_over_ranks
 from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.models.loader import ModelSource, load_model, resolve_model
@@ -77,6 +78,7 @@ class ModelRunner:
             self.attention_layers += [m for m in self.proposer.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
+        self.num_kv_heads = self.attention_layers[0].num_kv_heads  # this rank's, under tensor parallelism
         self.sampler = Sampler()
 
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,6 +89,7 @@ class ModelRunner:
         num_blocks = budget // per_block
         if config.num_gpu_blocks_override is not None:
             num_blocks = min(num_blocks, config.num_gpu_blocks_override)
+        num_blocks = min_over_ranks(num_blocks)  # tensor-parallel ranks share one block table
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
         self.num_blocks = int(num_blocks)
@@ -110,6 +113,8 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         self.host_buffers = PinnedBufferPool()
         self._previous_samples: PreviousSamples | None = None
+        # Tensor parallelism: called with (blocks_to_copy, inputs) to ship each step to the other ranks.
+        self.step_broadcaster = None
 
     def _load_proposer(self, spec_config: SpeculativeConfig | None) -> DraftModelProposer | None:
         """The device proposer of a draft_model speculative config (n-gram proposals come from the host)."""
@@ -192,6 +197,8 @@ class ModelRunner:
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
+        if self.step_broadcaster is not None:
+            self.step_broadcaster(scheduler_output.blocks_to_copy, inputs)
         draft_ids, draft_probs = self._propose(inputs)
         hidden = self._forward(inputs)
         if not inputs.sampling_rows:

@@ -1,0 +1,375 @@
+"""Tensor and data parallelism on two GPUs, in one command (results in tp_<gpu>x2.json):
+
+    python bench/tp_bench.py --out bench/results            # on 2 H200s: 8B TP=1 / TP=2 / DP=2, 70B TP=2, NCCL
+    python bench/tp_bench.py --device cpu --quick --out /tmp # the same pipeline on the CPU (gloo, tiny-llama)
+
+Every configuration runs in fresh processes (a process holds one tensor-parallel group): a child
+`--child engine` builds one engine (dummy weights) and times W1 (64 x 512 -> 256) and a single stream
+(1 x 512 -> 128) like bench/throughput.py; DP = 2 is two such children, one per GPU
+(CUDA_VISIBLE_DEVICES), each with half the requests, started together behind a file barrier and
+timed from the first start to the last finish. `--child allreduce` times NCCL all-reduce on 2 GPUs
+for the tensor shapes tensor parallelism sends (2 per layer: after o_proj and after down_proj, each
+[tokens, hidden]) and the bus bandwidth of a large one (busbw = bytes / time * 2 (n - 1) / n, NCCL's
+definition). All-reduce time per layer and its share of a step are those times against the measured
+TP = 2 step time (median time per output token at batch 1 and at W1's batch of 64).
+
+Floors: the roofline of bench/throughput.py with both GPUs' bandwidth and matmul rate (each GPU reads
+half the weights and does half the FLOPs), all-reduce not counted: the floor says what the hardware
+allows, the all-reduce section says how much of the gap the communication explains.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import torch  # noqa: E402
+
+from bench.common import ModelShape, load_hf_config, print_table, run_metadata, write_json  # noqa: E402
+
+FULL = dict(model_8b="llama-3-8b", model_70b="llama-3-70b", w1=(64, 512, 256), single=(1, 512, 128))
+QUICK = dict(model_8b="tiny-llama", model_70b="tiny-llama", w1=(4, 32, 8), single=(1, 32, 4))
+
+
+# ---- children ----------------------------------------------------------------------------------------------------
+def child_engine(args) -> dict:
+    """One engine: roofline (TP = 1 only), W1 (or this replica's share of it) and single stream."""
+    from bench.throughput import Workload, build_llm, measure_roofline, random_prompts, timed_generate, warm_up
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    result = {**run_metadata(device), "model": args.model, "tp": args.tp}
+    w1, single = Workload(*args.w1), Workload(*args.single)
+    options = SimpleNamespace(model=args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=8192,
+                              gpu_memory_utilization=0.9, cpu_kv_cache_memory=64 * 2**20)
+    extra = {"tensor_parallel_size": args.tp}
+    if args.cuda_graph_max_tokens is not None:
+        extra["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
+    if args.enforce_eager:
+        extra["enforce_eager"] = True
+    started = time.perf_counter()
+    llm = build_llm(options, max_num_seqs=w1.num_requests, max_model_len=max(w1.prompt_len + w1.output_len,
+                                                                             single.prompt_len + single.output_len),
+                    **extra)
+    result["engine_build_s"] = time.perf_counter() - started
+    vocab = llm.llm_engine.vocab_size
+    warm_up(llm, w1, vocab)
+    share = Workload(len(range(args.replica, w1.num_requests, args.replicas)), w1.prompt_len, w1.output_len)
+    prompts = random_prompts(w1, vocab, seed=0)[args.replica::args.replicas]
+    if args.barrier:   # data parallel: all replicas start together
+        Path(args.barrier, f"ready{args.replica}").touch()
+        while len(list(Path(args.barrier).glob("ready*"))) < args.replicas:
+            time.sleep(0.01)
+    result["w1_start_wall"] = time.time()
+    result["w1"] = timed_generate(llm, prompts, share.output_len)
+    result["w1_end_wall"] = time.time()
+    if not args.barrier:
+        result["single"] = timed_generate(llm, random_prompts(single, vocab, seed=1), single.output_len)
+    if args.tp > 1:   # the step profile: where the all-reduces sit in real steps
+        try:
+            result["profile"] = [profile_collectives(llm, Workload(n, w1.prompt_len, min(64, w1.output_len)), vocab,
+                                                     device, seed=2 + n) for n in (1, w1.num_requests)]
+        except Exception as e:   # the numbers above stand without it
+            result["profile_error"] = repr(e)
+    llm.llm_engine.shutdown()
+    if args.roofline:   # after the engine, whose KV cache sizing must not see the probe's memory
+        del llm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["roofline"] = measure_roofline(device, dtype)
+    return result
+
+
+def profile_collectives(llm, workload, vocab: int, device: torch.device, seed: int) -> dict:
+    """Run `workload` under torch.profiler on the driver and split its time: all-reduce kernels (NCCL;
+    gloo ops on a CPU) against every kernel (CPU: the wall time). With L layers a step holds 2 L + 1
+    all-reduces (two per layer, one in the embedding)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.throughput import random_prompts, timed_generate
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run = timed_generate(llm, random_prompts(workload, vocab, seed), workload.output_len)
+    allreduce_us, calls, kernels_us = 0.0, 0, 0.0
+    for event in prof.key_averages():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        time_us = event.self_device_time_total if cuda else event.cpu_time_total
+        name = event.key.lower()
+        if ("allreduce" in name and "nccl" in name) or (not cuda and name == "gloo:all_reduce"):
+            allreduce_us += time_us
+            calls += event.count
+        kernels_us += time_us if cuda else 0.0
+    layers = llm.llm_engine.runner.num_layers
+    busy_us = kernels_us if cuda else run["elapsed_s"] * 1e6
+    return {"workload": str(workload), "wall_s": run["elapsed_s"], "busy_s": busy_us / 1e6,
+            "allreduce_s": allreduce_us / 1e6, "allreduce_calls": calls,
+            "allreduce_share": allreduce_us / busy_us if busy_us else None,
+            "allreduce_per_call_us": allreduce_us / calls if calls else None,
+            "allreduce_per_layer_us": 2 * allreduce_us / calls if calls else None,
+            "steps_seen": calls / (2 * layers + 1)}
+
+
+def _allreduce_worker(rank: int, world: int, port: int, device_type: str, shapes: list, queue) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    rows = []
+    for name, numel in shapes:
+        x = torch.ones(numel, dtype=dtype, device=device)
+        for _ in range(5):
+            dist.all_reduce(x)
+        repeats = 50 if numel < 1 << 24 else 10
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(x)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - started) / repeats
+        nbytes = numel * x.element_size()
+        rows.append({"shape": name, "bytes": nbytes, "time_us": seconds * 1e6,
+                     "bus_bandwidth_GBps": nbytes / seconds * 2 * (world - 1) / world / 1e9})
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def child_allreduce(args) -> dict:
+    import torch.multiprocessing as mp
+    from minivllm.worker.executor import _free_port
+    shapes = []
+    for model in sorted({args.model_8b, args.model_70b}):
+        hidden = load_hf_config(model).hidden_size
+        for tokens in sorted({1, args.w1[0], 512}):
+            shapes.append((f"{model} [{tokens}, {hidden}]", tokens * hidden))
+    shapes.append(("256 MiB", (256 << 20) // (2 if args.device == "cuda" else 4)))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, 2, port, args.device, shapes, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return {"allreduce": rows}
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------------
+def _child(args, kind: str, out: Path, name: str, extra: list[str], env: dict | None = None,
+           wait: bool = True, timeout_s: float = 300):
+    """Run one child; returns its exit code (-9 after `timeout_s`), or the process if not waiting."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--device", args.device,
+           "--dtype", args.dtype, "--result", str(out / f"{name}.json"), "--model-8b", args.model_8b,
+           "--model-70b", args.model_70b, "--w1", *map(str, args.sizes["w1"])] + extra
+    print(f"\n== {name}: {' '.join(cmd[2:])}", flush=True)
+    # A hung collective raises after MINIVLLM_TP_TIMEOUT_S instead of eating the stage's time.
+    proc = subprocess.Popen(cmd, env={**os.environ, "MINIVLLM_TP_TIMEOUT_S": "150", **(env or {})})
+    if not wait:
+        return proc
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"   {name} took more than {timeout_s:.0f} s: killed")
+        proc.kill()
+        proc.wait()
+        return -9
+
+
+def _load(out: Path, name: str) -> dict | None:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _engine_args(sizes: dict, model: str, tp: int, **flags) -> list[str]:
+    argv = ["--model", model, "--tp", str(tp), "--single", *map(str, sizes["single"])]
+    for key, value in flags.items():
+        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return argv
+
+
+def run_engine(args, sizes, out, name, model, tp, timeout_s: float = 240, **flags) -> dict | None:
+    """A child engine; if it fails fast (CUDA graphs under TP, say), once more eagerly (the result says so)."""
+    started = time.perf_counter()
+    if _child(args, "engine", out, name, _engine_args(sizes, model, tp, **flags), timeout_s=timeout_s) == 0:
+        return _load(out, name)
+    if args.device == "cuda" and time.perf_counter() - started < 120:
+        print(f"   {name} failed; retrying with --enforce-eager")
+        if _child(args, "engine", out, name, _engine_args(sizes, model, tp, enforce_eager=True, **flags),
+                  timeout_s=timeout_s) == 0:
+            return {**_load(out, name), "enforce_eager_fallback": True}
+    return None
+
+
+def run_dp(args, sizes, out, model) -> dict | None:
+    barrier = Path(tempfile.mkdtemp(prefix="dp_barrier_"))
+    procs = [_child(args, "engine", out, f"dp2_r{r}", _engine_args(sizes, model, 1, replica=r, replicas=2,
+                                                                    barrier=barrier),
+                    env={"CUDA_VISIBLE_DEVICES": str(r)} if args.device == "cuda" else None, wait=False)
+             for r in range(2)]
+    try:
+        if any(p.wait(timeout=240) != 0 for p in procs):
+            return None
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return None
+    parts = [_load(out, f"dp2_r{r}") for r in range(2)]
+    elapsed = max(p["w1_end_wall"] for p in parts) - min(p["w1_start_wall"] for p in parts)
+    tokens = sum(p["w1"]["num_output_tokens"] for p in parts)
+    return {"w1_output_tokens_per_s": tokens / elapsed, "elapsed_s": elapsed, "num_output_tokens": tokens,
+            "replicas": [p["w1"] for p in parts]}
+
+
+def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
+    from bench.throughput import Workload, floor_seconds
+    roofline = (tp1 or big or {}).get("roofline")
+    result = {**(tp1 or tp2 or big or {}), "workload_w1": str(Workload(*sizes["w1"])),
+              "workload_single": str(Workload(*sizes["single"])), "roofline_per_gpu": roofline}
+    for key in ("w1", "single", "w1_start_wall", "w1_end_wall", "tp", "model", "roofline", "engine_build_s"):
+        result.pop(key, None)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+
+    def floors(model: str, gpus: int) -> dict:
+        if roofline is None:
+            return {}
+        shape = ModelShape.from_hf_config(load_hf_config(model), dtype)
+        bw, rate = gpus * roofline["copy_bandwidth_bytes_per_s"], gpus * roofline["matmul_flops_per_s"]
+        w1, single = Workload(*sizes["w1"]), Workload(*sizes["single"])
+        w1_floor = w1.num_requests * w1.output_len / sum(floor_seconds(shape, w1, bw, rate))
+        single_floor = 1e3 * floor_seconds(shape, single, bw, rate)[1] / (single.output_len - 1)
+        return {"floor_w1_output_tokens_per_s": w1_floor, "floor_single_tokens_per_s": 1e3 / single_floor}
+
+    def engine_row(run: dict | None, model: str, gpus: int) -> dict | None:
+        if run is None:
+            return None
+        row = {"w1_output_tokens_per_s": run["w1"]["output_tokens_per_s"],
+               "w1_median_tpot_ms": run["w1"].get("median_tpot_ms"),
+               "single_tokens_per_s": 1e3 / run["single"]["median_tpot_ms"],
+               "single_ms_per_token": run["single"]["median_tpot_ms"], "single_ttft_s": run["single"]["median_ttft_s"],
+               "engine_build_s": run["engine_build_s"], "enforce_eager_fallback": run.get("enforce_eager_fallback", False),
+               **floors(model, gpus)}
+        if "floor_w1_output_tokens_per_s" in row:
+            row["w1_over_floor"] = row["w1_output_tokens_per_s"] / row["floor_w1_output_tokens_per_s"]
+            row["single_over_floor"] = row["single_tokens_per_s"] / row["floor_single_tokens_per_s"]
+        return row
+
+    result["tp1_8b"] = engine_row(tp1, sizes["model_8b"], 1)
+    result["tp2_8b"] = engine_row(tp2, sizes["model_8b"], 2)
+    result["dp2_8b"] = dp2
+    result["tp2_70b"] = engine_row(big, sizes["model_70b"], 2)
+    if tp1 and tp2:
+        result["tp2_over_tp1_w1"] = result["tp2_8b"]["w1_output_tokens_per_s"] / result["tp1_8b"]["w1_output_tokens_per_s"]
+        result["tp2_over_tp1_single"] = result["tp2_8b"]["single_tokens_per_s"] / result["tp1_8b"]["single_tokens_per_s"]
+    if tp1 and dp2:
+        result["dp2_over_tp1_w1"] = dp2["w1_output_tokens_per_s"] / result["tp1_8b"]["w1_output_tokens_per_s"]
+    for key, run in (("tp2_8b", tp2), ("tp2_70b", big)):
+        if run is not None:
+            result[f"{key}_step_profile"] = run.get("profile") or run.get("profile_error")
+    if ar:
+        result["allreduce"] = ar["allreduce"]
+        result["allreduce_bus_bandwidth_GBps"] = ar["allreduce"][-1]["bus_bandwidth_GBps"]
+        by_shape = {row["shape"]: row["time_us"] for row in ar["allreduce"]}
+        shares = []
+        for label, run, model in (("8b", tp2, sizes["model_8b"]), ("70b", big, sizes["model_70b"])):
+            if run is None:
+                continue
+            cfg = load_hf_config(model)
+            for batch, ms in ((1, run["single"]["median_tpot_ms"]), (sizes["w1"][0], run["w1"].get("median_tpot_ms"))):
+                per_call = by_shape.get(f"{model} [{batch}, {cfg.hidden_size}]")
+                if per_call is None or not ms:
+                    continue
+                per_layer_us = 2 * per_call
+                shares.append({"model": label, "decode_batch": batch, "allreduce_per_layer_us": per_layer_us,
+                               "layers": cfg.num_hidden_layers, "step_ms": ms,
+                               "allreduce_share_of_step": per_layer_us * cfg.num_hidden_layers / (ms * 1e3)})
+        result["allreduce_share"] = shares
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--quick", action="store_true", help="tiny-llama and small workloads (CPU smoke run)")
+    p.add_argument("--skip-70b", action="store_true")
+    p.add_argument("--skip-8b", action="store_true", help="only the 70B run and the all-reduce timings")
+    p.add_argument("--tag", default=None, help="file name tp_<tag>.json (default h200x2 on CUDA, cpu)")
+    # children
+    p.add_argument("--child", choices=["engine", "allreduce"], default=None)
+    p.add_argument("--result", type=Path, default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--model-8b", default=None)
+    p.add_argument("--model-70b", default=None)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--w1", type=int, nargs=3, default=None)
+    p.add_argument("--single", type=int, nargs=3, default=None)
+    p.add_argument("--replica", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--barrier", default=None)
+    p.add_argument("--roofline", action="store_true")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    if args.child:
+        result = child_engine(args) if args.child == "engine" else child_allreduce(args)
+        write_json(args.result, result)
+        return None
+    sizes = args.sizes = QUICK if args.quick else FULL
+    args.model_8b, args.model_70b = sizes["model_8b"], sizes["model_70b"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tp_bench_"))
+    started = time.perf_counter()
+    tp1 = tp2 = dp2 = big = None
+    if not args.skip_8b:
+        tp1 = run_engine(args, sizes, work, "tp1_8b", sizes["model_8b"], 1, roofline=True)
+        tp2 = run_engine(args, sizes, work, "tp2_8b", sizes["model_8b"], 2)
+        dp2 = run_dp(args, sizes, work, sizes["model_8b"])
+    ar = _load(work, "allreduce") if _child(args, "allreduce", work, "allreduce", [], timeout_s=120) == 0 else None
+    if not args.skip_70b:   # graphs up to 512 tokens only: capturing the 70B's mixed graphs costs minutes
+        flags = {"roofline": True} if tp1 is None else {}
+        big = run_engine(args, sizes, work, "tp2_70b", sizes["model_70b"], 2, timeout_s=330,
+                         cuda_graph_max_tokens=512, **flags)
+    result = summarize(args, sizes, tp1, tp2, dp2, big, ar)
+    result["bench_wall_s"] = time.perf_counter() - started
+    tag = args.tag or ("h200x2" if args.device == "cuda" else "cpu")
+    path = args.out / f"tp_{tag}.json"
+    write_json(path, result)
+    rows = [{"config": k, **{c: v for c, v in (result.get(k) or {}).items() if not isinstance(v, (list, dict))}}
+            for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_70b") if result.get(k)]
+    print_table(rows, "tensor / data parallel")
+    print_table(result.get("allreduce", []), "all-reduce")
+    print_table(result.get("allreduce_share", []), "all-reduce share of a decode step (microbenchmark x layers)")
+    for key in ("tp2_8b_step_profile", "tp2_70b_step_profile"):
+        if isinstance(result.get(key), list):
+            print_table(result[key], f"{key}: all-reduce in the profiled steps (driver)")
+    print(f"wrote {path} in {result['bench_wall_s']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
