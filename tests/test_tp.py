@@ -87,6 +87,27 @@ def test_tp2_shards_biases_and_tied_embeddings_like_tp1(tmp_path):
     assert _tiny_greedy(tmp_path, 2, **options)[0] == _tiny_greedy(tmp_path, 1, **options)[0]
 
 
+def test_tp2_with_ngram_speculation_matches_tp1(tmp_path):
+    """Verify steps (drafts in the broadcast input ids, k + 1 logits rows gathered) under TP = 2."""
+    make_tiny_hf_checkpoint(tmp_path, "llama3")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    g = torch.Generator().manual_seed(3)
+    phrase = torch.randint(3, 128, (5,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": phrase * 4 + torch.randint(3, 128, (n,), generator=g).tolist()} for n in (2, 9)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for tp, config in ((1, None), (2, spec)):
+        llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp,
+                  max_model_len=256, kv_cache_memory=4 << 20, speculative_config=config)
+        try:
+            outputs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if config:
+                assert llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+        finally:
+            llm.llm_engine.shutdown()
+    assert outputs[2] == outputs[1]
+
+
 @pytest.mark.gpu
 def test_tp2_on_two_gpus_with_cuda_graphs_and_async_scheduling(tmp_path):
     """NCCL, decode and mixed steps replayed from CUDA graphs holding the all-reduces, async scheduling
