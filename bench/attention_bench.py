@@ -144,32 +144,45 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, quick, flex)
     return rows
 
 
-def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
-    from minivllm.kernels import paged_prefill_attention
-    k_cache, v_cache, block_tables = paged_cache(batch, query_len, num_kv_heads, head_dim)
+def paged_queries(batch, context, query_len, num_heads, num_kv_heads, head_dim):
+    """Paged caches of `batch` contexts and queries for each one's last `query_len` tokens, as the
+    prefill kernel takes them: (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)."""
+    k_cache, v_cache, block_tables = paged_cache(batch, context, num_kv_heads, head_dim)
     num_tokens = batch * query_len
     query = torch.randn(num_tokens, num_heads, head_dim, dtype=DTYPE, device="cuda")
     query_start_loc = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((batch,), query_len, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return query, k_cache, v_cache, query_start_loc, seq_lens, block_tables
+
+
+def recorder(rows, kind, shape, quick, measures):
+    """record(impl, fn): times `fn` and appends a row with `measures(ms)`, or the error it raised
+    (a baseline that does not run here is reported, not fatal)."""
+    def record(impl, fn):
+        try:
+            ms = time_ms(fn, quick)
+        except Exception as error:
+            rows.append({"kind": kind, "impl": impl, **shape, "error": repr(error)[:200]})
+            return
+        rows.append({"kind": kind, "impl": impl, **shape, "ms": ms, **measures(ms)})
+    return record
+
+
+def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
+    from minivllm.kernels import paged_prefill_attention
+    inputs = paged_queries(batch, query_len, query_len, num_heads, num_kv_heads, head_dim)
+    query, k_cache, v_cache, _, _, block_tables = inputs
     scale = head_dim ** -0.5
     # Two matmuls of 2 flops per multiply-add over the causally visible (query, key) pairs.
     flops = 4 * num_heads * head_dim * batch * query_len * (query_len + 1) // 2
     shape = {"batch": batch, "query_len": query_len, "num_heads": num_heads,
              "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
     rows = []
-
-    def record(impl, fn):
-        try:
-            ms = time_ms(fn, quick)
-        except Exception as error:
-            rows.append({"kind": "prefill", "impl": impl, **shape, "error": repr(error)[:200]})
-            return
-        rows.append({"kind": "prefill", "impl": impl, **shape, "ms": ms, "flops": flops,
-                     "tflop_per_s": flops / ms / 1e9})
+    record = recorder(rows, "prefill", shape, quick,
+                      lambda ms: {"flops": flops, "tflop_per_s": flops / ms / 1e9})
 
     def ours():
-        return paged_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
-                                       block_tables, scale, max_query_len=query_len)
+        return paged_prefill_attention(*inputs, scale, max_query_len=query_len)
 
     record("minivllm triton (paged varlen)", ours)
     record("minivllm triton (paged varlen) graph", graphed(ours))
@@ -190,11 +203,8 @@ def bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim,
     """k + 1 queries per sequence at the end of `context` tokens, through the paged prefill kernel."""
     from minivllm.kernels import paged_prefill_attention
     from torch.nn.attention.bias import causal_lower_right
-    k_cache, v_cache, block_tables = paged_cache(batch, context, num_kv_heads, head_dim)
-    num_tokens = batch * num_queries
-    query = torch.randn(num_tokens, num_heads, head_dim, dtype=DTYPE, device="cuda")
-    query_start_loc = torch.arange(0, num_tokens + 1, num_queries, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    inputs = paged_queries(batch, context, num_queries, num_heads, num_kv_heads, head_dim)
+    query, k_cache, v_cache, _, _, block_tables = inputs
     scale = head_dim ** -0.5
     pairs = batch * sum(context - num_queries + i + 1 for i in range(num_queries))
     flops = 4 * num_heads * head_dim * pairs
@@ -202,19 +212,12 @@ def bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim,
     shape = {"batch": batch, "context": context, "query_len": num_queries, "num_heads": num_heads,
              "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
     rows = []
-
-    def record(impl, fn):
-        try:
-            ms = time_ms(fn, quick)
-        except Exception as error:
-            rows.append({"kind": "verify", "impl": impl, **shape, "error": repr(error)[:200]})
-            return
-        rows.append({"kind": "verify", "impl": impl, **shape, "ms": ms, "flops": flops,
-                     "tflop_per_s": flops / ms / 1e9, "bytes": kv_bytes, "gb_per_s": kv_bytes / ms / 1e6})
+    record = recorder(rows, "verify", shape, quick, lambda ms: {
+        "flops": flops, "tflop_per_s": flops / ms / 1e9, "bytes": kv_bytes,
+        "gb_per_s": kv_bytes / ms / 1e6})
 
     def ours():
-        return paged_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
-                                       block_tables, scale, max_query_len=num_queries)
+        return paged_prefill_attention(*inputs, scale, max_query_len=num_queries)
 
     record("minivllm triton (paged varlen)", ours)
     record("minivllm triton (paged varlen) graph", graphed(ours))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, uninstalled
-from bench.attention_bench import BLOCK_SIZE, DTYPE, contiguous_kv, paged_cache  # noqa: E402
+from bench.attention_bench import contiguous_kv, paged_queries  # noqa: E402
 from minivllm.kernels.prefill_attention import PrefillConfig, paged_prefill_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -33,11 +33,8 @@ def time_ms(fn) -> float:
 
 def make_shape(batch, context, query_len):
     """Paged inputs whose last `query_len` of `context` tokens are queries, plus contiguous SDPA ones."""
-    k_cache, v_cache, block_tables = paged_cache(batch, context, KV_HEADS, HEAD_DIM)
-    num_tokens = batch * query_len
-    query = torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    query_start_loc = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    inputs = paged_queries(batch, context, query_len, HEADS, KV_HEADS, HEAD_DIM)
+    query, k_cache, v_cache, _, _, block_tables = inputs
     k, v = contiguous_kv(k_cache, v_cache, block_tables, context)
     q = query.view(batch, query_len, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     scale = HEAD_DIM ** -0.5
@@ -50,7 +47,7 @@ def make_shape(batch, context, query_len):
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,  # noqa: E731
                                                        enable_gqa=True)
     pairs = batch * sum(context - query_len + i + 1 for i in range(query_len))
-    return dict(args=(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale),
+    return dict(args=(*inputs, scale),
                 sdpa=sdpa, flops=4 * HEADS * HEAD_DIM * pairs, query_len=query_len,
                 bytes=2 * k_cache.numel() * k_cache.element_size())
 
