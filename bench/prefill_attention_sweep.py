@@ -56,6 +56,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
     parser.add_argument("--old", type=Path, help="an older prefill_attention.py to time alongside")
+    parser.add_argument("--configs", type=str, default=None,
+                        help="only these configs, e.g. '64,64,4,2;64,32,4,2' (then each with variants)")
     args = parser.parse_args()
     old = None
     if args.old and args.old.exists():
@@ -71,6 +73,8 @@ def main():
     small = [PrefillConfig(m, n, w, s) for m, n, w, s in itertools.product(
         [16, 32, 64], [64, 128], [4, 8], [2, 3])] + [
         PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 64, 4, 2)]
+    if args.configs:
+        big = small = [PrefillConfig(*map(int, c.split(","))) for c in args.configs.split(";")]
     results = []
     started = time.time()
     for name, (batch, context, query_len) in shapes.items():
@@ -103,7 +107,7 @@ def main():
         best = sorted(timed, key=lambda r: r["ms"])[:3]
         for row in best:
             base = PrefillConfig(**row["config"])
-            for variant in [dict(trans_k=True), dict(heavy_first=False)]:
+            for variant in [dict(trans_k=True), dict(heavy_first=False), dict(warp_specialize=True)]:
                 run(base._replace(**variant))
         for row in rows:
             if "ms" in row:
