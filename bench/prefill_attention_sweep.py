@@ -9,6 +9,7 @@ Prints a table per shape; with --out writes prefill_attention_sweep.json. Used t
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import itertools
 import json
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, uninstalled
 from bench.attention_bench import contiguous_kv, paged_queries  # noqa: E402
+from bench.common import git_commit  # noqa: E402
 from minivllm.kernels.prefill_attention import PrefillConfig, paged_prefill_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -107,7 +109,7 @@ def main():
         best = sorted(timed, key=lambda r: r["ms"])[:3]
         for row in best:
             base = PrefillConfig(**row["config"])
-            for variant in [dict(trans_k=True), dict(heavy_first=False), dict(warp_specialize=True)]:
+            for variant in [dict(trans_k=True), dict(heavy_first=False)]:
                 run(base._replace(**variant))
         for row in rows:
             if "ms" in row:
@@ -127,7 +129,9 @@ def main():
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "prefill_attention_sweep.json").write_text(json.dumps(
-                {"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+                {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "results": results}, indent=1))
         del shape, reference
         torch.cuda.empty_cache()
 

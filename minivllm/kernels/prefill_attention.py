@@ -91,7 +91,7 @@ def _prefill_kernel(
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr,
         SEARCH_BLOCK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
@@ -144,12 +144,12 @@ def _prefill_kernel(
     # the first tile (key 0 is visible to all rows) and no -inf - -inf NaN can arise.
     unmasked_end = (context_len + first_token + 1) // BLOCK_N * BLOCK_N
     kv_end = context_len + tl.minimum(first_token + BLOCK_Q, query_len)
-    for kv_start in tl.range(0, unmasked_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for kv_start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attention_tile(
             acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
             query_positions, dims, dim_mask, qk_scale, cache_stride_block, cache_stride_row,
             False, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST)
-    for kv_start in tl.range(unmasked_end, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for kv_start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attention_tile(
             acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
             query_positions, dims, dim_mask, qk_scale, cache_stride_block, cache_stride_row,
@@ -164,25 +164,26 @@ def _prefill_kernel(
 
 class PrefillConfig(NamedTuple):
     """Launch shape: query rows x heads per tile, keys per tile, warps, pipeline stages, whether K/V
-    the K tile is loaded like V (keys x dims) and transposed, whether the heaviest query tiles
-    run first, and whether Triton splits the key loop into load/MMA/softmax warp groups."""
+    the K tile is loaded like V (keys x dims) and transposed, and whether the heaviest query tiles
+    run first."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     trans_k: bool = False
     heavy_first: bool = True
-    warp_specialize: bool = False
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -> PrefillConfig:
     """Measured on an H100 in bf16, 32 query / 8 KV heads, head_dim 128, 16-token pages, sweeping
-    rows 16-128 x keys 32-128 x 4/8 warps x 2-4 stages (bench/prefill_attention_sweep.py):
-    one warpgroup on 64 rows (16 tokens x 4 heads) led both prompt shapes, with 32-key tiles and K
-    loaded key-major at 8 x 512 (0.087 ms) and 64-key tiles at 1 x 4096 (0.385 ms; 128 x 128 with
-    8 warps, the classic FlashAttention tile, took 0.40); for a few queries per sequence (k + 1
-    verification) 32-row tiles with 128 keys and 3 stages stream K/V at 2.9 TB/s. fp32 and wide
-    heads take smaller tiles."""
+    rows 16-128 x keys 32-128 x 4/8 warps x 2-4 stages (bench/prefill_attention_sweep.py): one
+    warpgroup on 64 rows (16 tokens x 4 heads) led both prompt shapes, with 32-key tiles and K
+    loaded key-major at 8 x 512 (0.087 ms; 64-key tiles 0.091) and 64-key tiles at 1 x 4096
+    (0.39 ms; 32-key 0.41-0.44, the classic 128 x 128 tile on 8 warps 0.40). For a few queries per
+    sequence (k + 1 verification, 64 x 4,096 context x 6) 32-row tiles with 128 keys and 3 stages
+    stream K/V at 2.9 TB/s (0.372 ms; the 64x64 tiles 0.381, 64x32 0.46). Two stages beat three
+    for 64-row tiles; heaviest-first ordering gained 2-5%; Triton's warp specialization does not
+    compile for this kernel on Hopper (Triton 3.6). fp32 and wide heads take smaller tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
     if max_query_len is not None and max_query_len <= 16:
@@ -230,8 +231,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first,
-        WARP_SPECIALIZE=config.warp_specialize, SEARCH_BLOCK=SEARCH_BLOCK,
+        TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first, SEARCH_BLOCK=SEARCH_BLOCK,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
