@@ -3,7 +3,9 @@ it compiles) on the same shapes, related to what the hardware can do.
 
 Decode is memory-bound, so it reports achieved GB/s (K/V bytes read / time) next to the device's
 copy bandwidth (bytes read + written by a large device-to-device copy); prefill is compute-bound, so
-it reports TFLOP/s over the causally visible query-key pairs. Times are medians from
+it reports TFLOP/s over the causally visible query-key pairs. The verification shape (k + 1 = 6
+queries per sequence after a long context, as speculative decoding scores drafts) reports both, and
+every minivllm prefill/verify row carries `of_sdpa`, the fastest SDPA row's time over its own. Times are medians from
 triton.testing.do_bench (which flushes L2 between runs). SDPA and flex read contiguous, unpaged K/V:
 they are the "no paging" bar, not the same memory access pattern.
 
@@ -142,32 +144,48 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, quick, flex)
     return rows
 
 
-def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
-    from minivllm.kernels import paged_prefill_attention
-    k_cache, v_cache, block_tables = paged_cache(batch, query_len, num_kv_heads, head_dim)
+def paged_queries(batch, context, query_len, num_heads, num_kv_heads, head_dim):
+    """Paged caches of `batch` contexts and queries for each one's last `query_len` tokens, as the
+    prefill kernel takes them: (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)."""
+    k_cache, v_cache, block_tables = paged_cache(batch, context, num_kv_heads, head_dim)
     num_tokens = batch * query_len
     query = torch.randn(num_tokens, num_heads, head_dim, dtype=DTYPE, device="cuda")
     query_start_loc = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((batch,), query_len, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return query, k_cache, v_cache, query_start_loc, seq_lens, block_tables
+
+
+def recorder(rows, kind, shape, quick, measures):
+    """record(impl, fn): times `fn` and appends a row with `measures(ms)`, or the error it raised
+    (a baseline that does not run here is reported, not fatal)."""
+    def record(impl, fn):
+        try:
+            ms = time_ms(fn, quick)
+        except Exception as error:
+            rows.append({"kind": kind, "impl": impl, **shape, "error": repr(error)[:200]})
+            return
+        rows.append({"kind": kind, "impl": impl, **shape, "ms": ms, **measures(ms)})
+    return record
+
+
+def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
+    from minivllm.kernels import paged_prefill_attention
+    inputs = paged_queries(batch, query_len, query_len, num_heads, num_kv_heads, head_dim)
+    query, k_cache, v_cache, _, _, block_tables = inputs
     scale = head_dim ** -0.5
     # Two matmuls of 2 flops per multiply-add over the causally visible (query, key) pairs.
     flops = 4 * num_heads * head_dim * batch * query_len * (query_len + 1) // 2
     shape = {"batch": batch, "query_len": query_len, "num_heads": num_heads,
              "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
     rows = []
+    record = recorder(rows, "prefill", shape, quick,
+                      lambda ms: {"flops": flops, "tflop_per_s": flops / ms / 1e9})
 
-    def record(impl, fn):
-        try:
-            ms = time_ms(fn, quick)
-        except Exception as error:
-            rows.append({"kind": "prefill", "impl": impl, **shape, "error": repr(error)[:200]})
-            return
-        rows.append({"kind": "prefill", "impl": impl, **shape, "ms": ms, "flops": flops,
-                     "tflop_per_s": flops / ms / 1e9})
+    def ours():
+        return paged_prefill_attention(*inputs, scale, max_query_len=query_len)
 
-    record("minivllm triton (paged varlen)", lambda: paged_prefill_attention(
-        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-        max_query_len=query_len))
+    record("minivllm triton (paged varlen)", ours)
+    record("minivllm triton (paged varlen) graph", graphed(ours))
     k, v = contiguous_kv(k_cache, v_cache, block_tables, query_len)
     q = query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous()
     record("torch sdpa (causal, enable_gqa)", lambda: F.scaled_dot_product_attention(
@@ -181,14 +199,64 @@ def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, fl
     return rows
 
 
+def bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim, quick):
+    """k + 1 queries per sequence at the end of `context` tokens, through the paged prefill kernel."""
+    from minivllm.kernels import paged_prefill_attention
+    from torch.nn.attention.bias import causal_lower_right
+    inputs = paged_queries(batch, context, num_queries, num_heads, num_kv_heads, head_dim)
+    query, k_cache, v_cache, _, _, block_tables = inputs
+    scale = head_dim ** -0.5
+    pairs = batch * sum(context - num_queries + i + 1 for i in range(num_queries))
+    flops = 4 * num_heads * head_dim * pairs
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
+    shape = {"batch": batch, "context": context, "query_len": num_queries, "num_heads": num_heads,
+             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
+    rows = []
+    record = recorder(rows, "verify", shape, quick, lambda ms: {
+        "flops": flops, "tflop_per_s": flops / ms / 1e9, "bytes": kv_bytes,
+        "gb_per_s": kv_bytes / ms / 1e6})
+
+    def ours():
+        return paged_prefill_attention(*inputs, scale, max_query_len=num_queries)
+
+    record("minivllm triton (paged varlen)", ours)
+    record("minivllm triton (paged varlen) graph", graphed(ours))
+    k, v = contiguous_kv(k_cache, v_cache, block_tables, context)
+    q = query.view(batch, num_queries, num_heads, head_dim).transpose(1, 2).contiguous()
+    record("torch sdpa (causal lower-right, enable_gqa)", lambda: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(num_queries, context), scale=scale, enable_gqa=True))
+    # The causal mask touches 15 of the 6 x 4096 pairs: unmasked SDPA costs the same work and may
+    # take a faster kernel, so it is the bar as well.
+    record("torch sdpa (no mask, enable_gqa)", lambda: F.scaled_dot_product_attention(
+        q, k, v, scale=scale, enable_gqa=True))
+    return rows
+
+
+def relate_to_sdpa(rows: list[dict]) -> None:
+    """Adds `of_sdpa` (fastest SDPA time / ours) to minivllm prefill and verify rows, per shape."""
+    def key(row):
+        return (row["kind"], row["batch"], row.get("context"), row["query_len"])
+    best = {}
+    for row in rows:
+        if row["kind"] in ("prefill", "verify") and row["impl"].startswith("torch sdpa") and "ms" in row:
+            best[key(row)] = min(best.get(key(row), float("inf")), row["ms"])
+    for row in rows:
+        if row["kind"] in ("prefill", "verify") and row["impl"].startswith("minivllm") and "ms" in row \
+                and key(row) in best:
+            row["of_sdpa"] = best[key(row)] / row["ms"]
+
+
 def print_table(device: str, rows: list[dict]) -> None:
     print(f"device: {device}")
-    header = f"{'kind':8} {'impl':42} {'shape':34} {'ms':>9} {'result':>14}"
+    header = f"{'kind':8} {'impl':44} {'shape':34} {'ms':>9} {'result':>14} {'of sdpa':>8}"
     print(header)
     print("-" * len(header))
     for row in rows:
         if row["kind"] == "copy":
             shape = f"{row['bytes'] / 2**30:.0f} GiB read+written"
+        elif row["kind"] == "verify":
+            shape = (f"B{row['batch']} ctx{row['context']} q{row['query_len']} H{row['num_heads']}/"
+                     f"{row['num_kv_heads']} D{row['head_dim']}")
         elif row["kind"] == "decode":
             shape = (f"B{row['batch']} ctx{row['context']} H{row['num_heads']}/"
                      f"{row['num_kv_heads']} D{row['head_dim']}")
@@ -196,11 +264,12 @@ def print_table(device: str, rows: list[dict]) -> None:
             shape = (f"{row['batch']}x{row['query_len']} H{row['num_heads']}/"
                      f"{row['num_kv_heads']} D{row['head_dim']}")
         if "error" in row:
-            print(f"{row['kind']:8} {row['impl']:42} {shape:34} {'-':>9} {'failed':>14}  {row['error']}")
+            print(f"{row['kind']:8} {row['impl']:44} {shape:34} {'-':>9} {'failed':>14}  {row['error']}")
             continue
-        result = (f"{row['tflop_per_s']:.1f} TFLOP/s" if "tflop_per_s" in row
-                  else f"{row['gb_per_s']:.0f} GB/s")
-        print(f"{row['kind']:8} {row['impl']:42} {shape:34} {row['ms']:9.3f} {result:>14}")
+        result = (f"{row['gb_per_s']:.0f} GB/s" if row["kind"] in ("copy", "decode", "verify")
+                  else f"{row['tflop_per_s']:.1f} TFLOP/s")
+        of_sdpa = f"{100 * row['of_sdpa']:.1f}%" if "of_sdpa" in row else ""
+        print(f"{row['kind']:8} {row['impl']:44} {shape:34} {row['ms']:9.3f} {result:>14} {of_sdpa:>8}")
 
 
 def main(argv=None) -> None:
@@ -212,6 +281,7 @@ def main(argv=None) -> None:
     num_heads, num_kv_heads, head_dim = 32, 8, 128            # Llama-3-8B's attention
     decode_shapes = [(64, 4096)] if args.quick else [(64, 4096), (8, 4096), (1, 32768)]
     prefill_shapes = [(8, 512), (1, 4096)]
+    verify_shapes = [(64, 4096, 6)]   # 64 sequences verifying k = 5 drafts (+ 1) after 4,096 tokens
     rows = [copy_bandwidth(args.quick)]
     for batch, context in decode_shapes:
         rows += bench_decode(batch, context, num_heads, num_kv_heads, head_dim, args.quick, flex)
@@ -219,6 +289,10 @@ def main(argv=None) -> None:
     for batch, query_len in prefill_shapes:
         rows += bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, args.quick, flex)
         torch.cuda.empty_cache()
+    for batch, context, num_queries in verify_shapes:
+        rows += bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim, args.quick)
+        torch.cuda.empty_cache()
+    relate_to_sdpa(rows)
     print_table(device, rows)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

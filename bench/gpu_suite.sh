@@ -37,7 +37,7 @@ case "${1:-A}" in
   C)
     python3 bench/throughput.py --out "$OUT" --skip-w1 --sweeps --ablation > "$OUT/sweeps_ablation.log" 2>&1
     tail -22 "$OUT/sweeps_ablation.log"
-    python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1; tail -12 "$OUT/attention_bench.log"
+    python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1; tail -16 "$OUT/attention_bench.log"
     ;;
   D)
     python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_D.log" | tail -4

@@ -22,6 +22,7 @@ from minivllm.kernels import (  # noqa: E402
     choose_decode_partition_size, fused_add_rms_norm, fused_add_rms_norm_reference,
     paged_decode_attention, paged_prefill_attention, rms_norm, rms_norm_reference, silu_and_mul,
     silu_and_mul_reference, write_kv)
+from minivllm.kernels.prefill_attention import PrefillConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -188,6 +189,26 @@ def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype,
     assert_close(out[:rows], expected[:rows], dtype)
 
 
+# The host-side table's shape classes (verification, short and long prompts) and each launch
+# option, on (k + 1)-query verification rows after cached prefixes mixed with a prompt chunk.
+@pytest.mark.parametrize("max_query_len,config", [
+    (6, None), (40, None), (4096, None),
+    (None, PrefillConfig(32, 16, 4, 2, trans_k=True, heavy_first=False)),
+    (None, PrefillConfig(16, 32, 4, 2, trans_k=False, heavy_first=True)),
+])
+def test_prefill_configs_on_verification_rows(max_query_len, config):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        [70, 6 + 33, 1 + 6, 40], [6, 6, 6, 23], 2, 4, 128, torch.bfloat16, num_padding_rows=2, seed=11)
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
+                                  metadata.seq_lens, metadata.block_tables, 128 ** -0.5,
+                                  max_query_len=max_query_len, config=config)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
+                                         metadata.seq_lens_cpu, metadata.block_tables, 128 ** -0.5)
+    rows = metadata.query_start_loc_cpu[-1]
+    assert_close(out[:rows], expected[:rows], torch.bfloat16)
+
+
 def test_backend_routes_mixed_batch_through_prefill_kernel():
     # Two decode rows and a prefill chunk over a cached prefix, a padding sequence with an empty
     # context (its output must be zeros, as in the reference), and unowned padding rows.
@@ -295,6 +316,37 @@ def test_gpu_prefill_realistic(dtype):
     out, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache, v_cache,
                              metadata, 128 ** -0.5)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_verification_replays_in_a_cuda_graph():
+    # One capture serves steps whose lengths and offsets change (as the runner's mixed graphs do):
+    # the kernel reads them on device and must not depend on their values at capture time.
+    batch = 8
+    query, _, _, k_cache, v_cache, metadata = make_batch(
+        [2048] * batch, [6] * batch, 8, 4, 128, torch.bfloat16, seed=13)
+    seq_lens, query_start_loc = metadata.seq_lens, metadata.query_start_loc
+
+    def attend():
+        return paged_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
+                                       metadata.block_tables, 128 ** -0.5, max_query_len=6)
+    attend()   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend()
+    for query_lens, lengths in (([6] * batch, [6, 300, 2048, 9, 100, 2000, 17, 1024]),
+                                ([1, 2, 6, 6, 3, 4, 5, 21], [1, 2048, 6, 700, 3, 64, 5, 1500])):
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        query_start_loc.copy_(torch.tensor(starts, dtype=torch.int32))
+        graph.replay()
+        expected = paged_attention_reference(query, k_cache, v_cache, starts, lengths,
+                                             metadata.block_tables, 128 ** -0.5)
+        assert_close(out[:starts[-1]], expected[:starts[-1]], torch.bfloat16)
 
 
 @pytest.mark.gpu
