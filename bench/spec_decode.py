@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "verify" in parts:
         print(f"verify-step cost, {args.dummy_model}, batch 1:")
         result["verify_cost"] = run_verify_cost(args)
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
         print_table(result["verify_cost"], "verify step vs decode step")
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")

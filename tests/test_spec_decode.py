@@ -182,8 +182,9 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
     controller.observe_step(1, 0.010, speculative=False)
     for num_tokens, seconds in ((2, 0.016), (3, 0.024), (5, 0.030)):
         controller.observe_step(num_tokens, seconds, speculative=True)  # verifying 4 drafts costs 3x a decode
-    ks = [controller.choose_k([seq]) for _ in range(EXPLORE_EVERY)]
-    assert ks[:-1] == [0] * (EXPLORE_EVERY - 1) and ks[-1] == 4   # off, but tried again now and then
+    ks = [controller.choose_k([seq]) for _ in range(3 * EXPLORE_EVERY)]
+    tries = [i for i, k in enumerate(ks) if k]   # off, but tried again after 32, then 64 more plain steps
+    assert tries == [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1] and set(ks) == {0, 4}
     for _ in range(50):
         controller.observe_verification(seq, 4, 4)   # high acceptance
     for num_tokens in (2, 3, 5) * 20:

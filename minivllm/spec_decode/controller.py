@@ -13,8 +13,10 @@ scheduled tokens, kept separately for plain steps and for verify steps: a verify
 step also gives up the overlap of host work with the previous step (async scheduling), so its cost
 includes that. A bucket never measured is assumed to cost what the plain step of the same batch does,
 so each is tried once and then judged on its measured cost: at high load a verify step costs nearly
-(1 + k) decode steps and k falls to 0 by itself. While k stays 0, one step in `EXPLORE_EVERY` tries
-speculation again, so a workload that turns repetitive is noticed.
+(1 + k) decode steps and k falls to 0 by itself. While k stays 0, speculation is tried again after
+`EXPLORE_EVERY` plain steps, so a workload that turns repetitive is noticed; each try that does not
+switch speculation back on doubles that wait (up to `MAX_EXPLORE_EVERY`), so a proposer that never
+pays (a draft too weak for the target) costs almost nothing.
 
 The n-gram proposer runs here (it needs only token ids). A device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
@@ -32,7 +34,8 @@ from minivllm.spec_decode.ngram import NgramProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
 _COST_WINDOW = 8         # recent step times kept per bucket (their median is the cost: compiles are outliers)
-EXPLORE_EVERY = 32       # steps of plain decoding between two speculative tries
+EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried again ...
+MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
 
 
 @dataclass
@@ -60,7 +63,7 @@ class SpeculationController:
         self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
         self._spec_cost: dict[int, deque] = {}               # ... and verify steps
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
-        self._plain_steps = 0
+        self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_k)
@@ -112,11 +115,15 @@ class SpeculationController:
             expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
             if expected / cost > best_rate * 1.02:  # longer drafts must earn a clear gain
                 best_k, best_rate = k, expected / cost
-        self._plain_steps = self._plain_steps + 1 if best_k == 0 else 0
-        if self._plain_steps >= EXPLORE_EVERY:
+        if best_k:
+            self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
+            return best_k
+        self._plain_steps += 1
+        if self._plain_steps >= self._explore_every:
             self._plain_steps = 0
+            self._explore_every = min(2 * self._explore_every, MAX_EXPLORE_EVERY)
             return self.max_k
-        return best_k
+        return 0
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
