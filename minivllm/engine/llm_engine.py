@@ -21,6 +21,7 @@ from minivllm.engine.tokenizer import load_tokenizer
 from minivllm.models.loader import resolve_model
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import StructuredOutputManager
 from minivllm.worker.model_runner import ModelRunner, PendingModelOutput
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class LLMEngine:
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._outputs: dict[int, _SeqOutputState] = {}
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
@@ -141,6 +143,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        self.structured_output.compile(params)
         group = SequenceGroup(request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=params,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                               priority=priority)
@@ -173,8 +176,12 @@ class LLMEngine:
         launched = None
         read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
-            needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
-            launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
+            # Penalties and grammars need every previous token on the host for the next step.
+            needs_sync = any(seq.sampling_params.uses_penalties or seq.sampling_params.structured_outputs
+                             for seq in scheduler_output.seqs)
+            bitmask = self.structured_output.grammar_bitmask(scheduler_output)
+            launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
+                                     needs_sync)
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in

@@ -152,13 +152,15 @@ class ModelRunner:
         with set_forward_context(inputs.metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        return self.execute_async(scheduler_output).result()
+    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: np.ndarray | None = None) -> ModelOutput:
+        return self.execute_async(scheduler_output, grammar_bitmask).result()
 
     @torch.inference_mode()
-    def execute_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
+    def execute_async(self, scheduler_output: SchedulerOutput,
+                      grammar_bitmask: np.ndarray | None = None) -> PendingModelOutput:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
-        schedule and launch the next step meanwhile (its pending input tokens are read from these)."""
+        schedule and launch the next step meanwhile (its pending input tokens are read from these).
+        `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata)."""
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
@@ -171,6 +173,8 @@ class ModelRunner:
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
+        if grammar_bitmask is not None:
+            metadata.grammar_bitmask = torch.from_numpy(grammar_bitmask).to(self.device, non_blocking=True)
         output = self.sampler(logits, metadata)
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
         host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs)
