@@ -1,10 +1,15 @@
 """The API fields vLLM users rely on beyond plain sampling, through the official `openai` SDK against one
-live server on the default model: echo + logprobs (prompt logprobs) on /v1/completions."""
+live server on the default model: echo + logprobs (prompt logprobs) on /v1/completions; structured outputs
+(response_format, guided_*) on chat and completions, streamed or not, checked with jsonschema."""
 from __future__ import annotations
 
+import json
 import math
+import re
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import jsonschema
 import openai
 import pytest
 
@@ -18,7 +23,8 @@ PROMPT = "Paris is the capital of France, and Berlin is the capital of"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory=64 << 20, max_model_len=1024)
+    # Room for 40 concurrent short requests without preemption.
+    return LLM(kv_cache_memory=384 << 20, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +66,98 @@ def test_echo_logprobs_are_the_offline_prompt_logprobs(client, offline, stream):
     assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
     assert "".join(logprobs.tokens[:num_prompt]) == PROMPT
+
+
+SUBJECTS = ["a retired sailor", "a young chef in Lyon", "a cat owner", "a chess champion", "an astronaut",
+            "a beekeeper", "a jazz pianist", "a marathon runner", "a librarian in Oslo", "a pirate captain",
+            "a software engineer", "a farmer with goats", "a painter", "a detective", "a child who loves dinosaurs",
+            "a mountain guide", "a violin maker", "a nurse", "a street musician", "a robot"]
+# Strings bounded by patterns (xgrammar compiles a pattern to one automaton; `maxLength` unrolls into one
+# rule per character and cost ~2 ms per mask here), so a repetitive small model still closes every string.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z .'-]{1,20}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{1,12}$"}, "maxItems": 3},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
+                                                  "has_garden": {"type": "boolean"}},
+                 "required": ["city", "has_garden"]},
+    },
+    "required": ["name", "age", "hobbies", "mood", "home"],
+}
+
+
+def chat_text(client, stream: bool, **kwargs) -> tuple[str, str]:
+    """(content, finish_reason) of one chat completion, reassembled from the deltas when streaming."""
+    if not stream:
+        choice = client.chat.completions.create(model="", stream=False, **kwargs).choices[0]
+        return choice.message.content, choice.finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(model="", stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+def run_all(client, response_format: dict, max_tokens: int, template: str = "Describe {} as a JSON record."
+            ) -> list[tuple[str, str]]:
+    """Every prompt streamed and not, all at once (one shared batch keeps the CPU run short)."""
+    jobs = [(template.format(subject), stream) for subject in SUBJECTS for stream in (False, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: chat_text(
+            client, job[1], messages=[{"role": "user", "content": job[0]}], temperature=0.0,
+            max_tokens=max_tokens, response_format=response_format), jobs))
+
+
+def test_json_schema_outputs_parse_and_validate(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    results = run_all(client, response_format, max_tokens=100)
+    for text, finish in results:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert results[0::2] == results[1::2]  # streamed text equals the non-streamed one
+    assert len({text for text, _ in results}) > 10
+
+
+def test_json_mode_outputs_are_json_objects(client):
+    results = run_all(client, {"type": "json_object"}, max_tokens=80, template="Give a short JSON object with "
+                      "the name and age of {}.")
+    # Free-form JSON has no length bound and this small model, greedy, may repeat itself inside one: every
+    # output that ends does so as a JSON object, and nearly all end.
+    stopped = [text for text, finish in results if finish == "stop"]
+    assert len(stopped) >= len(results) - 2
+    assert all(isinstance(json.loads(text), dict) for text in stopped)
+    assert all(text.startswith("{") for text, _ in results)
+    assert results[0::2] == results[1::2]
+
+
+def test_guided_choice_and_regex_always_match(client):
+    choices = ["positive", "negative", "neutral"]
+    for stream in (False, True):
+        texts = [chat_text(client, stream, messages=[{"role": "user", "content": f"Is '{s}' a happy phrase?"}],
+                           temperature=1.0, max_tokens=8, extra_body={"guided_choice": choices})[0]
+                 for s in SUBJECTS[:4]]
+        assert all(t in choices for t in texts), texts
+    pattern = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+    completion = client.completions.create(model="", prompt="Name and age of a sailor:", n=6, temperature=1.0,
+                                           max_tokens=16, extra_body={"guided_regex": pattern})
+    assert all(re.fullmatch(pattern, c.text) for c in completion.choices), [c.text for c in completion.choices]
+    completion = client.completions.create(model="", prompt="Answer:", max_tokens=16, temperature=1.0, n=4,
+                                           extra_body={"structured_outputs": {"choice": ["up", "down"]}})
+    assert all(c.text in ("up", "down") for c in completion.choices)
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    {"response_format": {"type": "yaml"}},
+    {"guided_json": "{not json"},
+    {"guided_regex": "a", "guided_choice": ["a"]},
+    {"structured_outputs": {"xml": "<a/>"}},
+])
+def test_bad_structured_output_requests_are_400(client, body):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body=body)

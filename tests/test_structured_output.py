@@ -18,11 +18,11 @@ from minivllm.sampling_params import StructuredOutputsParams
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "pattern": "^[A-Za-z .'-]{1,20}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pets": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
+        "pets": {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{1,10}$"}, "maxItems": 2},
         "color": {"enum": ["red", "green", "blue"]},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                     "required": ["city", "zip"]},
     },

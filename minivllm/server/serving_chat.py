@@ -31,8 +31,6 @@ def _unsupported(request: ChatCompletionRequest) -> str | None:
         return "tools"
     if request.tool_choice not in (None, "none"):
         return "tool_choice"
-    if request.response_format is not None and request.response_format.get("type", "text") != "text":
-        return "response_format"
     return None
 
 
