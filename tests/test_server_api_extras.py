@@ -1,6 +1,7 @@
 """The API fields vLLM users rely on beyond plain sampling, through the official `openai` SDK against one
 live server on the default model: echo + logprobs (prompt logprobs) on /v1/completions; structured outputs
-(response_format, guided_*) on chat and completions, streamed or not, checked with jsonschema."""
+(response_format, guided_*) on chat and completions, streamed or not, checked with jsonschema; tool calls
+(required, named, auto with the hermes parser) whole and streamed, and tool results on the next turn."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,8 @@ def offline(llm):
 
 @pytest.fixture(scope="module")
 def client(llm, offline):
-    thread = ServerThread(build_app(AsyncEngine(llm.llm_engine)))
+    thread = ServerThread(build_app(AsyncEngine(llm.llm_engine), tool_call_parser="hermes",
+                                    enable_auto_tool_choice=True))
     url = thread.start()
     yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     thread.stop()
@@ -161,3 +163,84 @@ def test_bad_structured_output_requests_are_400(client, body):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body=body)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def streamed_tool_calls(client, **kwargs) -> tuple[list[dict], str | None]:
+    """Reassemble OpenAI tool-call deltas: by index, id/name from the first delta, arguments concatenated."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="", stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_are_valid_and_stream_the_same(client, tool_choice):
+    kwargs = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0.0, max_tokens=60)
+    choice = client.chat.completions.create(model="", **kwargs).choices[0]
+    calls = choice.message.tool_calls
+    assert calls and choice.message.content is None
+    for call in calls:
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert call.id.startswith("call_") and call.type == "function"
+    assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+    if tool_choice != "required":
+        assert [c.function.name for c in calls] == ["get_weather"]
+    streamed, finish = streamed_tool_calls(client, **kwargs)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+    assert all(c["id"].startswith("call_") for c in streamed) and finish == choice.finish_reason
+
+
+def test_tool_results_are_accepted_on_the_next_turn(client):
+    call = client.chat.completions.create(model="", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                          temperature=0.0, max_tokens=60).choices[0].message.tool_calls[0]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    reply = client.chat.completions.create(model="", messages=messages, tools=[WEATHER], tool_choice="none",
+                                           temperature=0.0, max_tokens=12).choices[0]
+    assert reply.message.content and not reply.message.tool_calls and reply.finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_parses_or_passes_content_through(client):
+    """The hermes parser is on: whatever the model says comes back as content or as parsed calls, whole
+    and streamed alike."""
+    kwargs = dict(messages=ASK, tools=[WEATHER], temperature=0.0, max_tokens=24)
+    message = client.chat.completions.create(model="", **kwargs).choices[0].message
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="", stream=True, **kwargs) if c.choices)
+    if message.tool_calls:
+        assert all(jsonschema.validate(json.loads(c.function.arguments), WEATHER["function"]["parameters"]) is None
+                   for c in message.tool_calls)
+    else:
+        assert text == message.content
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    {"tool_choice": "required"},
+    {"tools": [{"type": "function"}], "tool_choice": "required"},
+    {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+])
+def test_bad_tool_requests_are_400(client, body):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="", messages=ASK, max_tokens=4, extra_body=body)

@@ -36,6 +36,8 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None                 # a tool turn: the call it answers
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -218,9 +220,21 @@ class CompletionLogprobs(OpenAIBaseModel):
                                   tokens=self.tokens + other.tokens, top_logprobs=self.top_logprobs + other.top_logprobs)
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -243,6 +257,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    # OpenAI's streamed tool calls: {"index", then in the first delta of a call "id", "type" and
+    # "function": {"name", "arguments": ""}, in later ones "function": {"arguments": piece}}.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
