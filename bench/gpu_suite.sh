@@ -6,7 +6,10 @@
 #   C: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
 #   D: diagnosis: per-phase step profile, W1 and single stream traced step by step, TTFT at 1 and 4 users
 #      with and without async scheduling
-# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D   (results under $OUT)
+#   S: structured outputs: the offline structured-output tests on the GPU (default model), then W1 with every
+#      request under a JSON schema vs none, alternating in one run, with per-step mask time
+#      (structured_<gpu>.json)
+# Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|S   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh
@@ -44,6 +47,10 @@ case "${1:-A}" in
         --output-len 256 $flag --tag "h100_$mode" --out "$OUT" > "$OUT/serve_$mode.log" 2>&1
       tail -3 "$OUT/serve_$mode.log"
     done
+    ;;
+  S)
+    python3 -m pytest -q tests/test_structured_output.py 2>&1 | tee "$OUT/gpu_tests_S.log" | tail -3
+    python3 bench/structured_bench.py --out "$OUT" > "$OUT/structured_bench.log" 2>&1; tail -10 "$OUT/structured_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.
