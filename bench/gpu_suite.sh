@@ -8,7 +8,7 @@
 #      with and without async scheduling
 #   S: structured outputs: the offline structured-output tests on the GPU (default model), then W1 with every
 #      request under a JSON schema vs none, alternating in one run, with per-step mask time
-#      (structured_<gpu>.json)
+#      (structured_<gpu>.json); carry the default model as for B and the xgrammar + apache-tvm-ffi wheels in .whl
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D|S   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
