@@ -158,6 +158,10 @@ def test_guided_choice_and_regex_always_match(client):
     {"guided_json": "{not json"},
     {"guided_regex": "a", "guided_choice": ["a"]},
     {"structured_outputs": {"xml": "<a/>"}},
+    {"structured_outputs": {"regex": 5}},
+    {"response_format": {"type": "json_schema", "json_schema": "person"}},
+    {"guided_json": {"type": 5}},
+    {"guided_choice": ["a", ""]},
 ])
 def test_bad_structured_output_requests_are_400(client, body):
     with pytest.raises(openai.BadRequestError):
@@ -239,6 +243,9 @@ def test_auto_tool_choice_parses_or_passes_content_through(client):
     {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     {"tool_choice": "required"},
     {"tools": [{"type": "function"}], "tool_choice": "required"},
+    {"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}], "tool_choice": "required"},
+    {"tools": [WEATHER], "tool_choice": "sometimes"},
     {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
 ])
 def test_bad_tool_requests_are_400(client, body):

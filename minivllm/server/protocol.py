@@ -79,7 +79,8 @@ class _SamplingRequest(OpenAIBaseModel):
         if kind == "json_object":
             specs.append(StructuredOutputsParams(json_object=True))
         elif kind == "json_schema":
-            schema = (response_format.get("json_schema") or {}).get("schema")
+            json_schema = response_format.get("json_schema")
+            schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
             if not isinstance(schema, (dict, str)):
                 raise ValueError("response_format json_schema needs a `json_schema.schema` object")
             specs.append(StructuredOutputsParams(json=schema))

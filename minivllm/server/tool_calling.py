@@ -51,14 +51,16 @@ def plan_tool_calls(tools: list[dict] | None, tool_choice, parser_name: str | No
         return None
     functions = {}
     for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
+        function = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(function, dict) \
-                or not isinstance(function.get("name"), str):
+                or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("parameters") or {}, dict):
             raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}")
         functions[function["name"]] = function
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in functions:
             raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
         return ToolCallPlan("named", tools, named=name,
@@ -89,8 +91,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
     """Assistant tool calls with their arguments as objects, as chat templates iterate them."""
     for message in messages:
         for call in message.get("tool_calls") or []:
-            function = call.get("function") or {}
-            if isinstance(function.get("arguments"), str):
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                 try:
                     function["arguments"] = json.loads(function["arguments"])
                 except json.JSONDecodeError:

@@ -13,11 +13,11 @@ the next (async scheduling samples step N + 1 before N's token reaches the host)
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 
 import numpy as np
-import torch  # only as xgrammar's view of the host bitmask
 
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
@@ -36,6 +36,7 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None  # built on first use: the tokenizer's vocabulary takes ~0.2 s to index
+        self._batch_matcher = None
         self._matchers: weakref.WeakKeyDictionary[Sequence, _Matcher] = weakref.WeakKeyDictionary()
         self.num_words = (vocab_size + 31) // 32
         # Host time spent filling masks, for benchmarks and metrics.
@@ -72,22 +73,35 @@ class StructuredOutputManager:
             return None
         started = time.perf_counter()
         bitmask = np.full((sum(scheduler_output.num_samples), self.num_words), -1, dtype=np.int32)
+        matchers, rows, forks = [], [], []
         row = 0
         for seq, num_samples in zip(seqs, scheduler_output.num_samples):
             if num_samples and seq.sampling_params.structured_outputs is not None:
                 state = self._catch_up(seq)
                 if not state.matcher.is_terminated():
-                    state.matcher.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+                    matchers.append(state.matcher)
+                    rows.append(row)
                 else:  # the grammar is complete and its stop token ignored (ignore_eos): stop tokens only
                     words = bitmask.view(np.uint32)
                     words[row] = 0
                     for t in self.stop_token_ids:
                         words[row, t // 32] |= np.uint32(1 << (t % 32))
-                bitmask[row + 1:row + num_samples] = bitmask[row]  # forks share the prompt's state
+                if num_samples > 1:
+                    forks.append((row, num_samples))
             row += num_samples
+        if matchers:  # rows in parallel on a few host threads (xgrammar releases the GIL)
+            self._get_batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for row, num_samples in forks:  # siblings of a fork share the prompt's state
+            bitmask[row + 1:row + num_samples] = bitmask[row]
         self.mask_time_s += time.perf_counter() - started
         self.num_masks += 1
         return bitmask
+
+    def _get_batch_matcher(self):
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._batch_matcher
 
     def _catch_up(self, seq: Sequence) -> _Matcher:
         state = self._matchers.get(seq)
