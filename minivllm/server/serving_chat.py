@@ -26,7 +26,8 @@ from minivllm.server.protocol import (
     TopLogprob,
 )
 from minivllm.server.serving_engine import EventStreamResponse, OpenAIServing, decode_token, finite_logprob, sse
-from minivllm.server.tool_calling import ToolCallPlan, ToolCallStream, plan_tool_calls, tool_call_id
+from minivllm.server.tool_calling import ToolCallPlan, ToolCallStream, ToolRequestError, plan_tool_calls, tool_call_id
+from minivllm.server.tool_parsers import get_tool_parser
 
 
 def _finish_reason(completion: CompletionOutput, calls: list, tools: ToolCallPlan | None) -> str | None:
@@ -39,6 +40,8 @@ def _finish_reason(completion: CompletionOutput, calls: list, tools: ToolCallPla
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
         super().__init__(*args)
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # an unknown name fails at startup, not per request
         self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
@@ -46,8 +49,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             tools = plan_tool_calls(request.tools, request.tool_choice, self.tool_call_parser,
                                     self.enable_auto_tool_choice)
-        except ValueError as e:
-            raise errors.bad_request(str(e), param="tool_choice") from None
+        except ToolRequestError as e:
+            raise errors.bad_request(str(e), param=e.param) from None
         prompt_ids = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template_kwargs,
                                       tools.tools if tools else None)
         try:

@@ -18,6 +18,14 @@ from minivllm.server.protocol import DeltaMessage
 from minivllm.server.tool_parsers import ParsedToolCall, ToolParser, get_tool_parser
 
 
+class ToolRequestError(ValueError):
+    """Bad `tools` or `tool_choice`; `param` names which."""
+
+    def __init__(self, message: str, param: str = "tool_choice") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class ToolCallPlan:
     mode: str                       # "none", "auto", "required" or "named"
@@ -44,10 +52,10 @@ class ToolCallPlan:
 
 def plan_tool_calls(tools: list[dict] | None, tool_choice, parser_name: str | None,
                     enable_auto_tool_choice: bool) -> ToolCallPlan | None:
-    """ValueError (a 400) for tools or a choice this server cannot honour."""
+    """ToolRequestError (a 400) for tools or a choice this server cannot honour."""
     if not tools:
         if tool_choice not in (None, "none"):
-            raise ValueError("tool_choice needs tools")
+            raise ToolRequestError("tool_choice needs tools")
         return None
     functions = {}
     for tool in tools:
@@ -55,14 +63,15 @@ def plan_tool_calls(tools: list[dict] | None, tool_choice, parser_name: str | No
         if tool.get("type", "function") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str) \
                 or not isinstance(function.get("parameters") or {}, dict):
-            raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}")
+            raise ToolRequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                   "\"parameters\": {...}}}", param="tools")
         functions[function["name"]] = function
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if name not in functions:
-            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+            raise ToolRequestError(f"tool_choice names function {name!r}, which is not among the tools")
         return ToolCallPlan("named", tools, named=name,
                             structured_outputs=StructuredOutputsParams(json=_parameters(functions[name])))
     if choice == "none":
@@ -73,9 +82,9 @@ def plan_tool_calls(tools: list[dict] | None, tool_choice, parser_name: str | No
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         return ToolCallPlan("required", tools, structured_outputs=StructuredOutputsParams(json=schema))
     if choice != "auto":
-        raise ValueError(f"tool_choice must be none, auto, required or a named function, got {choice!r}")
+        raise ToolRequestError(f"tool_choice must be none, auto, required or a named function, got {choice!r}")
     if not enable_auto_tool_choice or parser_name is None:
-        raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        raise ToolRequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
     return ToolCallPlan("auto", tools, parser=get_tool_parser(parser_name))
 
 
