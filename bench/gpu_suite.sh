@@ -13,6 +13,9 @@
 #   T: (nvidia-h200-x2) tensor/data parallelism: dummy Llama-3-8B W1 + single stream at TP=1, TP=2, DP=2,
 #      NCCL all-reduce timings, Llama-3-70B dummy bf16 TP=2 W1 + single stream -> tp_h200x2.json (~6 min)
 #   U: (nvidia-h200-x2) Llama-3-70B dummy TP=2 served: p50 TTFT at 4 users, p95 ITL at 64 users
+#   S: structured outputs: the offline structured-output tests on the GPU (default model), then W1 with every
+#      request under a JSON schema vs none, alternating in one run, with per-step mask time
+#      (structured_<gpu>.json); carry the default model as for B and the xgrammar + apache-tvm-ffi wheels in .whl
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +74,10 @@ case "${1:-A}" in
     timeout 540 python3 bench/serve.py --model llama-3-70b --load-format dummy --concurrency 4,64 --num-prompts 64 \
       --input-len 512 --output-len 128 --server-args="--tensor-parallel-size 2 --max-model-len 1024 --cuda-graph-max-tokens 512" \
       --tag h200x2_70b_tp2 --out "$OUT" > "$OUT/serve_70b_tp2.log" 2>&1; tail -6 "$OUT/serve_70b_tp2.log"
+    ;;
+  S)
+    python3 -m pytest -q tests/test_structured_output.py 2>&1 | tee "$OUT/gpu_tests_S.log" | tail -3
+    python3 bench/structured_bench.py --out "$OUT" > "$OUT/structured_bench.log" 2>&1; tail -10 "$OUT/structured_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

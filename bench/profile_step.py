@@ -142,7 +142,7 @@ class StepTracer:
         launch = runner.execute_async
         result = PendingModelOutput.result
 
-        def traced_launch(scheduler_output):
+        def traced_launch(scheduler_output, *args):
             record = {"tokens": scheduler_output.total_num_scheduled_tokens, "seqs": len(scheduler_output.seqs),
                       "decode_only": all(n == 1 for n in scheduler_output.num_scheduled_tokens), "wait_ms": 0.0}
             tracer.current = record
@@ -150,7 +150,7 @@ class StepTracer:
                 record["start"] = torch.cuda.Event(enable_timing=True)
                 record["start"].record()
             t0 = time.perf_counter()
-            pending = launch(scheduler_output)
+            pending = launch(scheduler_output, *args)
             record["launch_ms"] = 1e3 * (time.perf_counter() - t0)
             tracer.current = None
             if tracer.cuda:

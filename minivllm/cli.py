@@ -12,6 +12,7 @@ import sys
 
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import SchedulerConfig
+from minivllm.server.tool_parsers import TOOL_PARSERS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' (default: $MINIVLLM_API_KEY)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use (default: the model's name)")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are found in replies (for tool_choice auto)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -163,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
             from minivllm.server.api_server import run_server
             run_server(engine_config_from_args(args), host=args.host, port=args.port,
                        served_model_name=args.served_model_name, api_key=args.api_key,
-                       log_level=args.uvicorn_log_level)
+                       log_level=args.uvicorn_log_level, tool_call_parser=args.tool_call_parser,
+                       enable_auto_tool_choice=args.enable_auto_tool_choice)
         else:
             _run_once(args)
     except ValueError as e:  # bad flags or input: a clear message, not a traceback

@@ -6,8 +6,30 @@ with a `ValueError` that names the field.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's `StructuredOutputsParams`); exactly one field is set."""
+    json: dict | str | None = None      # a JSON schema (dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None     # the output is exactly one of these strings
+    grammar: str | None = None          # EBNF (GBNF-style, with a `root` rule)
+    json_object: bool | None = None     # any JSON object
+    # The engine's compiled grammar, shared by every request using this object.
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {kinds or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list)
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs choice must be a list of non-empty strings")
 
 
 @dataclass
@@ -28,8 +50,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the chosen token
+    prompt_logprobs: int | None = None  # same, for each prompt token given its prefix (computed in prefill)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the ids that end generation (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -72,6 +96,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -21,3 +21,12 @@ def test_small_batch_prefill_is_on_when_serving_and_off_offline():
     assert config_for("serve", "--small-batch-prefill-tokens", "256").small_batch_prefill_tokens == 256
     assert config_for("serve", "--small-batch-prefill-tokens", "0").small_batch_prefill_tokens is None
     assert config_for("generate", "hello").small_batch_prefill_tokens is None
+
+
+def test_python_dash_m_runs_the_console_script():
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "minivllm", "serve", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0
+    assert "usage: minivllm serve" in result.stdout and "--max-num-seqs" in result.stdout

@@ -48,3 +48,6 @@ class ModelOutput:
     speculating sequence gets its accepted drafts followed by one sampled token."""
     sampled_token_ids: list[list[int]]
     logprobs: list[list[SampleLogprobs]] | None = None
+    # Sequences asking for prompt logprobs: index in `seqs` -> (prompt position of the first entry,
+    # the logprobs of prompt tokens from that position on that this step's chunk computed).
+    prompt_logprobs: dict[int, tuple[int, list[SampleLogprobs]]] | None = None

@@ -23,6 +23,7 @@ from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import SpecDecodeStats, SpeculationController
+from minivllm.structured_output import StructuredOutputManager
 from minivllm.worker.executor import create_executor
 from minivllm.worker.model_runner import PendingModelOutput
 
@@ -108,7 +109,9 @@ class LLMEngine:
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._outputs: dict[int, _SeqOutputState] = {}
+        self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -146,6 +149,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        self.structured_output.compile(params)
         group = SequenceGroup(request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=params,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                               priority=priority)
@@ -157,6 +161,7 @@ class LLMEngine:
             if group is not None:
                 for seq in group.seqs:
                     self._outputs.pop(seq.seq_id, None)
+                self._prompt_logprobs_out.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -183,8 +188,12 @@ class LLMEngine:
         launched = None
         read_back_now = not self.async_scheduling or bool(scheduler_output.spec_token_ids)
         if not scheduler_output.is_empty:
-            needs_sync = any(seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
-            launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output), needs_sync)
+            # Penalties and grammars need every previous token on the host for the next step.
+            needs_sync = any(seq.sampling_params.uses_penalties or seq.sampling_params.structured_outputs
+                             for seq in scheduler_output.seqs)
+            bitmask = self.structured_output.grammar_bitmask(scheduler_output)
+            launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
+                                     needs_sync)
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
@@ -203,6 +212,8 @@ class LLMEngine:
         scheduler_output, pending, _ = self._in_flight
         self._in_flight = None
         model_output = pending.result()
+        if model_output.prompt_logprobs:
+            self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)
         groups = self.scheduler.update(scheduler_output, model_output)
         return [self._make_output(group) for group in groups]
@@ -218,6 +229,30 @@ class LLMEngine:
                                             model_output.sampled_token_ids):
                 if drafts and samples:
                     self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
+
+    @staticmethod
+    def _store_prompt_logprobs(scheduler_output: SchedulerOutput, entries: dict) -> None:
+        for i, (first, logprobs) in entries.items():
+            group = scheduler_output.seqs[i].group
+            if group.prompt_logprobs is None:
+                group.prompt_logprobs = [None] * len(group.prompt_token_ids)
+            group.prompt_logprobs[first:first + len(logprobs)] = logprobs
+
+    def _prompt_logprobs(self, group: SequenceGroup) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for the first prompt token, then {token id: Logprob} (the prompt token first)."""
+        if group.sampling_params.prompt_logprobs is None:
+            return None
+        cached = self._prompt_logprobs_out.get(group.request_id)
+        if cached is not None:
+            return cached
+        decode = (lambda tid: None) if self.tokenizer is None else (
+            lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False))
+        # Complete once the prompt is (the first output comes after its last chunk): converted once.
+        self._prompt_logprobs_out[group.request_id] = result = [
+            None if lp is None else {tid: Logprob(value, rank=lp.rank if k == 0 else k, decoded_token=decode(tid))
+                                     for k, (tid, value) in enumerate(zip(lp.token_ids, lp.logprobs))}
+            for lp in group.prompt_logprobs or [None]]  # a one-token prompt scores nothing
+        return result
 
     def _seq_state(self, seq: Sequence) -> _SeqOutputState:
         state = self._outputs.get(seq.seq_id)
@@ -271,6 +306,7 @@ class LLMEngine:
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         outputs = [self._completion(seq) for seq in sorted(group.seqs, key=lambda s: s.index)]
         finished = group.is_finished
+        prompt_logprobs = self._prompt_logprobs(group)
         if finished:
             for seq in group.seqs:
                 self._outputs.pop(seq.seq_id, None)
@@ -278,9 +314,11 @@ class LLMEngine:
                     self.spec.forget(seq.seq_id)
             if group.metrics.finished_time is None:
                 group.metrics.finished_time = time.monotonic()
+            self._prompt_logprobs_out.pop(group.request_id, None)
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outputs, finished=finished,
-                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics,
+                             prompt_logprobs=prompt_logprobs)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager

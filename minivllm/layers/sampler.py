@@ -64,12 +64,15 @@ class SamplingMetadata:
     row_seeds: list[int]                       # ... and the generator seed of each for this step
     max_num_logprobs: int | None               # widest `logprobs` asked; None when no row asked
     num_rows: int = 0
+    # Structured outputs: [S, ceil(V / 32)] int32, bit j of word w allows token 32 w + j (all ones on
+    # unconstrained rows); set by the runner from the engine's grammars. None when no row is constrained.
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def modifies_logits(self) -> bool:
         """Whether bias, min_tokens or penalties change the logits before the greedy argmax."""
         return (self.logit_bias is not None or self.min_tokens_mask is not None
-                or self.repetition_penalties is not None)
+                or self.repetition_penalties is not None or self.grammar_bitmask is not None)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -178,6 +181,8 @@ class Sampler(nn.Module):
             # Widening to fp32 is exact and monotonic, so the argmax of the raw logits is the same token.
             return SamplerOutput(self._verify(logits.argmax(dim=-1), None, spec), None, None, None)
         logits = logits.float()
+        if metadata.grammar_bitmask is not None:  # first: what the grammar forbids is never a candidate
+            logits = apply_token_bitmask(logits, metadata.grammar_bitmask)
         raw_logprobs = compute_logprobs(logits) if metadata.max_num_logprobs is not None else None
 
         if metadata.logit_bias is not None:
@@ -257,6 +262,13 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.
         return token_ids, chosen, ranks
     top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
     return torch.cat([token_ids, top_ids], dim=-1), torch.cat([chosen, top_values], dim=-1), ranks
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens whose bit is 0 to -inf (bitmask [S, ceil(V / 32)] int32, little-endian bits)."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1)[:, :logits.shape[-1]]
+    return logits.masked_fill_(allowed == 0, -math.inf)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,

@@ -46,12 +46,14 @@ def _version() -> str:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
     metrics = ServerMetrics(engine.get_stats, names[0])
-    chat = OpenAIServingChat(engine, names, metrics)
+    chat = OpenAIServingChat(engine, names, metrics, tool_call_parser=tool_call_parser,
+                             enable_auto_tool_choice=enable_auto_tool_choice)
     completion = OpenAIServingCompletion(engine, names, metrics)
 
     @contextlib.asynccontextmanager
@@ -143,11 +145,11 @@ def make_server(app: FastAPI, log_level: str = "info") -> uvicorn.Server:
 
 
 def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_model_name=None,
-               api_key: str | None = None, log_level: str = "info") -> None:
-    """Load the engine, then serve until interrupted."""
+               api_key: str | None = None, log_level: str = "info", **tool_options) -> None:
+    """Load the engine, then serve until interrupted. `tool_options`: tool_call_parser, enable_auto_tool_choice."""
     sock = bind_socket(host, port)
     engine = AsyncEngine.from_config(engine_config)
-    app = build_app(engine, served_model_name, api_key)
+    app = build_app(engine, served_model_name, api_key, **tool_options)
     server = make_server(app, log_level)
     logger.info("serving %s on http://%s:%d", app.state.metrics.model_name, host, sock.getsockname()[1])
     try:

@@ -4,7 +4,7 @@ Field names follow OpenAI's API plus vLLM's extras (top_k, min_p, repetition_pen
 stop_token_ids, priority, ...). Range checks that `SamplingParams` already makes are left to it, so
 the offline API and the server reject bad values with the same message. Unknown fields are ignored,
 as OpenAI and vLLM do; fields that would change the meaning of a request but are not supported
-(tools, response_format other than text, suffix, ...) are rejected by the serving code.
+(suffix, ...) are rejected by the serving code.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -36,6 +36,8 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None                 # a tool turn: the call it answers
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -61,6 +63,42 @@ class _SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and their newer spelling.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one grammar the request asks for (ValueError if several, or a malformed one)."""
+        specs: list[StructuredOutputsParams] = []
+        response_format = self.response_format or {}
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            specs.append(StructuredOutputsParams(json_object=True))
+        elif kind == "json_schema":
+            json_schema = response_format.get("json_schema")
+            schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise ValueError("response_format json_schema needs a `json_schema.schema` object")
+            specs.append(StructuredOutputsParams(json=schema))
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                specs.append(StructuredOutputsParams(**{name: value}))
+        if self.structured_outputs:
+            try:
+                specs.append(StructuredOutputsParams(**self.structured_outputs))
+            except TypeError:
+                raise ValueError("structured_outputs takes one of json, regex, choice, grammar, json_object") from None
+        if len(specs) > 1:
+            raise ValueError("give one of response_format, guided_json, guided_regex, guided_choice, "
+                             "guided_grammar or structured_outputs")
+        return specs[0] if specs else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field (the caller turns it into a 400)."""
@@ -85,7 +123,8 @@ class _SamplingRequest(OpenAIBaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
 
     @property
     def include_usage(self) -> bool:
@@ -107,7 +146,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # Accepted so that clients sending their defaults work; anything but "no" is rejected.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -176,10 +214,28 @@ class CompletionLogprobs(OpenAIBaseModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def extend(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        """These entries followed by `other`'s (echoed prompt, then the completion)."""
+        return CompletionLogprobs(text_offset=self.text_offset + other.text_offset,
+                                  token_logprobs=self.token_logprobs + other.token_logprobs,
+                                  tokens=self.tokens + other.tokens, top_logprobs=self.top_logprobs + other.top_logprobs)
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -202,6 +258,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    # OpenAI's streamed tool calls: {"index", then in the first delta of a call "id", "type" and
+    # "function": {"name", "arguments": ""}, in later ones "function": {"arguments": piece}}.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -20,6 +20,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.server import errors
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from minivllm.server.tool_calling import template_messages
 
 
 class ClientDisconnected(Exception):
@@ -75,7 +76,7 @@ class OpenAIServing:
         return list(self.tokenizer.encode(text))
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
+                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Apply the model's chat template (as `LLM.chat` does) and return the prompt token ids."""
         conversation = []
         for i, message in enumerate(messages):
@@ -91,7 +92,14 @@ class OpenAIServing:
             entry = {"role": message.role, "content": content if content is not None else ""}
             if message.name is not None:
                 entry["name"] = message.name
+            if message.tool_calls:
+                entry["tool_calls"] = copy.deepcopy(message.tool_calls)
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
             conversation.append(entry)
+        conversation = template_messages(conversation)
+        if tools:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         try:
             ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, **(chat_template_kwargs or {}))

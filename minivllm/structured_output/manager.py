@@ -1,0 +1,141 @@
+"""StructuredOutputManager: compiles each request's grammar once (at `add_request`, so a bad schema is a
+`ValueError` there) and fills the token bitmask of a step's sampling rows on the host.
+
+Why xgrammar: on the default model's tokenizer (49,152 tokens) a JSON-schema mask took 5.9 µs per row on
+average (115 µs worst) against llguidance's 52 µs (1.7 ms worst), and compiling a nested schema 9 ms.
+
+Each sequence gets its own matcher (n > 1 siblings diverge after their first token). A matcher catches up
+with its sequence's output tokens when the next mask is filled, so forks, preemption and the engine's
+update path need no hooks; the one requirement is that every token of a constrained sequence is on the
+host when its step is scheduled, which the engine ensures by reading such steps back before scheduling
+the next (async scheduling samples step N + 1 before N's token reaches the host).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import weakref
+
+import numpy as np
+
+from minivllm.core.interfaces import SchedulerOutput
+from minivllm.core.sequence import Sequence
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class _Matcher:
+    __slots__ = ("matcher", "num_accepted")
+
+    def __init__(self, matcher) -> None:
+        self.matcher, self.num_accepted = matcher, 0
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None  # built on first use: the tokenizer's vocabulary takes ~0.2 s to index
+        self._batch_matcher = None
+        self._matchers: weakref.WeakKeyDictionary[Sequence, _Matcher] = weakref.WeakKeyDictionary()
+        self.num_words = (vocab_size + 31) // 32
+        # Host time spent filling masks, for benchmarks and metrics.
+        self.mask_time_s = 0.0
+        self.num_masks = 0
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into `params.structured_outputs.compiled` (ValueError if invalid)."""
+        spec = params.structured_outputs
+        if spec is None or spec.compiled is not None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer")
+        compiler = self._get_compiler()
+        try:
+            spec.compiled = _compile(compiler, spec)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"invalid structured output specification: {_first_line(e)}") from None
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> np.ndarray | None:
+        """[rows, ceil(V / 32)] int32 bitmask for the step's sampling rows (a sequence's `num_samples` rows
+        in schedule order, as the runner lays them out); None when no row is constrained."""
+        seqs = scheduler_output.seqs
+        if not any(n and s.sampling_params.structured_outputs is not None
+                   for s, n in zip(seqs, scheduler_output.num_samples)):
+            return None
+        started = time.perf_counter()
+        # A speculating sequence (never a constrained one) has a row per verified position.
+        rows_of_seq = [d + 1 if d else n for n, d in zip(scheduler_output.num_samples, scheduler_output.num_spec_tokens)]
+        bitmask = np.full((sum(rows_of_seq), self.num_words), -1, dtype=np.int32)
+        matchers, rows, forks = [], [], []
+        row = 0
+        for seq, num_samples, num_rows in zip(seqs, scheduler_output.num_samples, rows_of_seq):
+            if num_samples and seq.sampling_params.structured_outputs is not None:
+                state = self._catch_up(seq)
+                if not state.matcher.is_terminated():
+                    matchers.append(state.matcher)
+                    rows.append(row)
+                else:  # the grammar is complete and its stop token ignored (ignore_eos): stop tokens only
+                    words = bitmask.view(np.uint32)
+                    words[row] = 0
+                    for t in self.stop_token_ids:
+                        words[row, t // 32] |= np.uint32(1 << (t % 32))
+                if num_samples > 1:
+                    forks.append((row, num_samples))
+            row += num_rows
+        if matchers:  # rows in parallel on a few host threads (xgrammar releases the GIL)
+            self._get_batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for row, num_samples in forks:  # siblings of a fork share the prompt's state
+            bitmask[row + 1:row + num_samples] = bitmask[row]
+        self.mask_time_s += time.perf_counter() - started
+        self.num_masks += 1
+        return bitmask
+
+    def _get_batch_matcher(self):
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._batch_matcher
+
+    def _catch_up(self, seq: Sequence) -> _Matcher:
+        state = self._matchers.get(seq)
+        if state is None:
+            import xgrammar as xgr
+            state = self._matchers[seq] = _Matcher(xgr.GrammarMatcher(seq.sampling_params.structured_outputs.compiled))
+        num_outputs = seq.num_output_tokens
+        if state.num_accepted < num_outputs:
+            for token_id in seq.output_token_ids[state.num_accepted:]:
+                if state.matcher.is_terminated():
+                    break
+                # The mask allowed it, so a refusal means the matcher and the sequence disagree.
+                if not state.matcher.accept_token(token_id):
+                    raise RuntimeError(f"the grammar rejected token {token_id} it had allowed")
+            state.num_accepted = num_outputs
+        return state
+
+
+def _compile(compiler, spec: StructuredOutputsParams):
+    if spec.json is not None:
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        # Compact JSON: with free whitespace small models can emit newlines forever.
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    if spec.json_object:
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    if spec.choice is not None:
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+    return compiler.compile_grammar(spec.grammar)
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
