@@ -284,7 +284,9 @@ def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
         SamplingParams(temperature=0, max_tokens=20, logit_bias={prompts[5][17]: 3.0}, ignore_eos=True),
     ]
     reference = _generate(_tiny_llm(tiny_model), prompts, params)
-    llm = _tiny_llm(tiny_model, speculative_config=NGRAM)
+    # The GPU's engine loop: a verify step stays in flight until the next step, which first reads it
+    # back, then schedules, then makes the previous step's outputs.
+    llm = _tiny_llm(tiny_model, speculative_config=NGRAM, async_scheduling=True)
     outputs = _generate(llm, prompts, params)
     for ours, ref in zip(outputs, reference):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -302,7 +304,8 @@ def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
 
 
 def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
-    llm = _tiny_llm(tiny_model, speculative_config=NGRAM, num_gpu_blocks_override=48, block_size=4, max_model_len=128)
+    llm = _tiny_llm(tiny_model, speculative_config=NGRAM, num_gpu_blocks_override=48, block_size=4, max_model_len=128,
+                    async_scheduling=True)
     engine = llm.llm_engine
     prompts = _repetitive_prompts(12, seed=2)
     for i, prompt in enumerate(prompts):

@@ -176,21 +176,24 @@ class LLMEngine:
         next is scheduled; a step that samples some request's first token is read back at once.
         """
         started = time.perf_counter()
-        outputs: list[RequestOutput] = []
         # Speculation needs every token on the host (drafts continue it): a step that may speculate
-        # first reads back the step in flight.
+        # first reads back the step in flight. Its outputs (detokenization, stop strings) are made after
+        # the next step is launched, while the GPU runs.
         num_drafts = self.spec.choose_k(self.scheduler.running) if self.spec is not None else 0
+        synced: list[SequenceGroup] = []
         if self._in_flight is not None and (self._in_flight.needs_sync or num_drafts):
-            outputs = self._complete_in_flight()
+            synced = self._update_in_flight()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, num_drafts)
         scheduler_output = self.scheduler.schedule()
         launched = None
-        read_back_now = not self.async_scheduling or bool(scheduler_output.spec_token_ids)
+        read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
-            # Penalties and grammars need every previous token on the host for the next step.
-            needs_sync = any(seq.sampling_params.uses_penalties or seq.sampling_params.structured_outputs
-                             for seq in scheduler_output.seqs)
+            # Penalties, grammars and verification (a variable number of tokens) need every token of this
+            # step on the host before the next is scheduled.
+            needs_sync = bool(scheduler_output.spec_token_ids) or any(
+                seq.sampling_params.uses_penalties or seq.sampling_params.structured_outputs
+                for seq in scheduler_output.seqs)
             bitmask = self.structured_output.grammar_bitmask(scheduler_output)
             launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
                                      needs_sync)
@@ -198,6 +201,7 @@ class LLMEngine:
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
                                  zip(scheduler_output.seqs, scheduler_output.num_samples))
+        outputs = [self._make_output(group) for group in synced]
         if self._in_flight is not None:
             outputs += self._complete_in_flight()
         self._in_flight = launched
@@ -209,14 +213,17 @@ class LLMEngine:
         return outputs
 
     def _complete_in_flight(self) -> list[RequestOutput]:
+        return [self._make_output(group) for group in self._update_in_flight()]
+
+    def _update_in_flight(self) -> list[SequenceGroup]:
+        """Read the step in flight back and hand its tokens to the scheduler; returns the groups touched."""
         scheduler_output, pending, _ = self._in_flight
         self._in_flight = None
         model_output = pending.result()
         if model_output.prompt_logprobs:
             self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)
-        groups = self.scheduler.update(scheduler_output, model_output)
-        return [self._make_output(group) for group in groups]
+        return self.scheduler.update(scheduler_output, model_output)
 
     def _count_tokens(self, scheduler_output, model_output) -> None:
         """Prompt tokens computed this step (the part of each chunk inside the prompt) and tokens generated."""
