@@ -36,6 +36,8 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "triton"; None picks by device
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
+    # "fp8" | "int8" | "gptq" | "awq" | "compressed-tensors"; None: from config.json's quantization_config
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.quantization import current_quant_method
+
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
     """Copy a whole checkpoint tensor into `param`; a shape mismatch is a bad checkpoint, not a bug."""
@@ -40,7 +42,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method = quant_method or current_quant_method(self) or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_size)
         for param in self.parameters(recurse=False):
             if not hasattr(param, "weight_loader"):   # a quant method may bring its own loaders
