@@ -40,4 +40,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the chosen token
+    prompt_logprobs: int | None = None  # same, for each prompt token given its prefix (computed in prefill)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Filled by the engine: the ids that end generation (eos + stop_token_ids).
@@ -72,6 +73,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -17,6 +17,17 @@ def default_model_path() -> str:
     return loader.default_model_path()
 
 
+@pytest.fixture(scope="module")
+def hf_model(default_model_path):
+    """transformers loading the default model's GGUF on its own, in fp32: the reference."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_path),
+                                                gguf_file=os.path.basename(default_model_path),
+                                                dtype=torch.float32).eval()
+
+
 def tiny_hf_config(arch: str):
     """A tiny transformers config per supported variant (fp32, 2 layers, vocab 128)."""
     import transformers

@@ -1,13 +1,11 @@
 """End-to-end engine behaviour on the real default model (CPU, fp32), checked against transformers."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.models.loader import default_model_path
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -40,15 +38,6 @@ def prompt_ids(llm) -> list[list[int]]:
     for chat in CHATS:
         out.append(list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)))
     return out
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    """transformers loading the same GGUF on its own: the reference."""
-    from transformers import AutoModelForCausalLM
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

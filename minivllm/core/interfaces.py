@@ -39,3 +39,6 @@ class ModelOutput:
     """Sampled tokens for each scheduled sequence, in `SchedulerOutput.seqs` order ([] when none)."""
     sampled_token_ids: list[list[int]]
     logprobs: list[list[SampleLogprobs]] | None = None
+    # Sequences asking for prompt logprobs: index in `seqs` -> (prompt position of the first entry,
+    # the logprobs of prompt tokens from that position on that this step's chunk computed).
+    prompt_logprobs: dict[int, tuple[int, list[SampleLogprobs]]] | None = None

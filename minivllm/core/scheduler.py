@@ -187,7 +187,9 @@ class Scheduler:
             seq = self.waiting[0]
             if num_seq_slots + 1 + seq.num_pending_forks > config.max_num_seqs:
                 break
-            computed_blocks, num_hit_tokens = block_manager.get_computed_blocks(seq)
+            # Prompt logprobs need the hidden states of every prompt position: such prompts take no cache hit.
+            wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0
+            computed_blocks, num_hit_tokens = ([], 0) if wants_prompt_logprobs else block_manager.get_computed_blocks(seq)
             num_new = seq.num_total_tokens - seq.num_computed_tokens - num_hit_tokens
             if config.enable_chunked_prefill:
                 num_new = min(num_new, budget)

@@ -146,6 +146,8 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     metrics: RequestMetrics | None = None
+    # With `prompt_logprobs`: per prompt position (the first stays None), filled chunk by chunk.
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -105,6 +105,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
         self._outputs: dict[int, _SeqOutputState] = {}
+        self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -151,6 +152,7 @@ class LLMEngine:
             if group is not None:
                 for seq in group.seqs:
                     self._outputs.pop(seq.seq_id, None)
+                self._prompt_logprobs_out.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -188,6 +190,8 @@ class LLMEngine:
         scheduler_output, pending, _ = self._in_flight
         self._in_flight = None
         model_output = pending.result()
+        if model_output.prompt_logprobs:
+            self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)
         groups = self.scheduler.update(scheduler_output, model_output)
         return [self._make_output(group) for group in groups]
@@ -198,6 +202,30 @@ class LLMEngine:
                                           scheduler_output.num_scheduled_tokens, model_output.sampled_token_ids):
             self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
             self.num_generation_tokens += len(samples)
+
+    @staticmethod
+    def _store_prompt_logprobs(scheduler_output: SchedulerOutput, entries: dict) -> None:
+        for i, (first, logprobs) in entries.items():
+            group = scheduler_output.seqs[i].group
+            if group.prompt_logprobs is None:
+                group.prompt_logprobs = [None] * len(group.prompt_token_ids)
+            group.prompt_logprobs[first:first + len(logprobs)] = logprobs
+
+    def _prompt_logprobs(self, group: SequenceGroup) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for the first prompt token, then {token id: Logprob} (the prompt token first)."""
+        if group.sampling_params.prompt_logprobs is None:
+            return None
+        cached = self._prompt_logprobs_out.get(group.request_id)
+        if cached is not None:
+            return cached
+        decode = (lambda tid: None) if self.tokenizer is None else (
+            lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False))
+        # Complete once the prompt is (the first output comes after its last chunk): converted once.
+        self._prompt_logprobs_out[group.request_id] = result = [
+            None if lp is None else {tid: Logprob(value, rank=lp.rank if k == 0 else k, decoded_token=decode(tid))
+                                     for k, (tid, value) in enumerate(zip(lp.token_ids, lp.logprobs))}
+            for lp in group.prompt_logprobs or [None]]  # a one-token prompt scores nothing
+        return result
 
     def _seq_state(self, seq: Sequence) -> _SeqOutputState:
         state = self._outputs.get(seq.seq_id)
@@ -236,14 +264,17 @@ class LLMEngine:
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         outputs = [self._completion(seq) for seq in sorted(group.seqs, key=lambda s: s.index)]
         finished = group.is_finished
+        prompt_logprobs = self._prompt_logprobs(group)
         if finished:
             for seq in group.seqs:
                 self._outputs.pop(seq.seq_id, None)
             if group.metrics.finished_time is None:
                 group.metrics.finished_time = time.monotonic()
+            self._prompt_logprobs_out.pop(group.request_id, None)
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outputs, finished=finished,
-                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics,
+                             prompt_logprobs=prompt_logprobs)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager

@@ -176,6 +176,12 @@ class CompletionLogprobs(OpenAIBaseModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def extend(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        """These entries followed by `other`'s (echoed prompt, then the completion)."""
+        return CompletionLogprobs(text_offset=self.text_offset + other.text_offset,
+                                  token_logprobs=self.token_logprobs + other.token_logprobs,
+                                  tokens=self.tokens + other.tokens, top_logprobs=self.top_logprobs + other.top_logprobs)
+
 
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"

@@ -43,15 +43,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise errors.bad_request("suffix is not supported by this server", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise errors.bad_request("best_of must equal n (beam-like best_of is not supported)", param="best_of")
-        if request.echo and request.logprobs is not None:
-            raise errors.bad_request("echo with logprobs needs prompt logprobs, which are not supported",
-                                     param="echo")
         prompt_ids, prompt_texts = self._prompts(request)
         try:
             params = request.to_sampling_params(default_max_tokens=max(
                 1, self.engine.max_model_len - max(len(p) for p in prompt_ids)))
         except ValueError as e:
             raise errors.from_exception(e) from None
+        if request.echo and request.logprobs is not None:
+            params.prompt_logprobs = params.logprobs  # echo scores the prompt too (lm-eval's loglikelihood)
         for ids in prompt_ids:
             self.check_length(len(ids), params.max_tokens, "prompt")
         self.check_token_ids(params)
@@ -66,7 +65,11 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for i, final in enumerate(finals):
             for c in final.outputs:
-                logprobs = self._logprobs(c, 0, len(echo[i])) if request.logprobs is not None else None
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(c, 0, len(echo[i]))
+                    if request.echo:
+                        logprobs = self._prompt_logprobs(final).extend(logprobs)
                 choices.append(CompletionChoice(index=i * request.n + c.index, text=echo[i] + c.text,
                                                 logprobs=logprobs, finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason))
@@ -111,6 +114,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs = self._logprobs(c, sent_tokens[k], text_offset[k])
                         if logprobs.tokens:
                             text_offset[k] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                        if request.echo and not echoed[k]:
+                            logprobs = self._prompt_logprobs(output).extend(logprobs)
                     prefix = "" if echoed[k] else echo[prompt_index]
                     echoed[k] = True
                     sent_text[k] = len(c.text)
@@ -127,6 +132,22 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse("[DONE]")
         finally:
             await outputs.aclose()
+
+    def _prompt_logprobs(self, output: RequestOutput) -> CompletionLogprobs:
+        """The echoed prompt's tokens in OpenAI's format: the first token has no logprob (None)."""
+        tokenizer = self.engine.tokenizer
+        result, offset = CompletionLogprobs(), 0
+        for token_id, candidates in zip(output.prompt_token_ids, output.prompt_logprobs or []):
+            decoded = candidates[token_id].decoded_token if candidates else None
+            token = decode_token(tokenizer, token_id, decoded)
+            result.tokens.append(token)
+            result.token_logprobs.append(None if candidates is None else finite_logprob(candidates[token_id].logprob))
+            result.top_logprobs.append(None if candidates is None else {
+                decode_token(tokenizer, tid, lp.decoded_token): finite_logprob(lp.logprob)
+                for tid, lp in candidates.items()})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
 
     def _logprobs(self, completion: CompletionOutput, start: int, offset: int) -> CompletionLogprobs:
         """OpenAI completions logprobs for the tokens from `start` on; text offsets begin at `offset`."""

@@ -22,6 +22,7 @@ from minivllm.models.loader import ModelSource, load_model
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
+from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -163,22 +164,25 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
         hidden = self._forward(inputs)
+        prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
+                                                  inputs.metadata.query_start_loc_cpu)
         if not inputs.sampling_rows:
             self._previous_samples = None
-            return PendingModelOutput(self, scheduler_output, inputs, None, None, [])
+            host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs)
+            return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         output = self.sampler(logits, metadata)
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
-        host_output, ready, buffers = self._start_copy_to_host(output)
-        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers)
+        host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs)
+        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs)
 
-    def _start_copy_to_host(self, output: SamplerOutput
-                            ) -> tuple[SamplerOutput, torch.cuda.Event | None, list[torch.Tensor]]:
+    def _start_copy_to_host(self, output: SamplerOutput | None, prompt_logprobs: PromptLogprobs | None = None
+                            ) -> tuple[SamplerOutput | None, torch.cuda.Event | None, list[torch.Tensor]]:
         """Queue the copy of the sampled ids (and logprobs) to pinned host memory right behind the sampler.
         A plain `.tolist()` later would queue its copy behind the *next* step, already launched, and wait
         for that whole step too."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or (output is None and prompt_logprobs is None):
             return output, None, []
         buffers = []
 
@@ -188,8 +192,10 @@ class ModelRunner:
             host, buffer = self.host_buffers.copy_to_host(tensor)
             buffers.append(buffer)
             return host
-        host_output = SamplerOutput(*(to_host(t) for t in (output.token_ids, output.logprob_token_ids,
-                                                             output.logprobs, output.ranks)))
+        if prompt_logprobs is not None:
+            prompt_logprobs.to_host(to_host)
+        host_output = None if output is None else SamplerOutput(*(to_host(t) for t in (
+            output.token_ids, output.logprob_token_ids, output.logprobs, output.ranks)))
         ready = torch.cuda.Event()
         ready.record()
         return host_output, ready, buffers
@@ -231,15 +237,18 @@ class PendingModelOutput:
 
     def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
                  output: SamplerOutput | None, ready: torch.cuda.Event | None,
-                 host_buffers: list[torch.Tensor]) -> None:
+                 host_buffers: list[torch.Tensor], prompt_logprobs: PromptLogprobs | None = None) -> None:
         self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
         self._output, self._ready, self._host_buffers = output, ready, host_buffers
+        self._prompt_logprobs = prompt_logprobs
 
     def result(self) -> ModelOutput:
         """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""
         if self._ready is not None:
             self._ready.synchronize()
         model_output = self._runner._to_model_output(self._scheduler_output, self._inputs, self._output)
+        if self._prompt_logprobs is not None:
+            model_output.prompt_logprobs = self._prompt_logprobs.entries()
         self._runner.host_buffers.release(self._host_buffers)  # read into Python lists: reusable now
         self._host_buffers = []
         return model_output
