@@ -175,6 +175,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         generator = torch.Generator(device=param.device).manual_seed(seed)
         if not param.is_floating_point():   # packed integer codes of a quantized format
             param.random_(generator=generator)
+        elif param.element_size() == 1:     # fp8 weights: drawn in bf16, then rounded
+            param.copy_(torch.empty(param.shape, dtype=torch.bfloat16, device=param.device)
+                        .normal_(0.0, 0.02, generator=generator))
         elif param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=generator)
         elif name.endswith("norm.weight"):
@@ -188,7 +191,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> nn.Module:
     model_class = get_model_class(source.hf_config)
-    quant_config = get_quantization_config(source.hf_config, quantization)
+    quant_config = get_quantization_config(source.hf_config, quantization, load_format)
     with torch.device(device), _default_dtype(dtype), quantization_context(quant_config):
         model = model_class(source.hf_config)
     if load_format == "dummy" or source.weights_dir is None:

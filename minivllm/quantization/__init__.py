@@ -34,9 +34,11 @@ def get_config_class(name: str) -> type[QuantizationConfig]:
     return getattr(importlib.import_module(module), cls)
 
 
-def get_quantization_config(hf_config, quantization: str | None = None) -> QuantizationConfig | None:
+def get_quantization_config(hf_config, quantization: str | None = None,
+                            load_format: str = "auto") -> QuantizationConfig | None:
     """The checkpoint's own quantization_config wins; `quantization` must then name the same format.
-    Without one, `quantization` asks for online quantization (fp8, int8) of plain weights."""
+    Without one, `quantization` asks for online quantization (fp8, int8) of plain weights, or, with
+    dummy weights, for random weights created directly in the format."""
     stored = getattr(hf_config, "quantization_config", None)
     if stored is not None and not isinstance(stored, dict):
         stored = stored.to_dict()
@@ -49,10 +51,12 @@ def get_quantization_config(hf_config, quantization: str | None = None) -> Quant
     if quantization is None:
         return None
     cls = get_config_class(quantization)
+    if load_format == "dummy":
+        return cls.for_dummy()
     if cls.name not in ONLINE_METHODS:
         raise ValueError(f"quantization {quantization!r} needs a checkpoint quantized in that format "
                          f"(config.json has no quantization_config); online quantization supports {ONLINE_METHODS}")
-    return cls.from_config({"quant_method": cls.name})
+    return cls.from_config({"quant_method": cls.name, "serialized": False})
 
 
 @contextlib.contextmanager

@@ -20,6 +20,11 @@ class QuantizationConfig:
     def from_config(cls, config: dict) -> "QuantizationConfig":
         raise NotImplementedError
 
+    @classmethod
+    def for_dummy(cls) -> "QuantizationConfig":
+        """The format's usual settings, for random weights created directly in it (benchmarks)."""
+        return cls.from_config({"quant_method": cls.name})
+
     def get_quant_method(self, layer: nn.Module):
         """The LinearMethod for `layer` (a LinearBase)."""
         raise NotImplementedError

@@ -43,6 +43,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         group_size = int(weights.get("group_size") or -1) if strategy == "group" else -1
         return cls(int(weights.get("num_bits", 4)), group_size)
 
+    @classmethod
+    def for_dummy(cls) -> "CompressedTensorsConfig":
+        return cls(4, 128)
+
     def describe(self) -> str:
         return f"compressed-tensors (int{self.bits}, group {self.group_size})"
 

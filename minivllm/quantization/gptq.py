@@ -4,7 +4,7 @@ Per linear layer with K inputs, N outputs, G = K / group_size groups, pf = 32 / 
   qweight [K / pf, N] int32  codes packed along the input dimension (field i of row j is input j*pf+i);
   qzeros  [G, N / pf] int32  zero points packed along the output dimension; checkpoint_format "gptq"
                              (v1) stores zero - 1, "gptq_v2" (GPTQModel) the zero itself;
-  scales  [G, N] fp16;       g_idx [K] int32: the group of each input (act-order / desc_act permutes it).
+  scales  [G, N] fp16;       g_idx [K] int32: the group of each input (read only with desc_act, whose act-order permutes it).
 W[k, n] = (code[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n].
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class GPTQLinearMethod(WeightOnlyLinearMethod):
         qweight, perm = layer.qweight.data, None
         g_idx = layer.g_idx.data.long()
         contiguous = torch.arange(K, device=g_idx.device) // group_size
-        if not torch.equal(g_idx, contiguous):
+        if self.config.desc_act and not torch.equal(g_idx, contiguous):
             # act-order: sort inputs by group so each group is a contiguous run; x is permuted alike.
             perm = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[perm], contiguous):
