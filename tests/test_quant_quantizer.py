@@ -124,3 +124,27 @@ def test_quantizer_rejects_bad_options(tiny_model, tmp_path):
         quantize_model(str(folder), "gptq", str(tmp_path))
     with pytest.raises(ValueError, match="4-bit"):
         quantize_model(str(folder), "awq", str(tmp_path), bits=8, calib="x")
+
+
+def test_quantized_folder_serves_through_the_openai_sdk(tiny_model, tmp_path):
+    import openai
+
+    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.engine.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.server.api_server import ServerThread, build_app
+
+    folder, _, _ = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path), group_size=GROUP)
+    llm = LLM(str(tmp_path), kv_cache_memory=8 << 20, max_model_len=64)
+    expected = llm.generate(["In the beginning"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    thread = ServerThread(build_app(AsyncEngine(llm.llm_engine)))
+    url = thread.start()
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        card = client.models.list().data[0]
+        assert card.model_extra["quantization"] == "gptq"
+        reply = client.completions.create(model=card.id, prompt="In the beginning", max_tokens=4, temperature=0)
+        assert reply.choices[0].text == expected[0].outputs[0].text
+    finally:
+        thread.stop()

@@ -199,4 +199,5 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     else:
         model.load_weights(iterate_safetensors(source.weights_dir))
     process_weights_after_loading(model)
+    model.quant_config = quant_config   # what the engine reports (e.g. in /v1/models)
     return model.eval()
