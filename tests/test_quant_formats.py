@@ -176,3 +176,21 @@ def test_unknown_quantization_is_rejected(tmp_path):
         load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), quantization="int3")
     with pytest.raises(ValueError, match="needs a checkpoint quantized"):
         load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), quantization="gptq")
+
+
+@pytest.mark.parametrize("quantization", ["gptq", "awq", "compressed-tensors", "fp8", "int8"])
+def test_dummy_weights_in_every_format_have_bf16_dummy_scale(quantization):
+    """load_format="dummy" creates weights directly in the format (no full-precision copy, so 70B int4
+    fits one GPU), with the N(0, 0.02) spread of plain dummy weights."""
+    from minivllm.quantization.packing import dequantize as dequantize_weights
+    source = resolve_model("tiny-llama", "dummy")
+    model = load_model(source, torch.float32, torch.device("cpu"), "dummy", 0, quantization)
+    layer = model.model.layers[0].mlp.down_proj
+    if hasattr(layer, "qweight"):
+        group_size, _ = layer.quant_method.groups(layer.input_size)
+        w = dequantize_weights(layer.qweight, layer.scales, layer.zeros, group_size, 4, layer.input_size)
+    else:
+        assert layer.weight.element_size() == 1
+        w = layer.weight.float() * layer.weight_scale.view(-1, 1)
+    assert model.quant_config.name == quantization
+    assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 0.005

@@ -20,8 +20,8 @@ from torch import nn
 
 from minivllm.models.gguf_loader import convert_gguf
 from minivllm.models.registry import get_model_class
-from minivllm.quantization import (get_quantization_config, process_weights_after_loading,
-                                   quantization_context)
+from minivllm.quantization import (get_quantization_config, init_dummy_quantized_weights,
+                                   process_weights_after_loading, quantization_context)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -196,6 +196,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model = model_class(source.hf_config)
     if load_format == "dummy" or source.weights_dir is None:
         init_dummy_weights(model, seed)
+        init_dummy_quantized_weights(model)
     else:
         model.load_weights(iterate_safetensors(source.weights_dir))
     process_weights_after_loading(model)

@@ -74,6 +74,14 @@ def current_quant_method(layer):
     return None if config is None else config.get_quant_method(layer)
 
 
+def init_dummy_quantized_weights(model) -> None:
+    """After the loader's random fill: scales and zero points that keep activations at bf16's scale."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if hasattr(method, "init_dummy_weights"):
+            method.init_dummy_weights(module)
+
+
 def process_weights_after_loading(model) -> None:
     for module in model.modules():
         method = getattr(module, "quant_method", None)

@@ -43,6 +43,7 @@ class GPTQLinearMethod(WeightOnlyLinearMethod):
     def __init__(self, config: GPTQConfig):
         super().__init__(config.bits, config.group_size)
         self.config = config
+        self.zero_offset = config.zero_offset
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         pf = pack_factor(self.bits)

@@ -95,6 +95,18 @@ class W8A8LinearMethod:
         if getattr(self.config, "static_input_scale", False):
             add_param(layer, "input_scale", (1,), torch.float32, _ignore)
 
+    @torch.no_grad()
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """Codes spread over the 8-bit range, scales giving weights of std ~0.02."""
+        if not self.config.serialized:
+            return
+        if self.dtype == FP8:
+            layer.weight.copy_(torch.randn(layer.weight.shape, device=layer.weight.device).to(FP8))
+            layer.weight_scale.fill_(0.02)
+        else:
+            layer.weight.random_(-127, 128)
+            layer.weight_scale.fill_(0.02 / 73)   # uniform int8 codes have std ~73
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.config.serialized:
             codes, scale = quantize_rows(layer.weight.data, self.dtype)

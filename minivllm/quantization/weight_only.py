@@ -14,9 +14,24 @@ from minivllm.quantization.packing import weight_only_gemm_reference
 
 
 class WeightOnlyLinearMethod:
+    zero_offset = 0   # what the checkpoint's stored zero points lack (GPTQ v1 stores zero - 1)
+
     def __init__(self, bits: int, group_size: int):
         self.bits = bits
         self.group_size = group_size
+
+    @torch.no_grad()
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """Codes uniform over every field, zero points at mid-range, scales giving weights of std ~0.02."""
+        mid = (1 << (self.bits - 1)) - self.zero_offset
+        word = sum(mid << (i * self.bits) for i in range(32 // self.bits))
+        for name, param in layer.named_parameters(recurse=False):
+            if name in ("qweight", "weight_packed"):
+                param.random_(-(1 << 31), (1 << 31) - 1)
+            elif "zero" in name and not param.is_floating_point():
+                param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+            elif "scale" in name:
+                param.fill_(0.02 / (1 << (self.bits - 1)) * 1.7)
 
     def groups(self, input_size: int) -> tuple[int, int]:
         """(group size, number of groups); group_size -1 means one group over all inputs."""
