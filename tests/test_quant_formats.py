@@ -194,3 +194,14 @@ def test_dummy_weights_in_every_format_have_bf16_dummy_scale(quantization):
         w = layer.weight.float() * layer.weight_scale.view(-1, 1)
     assert model.quant_config.name == quantization
     assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 0.005
+
+
+def test_cli_quantization_flags():
+    from minivllm.cli import build_parser, engine_config_from_args
+    args = build_parser().parse_args(["serve", "folder", "--quantization", "fp8"])
+    assert engine_config_from_args(args).quantization == "fp8"
+    args = build_parser().parse_args(["quantize", "m", "--method", "gptq", "--calib", "c.txt", "--out", "o",
+                                      "--desc-act", "--group-size", "64"])
+    assert (args.method, args.bits, args.group_size, args.desc_act, args.sym) == ("gptq", 4, 64, True, None)
+    args = build_parser().parse_args(["eval-ppl", "m", "--text", "t.txt", "--quantization", "int8"])
+    assert (args.window, args.stride, engine_config_from_args(args).quantization) == (1024, 512, "int8")
