@@ -16,6 +16,9 @@
 #   S: structured outputs: the offline structured-output tests on the GPU (default model), then W1 with every
 #      request under a JSON schema vs none, alternating in one run, with per-step mask time
 #      (structured_<gpu>.json); carry the default model as for B and the xgrammar + apache-tvm-ffi wheels in .whl
+#   Q: quantization: gpu tests of the int4 Triton GEMM and the fp8/int8 W8A8 GEMMs against their references;
+#      bench/quant_bench.py (dummy Llama-3-8B in bf16, fp8, int8, int4: batch-1 decode, W1, GEMM table ->
+#      quant_<gpu>.json), then Llama-3-70B int4 and fp8 W1 on one GPU (quant_70b_<gpu>.json). ~7 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +81,15 @@ case "${1:-A}" in
   S)
     python3 -m pytest -q tests/test_structured_output.py 2>&1 | tee "$OUT/gpu_tests_S.log" | tail -3
     python3 bench/structured_bench.py --out "$OUT" > "$OUT/structured_bench.log" 2>&1; tail -10 "$OUT/structured_bench.log"
+    ;;
+  Q)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
+      | tee "$OUT/gpu_tests_Q.log" | tail -3
+    timeout 270 python3 bench/quant_bench.py --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant_bench.log" | tail -30
+    timeout 200 python3 bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm \
+      --gpu-memory-utilization 0.95 --out "$OUT" > "$OUT/quant_70b.log" 2>&1
+    grep -v "^ " "$OUT/quant_70b.log" | tail -6
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

@@ -63,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' or '
                         '\'{"method": "draft_model", "draft_layers": 8}\'')
+    g.add_argument("--quantization", "-q", default=None,
+                   help="fp8 | int8 (quantize at load) or the checkpoint's format (gptq, awq, compressed-tensors); "
+                        "default: config.json's quantization_config")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -78,7 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config, quantization=args.quantization)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +130,50 @@ def build_parser() -> argparse.ArgumentParser:
         one.add_argument("--top-p", type=float, default=1.0)
         one.add_argument("--system", default=None, help="system message (chat only)")
         add_engine_args(one)
+    add_quantization_commands(sub)
     return parser
+
+
+def add_quantization_commands(sub) -> None:
+    quantize = sub.add_parser("quantize", help="quantize a checkpoint offline into a GPTQ- or AWQ-format folder")
+    quantize.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default model when omitted)")
+    quantize.add_argument("--method", required=True, choices=["rtn", "gptq", "awq"])
+    quantize.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    quantize.add_argument("--group-size", type=int, default=128, help="inputs per scale (-1: one per output channel)")
+    quantize.add_argument("--calib", default=None, help="calibration text file (gptq, awq)")
+    quantize.add_argument("--num-samples", type=int, default=32, help="calibration windows")
+    quantize.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    quantize.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                          help="symmetric (default for rtn/gptq) or with zero points (awq)")
+    quantize.add_argument("--desc-act", action="store_true", help="gptq: quantize columns in activation order")
+    quantize.add_argument("--out", required=True, help="output folder")
+
+    ppl = sub.add_parser("eval-ppl", help="perplexity of a text through the engine's prompt logprobs")
+    ppl.add_argument("model", nargs="?", default=None)
+    ppl.add_argument("--text", required=True, help="text file to score")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per window")
+    ppl.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    add_engine_args(ppl)
+
+
+def _run_quantization_command(args: argparse.Namespace) -> None:
+    if args.command == "quantize":
+        from minivllm.quantization.quantizer import quantize_model
+        folder = quantize_model(args.model, args.method, args.out, args.bits, args.group_size, args.calib,
+                                args.num_samples, args.seq_len, args.sym, args.desc_act)
+        print(f"wrote {folder}")
+        return
+    import json
+    from pathlib import Path
+
+    from minivllm.engine.llm import LLM
+    from minivllm.engine.perplexity import perplexity
+    config = engine_config_from_args(args)
+    llm = LLM(config.model, **{k: v for k, v in vars(config).items() if k != "model"})
+    ids = llm.get_tokenizer().encode(Path(args.text).read_text(encoding="utf-8", errors="replace"),
+                                     add_special_tokens=False)[:args.max_tokens]
+    print(json.dumps(perplexity(llm, ids, args.window, args.stride)))
 
 
 def _run_once(args: argparse.Namespace) -> None:
@@ -170,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                        served_model_name=args.served_model_name, api_key=args.api_key,
                        log_level=args.uvicorn_log_level, tool_call_parser=args.tool_call_parser,
                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+        elif args.command in ("quantize", "eval-ppl"):
+            _run_quantization_command(args)
         else:
             _run_once(args)
     except ValueError as e:  # bad flags or input: a clear message, not a traceback

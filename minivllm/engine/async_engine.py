@@ -113,6 +113,10 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def quantization(self) -> str | None:
+        return self.engine.quantization
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -93,6 +93,7 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({max_batched}) must be at least max_num_seqs ({config.max_num_seqs})")
 
         self.runner = create_executor(config, source, max_batched)  # the ModelRunner, or TP ranks behind one
+        self.quantization = getattr(getattr(self.runner.model, "quant_config", None), "name", None)
         if self.runner.num_kv_tokens < self.max_model_len:
             if config.max_model_len is not None:
                 raise ValueError(f"the KV cache holds {self.runner.num_kv_tokens} tokens, fewer than max_model_len "

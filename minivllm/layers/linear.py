@@ -17,6 +17,7 @@ from torch import nn
 
 from minivllm.distributed import (attention_head_partition, get_tp_rank, get_tp_size, split_evenly,
                                   tensor_model_parallel_all_reduce)
+from minivllm.quantization import current_quant_method
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -45,7 +46,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method = quant_method or current_quant_method(self) or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_size)
         for param in self.parameters(recurse=False):
             if not hasattr(param, "weight_loader"):   # a quant method may bring its own loaders

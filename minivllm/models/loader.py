@@ -20,6 +20,8 @@ from torch import nn
 
 from minivllm.models.gguf_loader import convert_gguf
 from minivllm.models.registry import get_model_class
+from minivllm.quantization import (get_quantization_config, init_dummy_quantized_weights,
+                                   process_weights_after_loading, quantization_context)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -172,7 +174,12 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     zeros for biases (realistic activation scales; no host-to-device copies, so 8B takes seconds)."""
     for name, param in model.named_parameters():
         generator = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dim() >= 2:
+        if not param.is_floating_point():   # packed integer codes of a quantized format
+            param.random_(generator=generator)
+        elif param.element_size() == 1:     # fp8 weights: drawn in bf16, then rounded
+            param.copy_(torch.empty(param.shape, dtype=torch.bfloat16, device=param.device)
+                        .normal_(0.0, 0.02, generator=generator))
+        elif param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=generator)
         elif name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -183,12 +190,16 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 @torch.no_grad()
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> nn.Module:
     model_class = get_model_class(source.hf_config)
-    with torch.device(device), _default_dtype(dtype):
+    quant_config = get_quantization_config(source.hf_config, quantization, load_format)
+    with torch.device(device), _default_dtype(dtype), quantization_context(quant_config):
         model = model_class(source.hf_config)
     if load_format == "dummy" or source.weights_dir is None:
         init_dummy_weights(model, seed)
+        init_dummy_quantized_weights(model)
     else:
         model.load_weights(iterate_safetensors(source.weights_dir))
+    process_weights_after_loading(model)
+    model.quant_config = quant_config   # what the engine reports (e.g. in /v1/models)
     return model.eval()

@@ -89,7 +89,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in names]
+        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len,
+                           quantization=engine.quantization) for name in names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.post("/tokenize")

@@ -309,6 +309,7 @@ class ModelCard(OpenAIBaseModel):
     owned_by: str = "minivllm"
     root: str | None = None
     max_model_len: int | None = None
+    quantization: str | None = None   # the weights' format (gptq, awq, fp8, ...), None when unquantized
 
 
 class ModelList(OpenAIBaseModel):

@@ -63,7 +63,8 @@ class ModelRunner:
 
         torch.manual_seed(config.seed)
         started = time.perf_counter()
-        self.model = load_model(source, self.dtype, self.device, config.load_format, config.seed)
+        self.model = load_model(source, self.dtype, self.device, config.load_format, config.seed,
+                                config.quantization)
         self.model.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("loaded %s (%.2f GiB of weights, %s, %s) in %.1f s", source.name, weight_bytes / 2**30,

@@ -1,0 +1,160 @@
+"""Quantized inference speed against bf16 in the same run, on dummy weights created in each format.
+
+    python bench/quant_bench.py --out bench/results                  # 8B engine runs + GEMM table
+    python bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm --out bench/results
+
+Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128): batch-1 decode tok/s
+(1 x 512 -> 128, median time per output token) and W1 (64 x 512 -> 256 output tok/s), each with its
+ratio to bf16. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096} x the 8B layer shapes, as the
+linear layers run it (activation quantization included for W8A8), with achieved weight+activation
+bytes/s against the measured copy bandwidth and FLOP/s against the measured bf16 matmul rate.
+The GEMM table runs first (minutes at most), then the engine rows.
+Writes quant_<device>.json (or quant_70b_<device>.json); each result is written as soon as it exists,
+and a format that fails records its error instead of stopping the run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (device_slug, measure_copy_bandwidth, measure_matmul_rate, run_metadata,  # noqa: E402
+                          time_median, write_json)
+from bench.throughput import Workload, free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
+
+QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
+SINGLE, W1 = Workload(1, 512, 128), Workload(64, 512, 256)
+QUICK_SINGLE, QUICK_W1 = Workload(1, 16, 4), Workload(2, 16, 4)
+# (name, input features K, output features N) of Llama-3-8B's linear layers (qkv and gate_up packed)
+LAYERS_8B = (("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up_proj", 4096, 28672),
+             ("down_proj", 14336, 4096))
+GEMM_M = (1, 16, 64, 256, 4096)
+
+
+def engine_row(args, fmt: str, device: torch.device) -> dict:
+    from minivllm import LLM
+    single, w1 = (QUICK_SINGLE, QUICK_W1) if args.quick else (SINGLE, W1)
+    options = dict(model=args.model, load_format="dummy", quantization=QUANTIZATION[fmt], dtype="bfloat16"
+                   if device.type == "cuda" else "float32", device=device.type, max_num_seqs=w1.num_requests,
+                   max_model_len=w1.prompt_len + w1.output_len, skip_tokenizer_init=True, seed=0)
+    if device.type == "cuda":
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    else:
+        options["kv_cache_memory"] = 64 << 20
+    llm = LLM(**options)
+    runner = llm.llm_engine.runner
+    vocab = runner.vocab_size
+    row = {"format": fmt, "quantization": QUANTIZATION[fmt], "weight_bytes": runner.weight_bytes,
+           "kv_cache_tokens": runner.num_kv_tokens}
+    warm_up(llm, w1, vocab)
+    one = timed_generate(llm, random_prompts(single, vocab, seed=1), single.output_len)
+    row["decode_batch1_tokens_per_s"] = 1e3 / one["median_tpot_ms"]
+    row["w1_output_tokens_per_s"] = timed_generate(llm, random_prompts(w1, vocab, seed=0),
+                                                   w1.output_len)["output_tokens_per_s"]
+    row["workloads"] = {"decode_batch1": str(single), "w1": str(w1)}
+    del llm, runner
+    free_device_memory(device)
+    return row
+
+
+def gemm_rows(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Each format's linear method on random weights, timed through `apply` as the model calls it."""
+    from minivllm.layers.linear import ReplicatedLinear
+    from minivllm.quantization import get_config_class, process_weights_after_loading
+
+    rows = []
+    layers = (("tiny", 256, 384),) if quick else LAYERS_8B
+    for name, K, N in layers:
+        for fmt, quantization in QUANTIZATION.items():
+            with torch.device(device):
+                method = get_config_class(quantization).for_dummy().get_quant_method(None) if quantization else None
+                layer = _random_layer(ReplicatedLinear, K, N, method, dtype, device)
+                process_weights_after_loading(layer)
+            weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+            for M in GEMM_M if not quick else (1, 16):
+                x = torch.randn(M, K, device=device, dtype=dtype)
+                seconds = time_median(lambda: layer(x), device, warmup=3, repeats=10 if quick else 30)
+                moved = weight_bytes + M * (K + N) * x.element_size()
+                rows.append({"layer": name, "K": K, "N": N, "M": M, "format": fmt, "us": 1e6 * seconds,
+                             "bytes_per_s": moved / seconds, "flops_per_s": 2 * M * K * N / seconds})
+            del layer
+    return rows
+
+
+def _random_layer(cls, K, N, quant_method, dtype, device):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = cls(K, N, quant_method=quant_method)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for param in layer.parameters():
+        if not param.is_floating_point():
+            param.random_(generator=generator)
+        elif param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.copy_(torch.randn(param.shape, device=device, generator=generator).mul_(0.02).to(param.dtype))
+    return layer
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--model", default=None, help="dummy config (default: llama-3-8b on CUDA, tiny-llama on CPU)")
+    parser.add_argument("--formats", default="bf16,fp8,int8,int4")
+    parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--quick", action="store_true", help="tiny workloads (CPU smoke test)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.model = args.model or ("llama-3-8b" if device.type == "cuda" else "tiny-llama")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    meta = run_metadata(device)
+    tag = "quant_70b" if "70b" in args.model else "quant"
+    path = args.out / f"{tag}_{device_slug(meta['device'])}.json"
+    result = {**meta, "model": args.model, "engine": [], "gemm": []}
+    if device.type == "cuda":
+        result["ceilings"] = {"copy_bandwidth_bytes_per_s": measure_copy_bandwidth(device),
+                              "bf16_matmul_flops_per_s": measure_matmul_rate(device, torch.bfloat16)}
+    print(f"{meta['device']} {meta['commit']} model={args.model}")
+    if not args.skip_gemm:
+        try:
+            result["gemm"] = gemm_rows(device, dtype, args.quick)
+        except Exception as e:
+            traceback.print_exc()
+            result["gemm_error"] = f"{type(e).__name__}: {e}"
+        ceilings = result.get("ceilings")
+        for row in result["gemm"]:
+            if ceilings:
+                row["bandwidth_fraction"] = row["bytes_per_s"] / ceilings["copy_bandwidth_bytes_per_s"]
+                row["bf16_flops_fraction"] = row["flops_per_s"] / ceilings["bf16_matmul_flops_per_s"]
+            print(f"{row['layer']:<12} M={row['M']:>5} {row['format']:>5}: {row['us']:9.1f} us "
+                  f"{row['bytes_per_s'] / 1e12:6.2f} TB/s {row['flops_per_s'] / 1e12:7.1f} TFLOP/s")
+        write_json(path, result)
+    for fmt in ([] if args.skip_engine else args.formats.split(",")):
+        try:
+            row = engine_row(args, fmt, device)
+        except Exception as e:   # record and go on: the run happens once, unattended
+            traceback.print_exc()
+            row = {"format": fmt, "error": f"{type(e).__name__}: {e}"}
+            free_device_memory(device)
+        base = next((r for r in result["engine"] if r["format"] == "bf16" and "error" not in r), None)
+        if base and "error" not in row:
+            row["decode_vs_bf16"] = row["decode_batch1_tokens_per_s"] / base["decode_batch1_tokens_per_s"]
+            row["w1_vs_bf16"] = row["w1_output_tokens_per_s"] / base["w1_output_tokens_per_s"]
+        print(row, flush=True)
+        result["engine"].append(row)
+        write_json(path, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

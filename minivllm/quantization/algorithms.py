@@ -1,0 +1,116 @@
+"""Weight quantization algorithms used by the offline quantizer (pure tensor functions, fp32, CPU).
+
+* `quantize_rtn`: round-to-nearest per group of `group_size` inputs, symmetric (zero fixed at 2^(b-1),
+  scale = 2 max|w| / (2^b - 1), GPTQ's convention) or asymmetric (min/max range, integer zero).
+* `gptq_quantize` (Frantar et al. 2022): quantize one input column at a time and move each column's
+  rounding error onto the columns not yet quantized, weighted by the inverse Hessian H = X^T X of the
+  calibration inputs; optional act-order (columns in order of decreasing H diagonal) with g_idx.
+* `awq_search_scale` (Lin et al. 2023): per-input-channel scales s = mean|x|^alpha chosen from a grid to
+  minimise the output error of the rounded, scaled weights; the caller multiplies W by s and divides the
+  op that feeds these inputs (a norm weight, up_proj's rows) by s. The output error of W' vs W on the
+  calibration inputs is tr((W' - W) H (W' - W)^T), so only H is needed, never the activations.
+Scales are rounded to fp16 (the checkpoint's dtype) before the codes are chosen.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero per row of w [N, g]."""
+    top = (1 << bits) - 1
+    lo = w.min(dim=1).values.clamp(max=0)
+    hi = w.max(dim=1).values.clamp(min=0)
+    if sym:
+        scale = torch.maximum(-lo, hi) * 2 / top
+    else:
+        scale = (hi - lo) / top
+    scale = scale.clamp(min=1e-6).half().float()
+    if sym:
+        zero = torch.full_like(scale, float((top + 1) // 2))
+    else:
+        zero = torch.round(-lo / scale).clamp(min_zero, top)
+    return scale, zero
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, (1 << bits) - 1)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zero: int = 0):
+    """w [N, K] -> (codes [N, K] int, scales [G, N], zeros [G, N], g_idx [K])."""
+    N, K = w.shape
+    group_size = K if group_size <= 0 else group_size
+    codes = torch.empty(N, K, dtype=torch.int32)
+    scales, zeros = [], []
+    for start in range(0, K, group_size):
+        block = w[:, start:start + group_size]
+        scale, zero = group_params(block, bits, sym, min_zero)
+        codes[:, start:start + group_size] = quantize_codes(block, scale, zero, bits).int()
+        scales.append(scale)
+        zeros.append(zero)
+    return codes, torch.stack(scales), torch.stack(zeros), torch.arange(K) // group_size
+
+
+def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym)
+    return (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]
+
+
+@torch.no_grad()
+def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
+                  desc_act: bool = False, damp_percent: float = 0.01, min_zero: int = 0):
+    """Same outputs as `quantize_rtn`; g_idx is a permuted grouping when desc_act."""
+    W = w.float().clone()
+    H = H.float().clone()
+    N, K = W.shape
+    group_size = K if group_size <= 0 else group_size
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = torch.argsort(torch.diag(H), descending=True) if desc_act else torch.arange(K)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp_percent * torch.diag(H).mean() * torch.eye(K)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.empty(N, K, dtype=torch.int32)
+    scales, zeros = [], []
+    block = min(group_size, 128) if 128 % min(group_size, 128) == 0 else 128
+    for i1 in range(0, K, block):
+        i2 = min(i1 + block, K)
+        W1 = W[:, i1:i2].clone()
+        errors = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:   # the group's range from its columns as updated so far
+                ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
+                scale, zero = group_params(ahead, bits, sym, min_zero)
+                scales.append(scale)
+                zeros.append(zero)
+            q = quantize_codes(W1[:, i:i + 1], scale, zero, bits)[:, 0]
+            codes[:, col] = q.int()
+            error = (W1[:, i] - (q - zero) * scale) / Hinv[col, col]
+            W1[:, i:] -= error.unsqueeze(1) * Hinv[col, col:i2].unsqueeze(0)
+            errors[:, i] = error
+        W[:, i2:] -= errors @ Hinv[i1:i2, i2:]
+    inverse = torch.argsort(perm)
+    g_idx = (torch.arange(K) // group_size)[inverse]
+    return codes[:, inverse], torch.stack(scales), torch.stack(zeros), g_idx
+
+
+def output_error(delta: torch.Tensor, H: torch.Tensor) -> float:
+    """Sum over calibration tokens of ||x delta^T||^2 = tr(delta H delta^T)."""
+    return float(((delta @ H) * delta).sum())
+
+
+@torch.no_grad()
+def awq_search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_abs_mean: torch.Tensor, bits: int,
+                     group_size: int, grid: int = 20) -> torch.Tensor:
+    """Per-input scales s [K] for linears sharing one input (the best of alpha in [0, 1))."""
+    best, best_scale = float("inf"), torch.ones_like(x_abs_mean)
+    for alpha in [i / grid for i in range(grid)]:
+        s = x_abs_mean.clamp(min=1e-4).pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        error = sum(output_error(fake_quantize(w * s, bits, group_size, False) / s - w, H) for w in weights)
+        if error < best:
+            best, best_scale = error, s
+    return best_scale

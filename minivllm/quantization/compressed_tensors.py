@@ -1,0 +1,82 @@
+"""compressed-tensors checkpoints (llm-compressor's `quant_method: "compressed-tensors"`), the
+`pack-quantized` format: integer weights with group (or channel) scales, symmetric.
+
+Per linear layer with K inputs and N outputs (one config group targeting Linear layers):
+  weight_packed [N, K / pf] int32  signed codes q in [-2^(b-1), 2^(b-1)) stored as q + 2^(b-1),
+                                   packed along the input dimension (field i of word c is input c*pf+i);
+  weight_scale  [N, G];            weight_shape [2] = (N, K).
+W[n, k] = q[n, k] * weight_scale[n, k // group_size]. Layers in `ignore` (lm_head) stay unquantized.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.quantization.base import QuantizationConfig, add_param, shard_loader
+from minivllm.quantization.packing import pack_factor, pack_rows, unpack_cols
+from minivllm.quantization.weight_only import WeightOnlyLinearMethod
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, bits: int, group_size: int):
+        pack_factor(bits)
+        self.bits, self.group_size = bits, group_size
+
+    @classmethod
+    def from_config(cls, config: dict) -> "CompressedTensorsConfig":
+        if config.get("format") != "pack-quantized":
+            raise ValueError(f"compressed-tensors format {config.get('format')!r} is not supported "
+                             "(only 'pack-quantized')")
+        groups = list((config.get("config_groups") or {}).values())
+        if len(groups) != 1 or "weights" not in groups[0]:
+            raise ValueError("compressed-tensors: expected exactly one config group with weight settings")
+        weights = groups[0]["weights"]
+        if groups[0].get("input_activations"):
+            raise ValueError("compressed-tensors: only weight-only schemes are supported")
+        if weights.get("type", "int") != "int" or not weights.get("symmetric", True):
+            raise ValueError("compressed-tensors: only symmetric integer weights are supported")
+        strategy = weights.get("strategy", "group")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"compressed-tensors: unsupported strategy {strategy!r}")
+        group_size = int(weights.get("group_size") or -1) if strategy == "group" else -1
+        return cls(int(weights.get("num_bits", 4)), group_size)
+
+    @classmethod
+    def for_dummy(cls) -> "CompressedTensorsConfig":
+        return cls(4, 128)
+
+    def describe(self) -> str:
+        return f"compressed-tensors (int{self.bits}, group {self.group_size})"
+
+    def get_quant_method(self, layer: nn.Module):
+        return CompressedTensorsLinearMethod(self)
+
+
+def _shape_checker(input_size: int):
+    """weight_shape is implied by the layer; only its input size can be checked per shard."""
+    def check(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if int(loaded.reshape(-1)[-1]) != input_size:
+            raise ValueError(f"weight_shape {loaded.tolist()} does not match {input_size} inputs")
+    return check
+
+
+class CompressedTensorsLinearMethod(WeightOnlyLinearMethod):
+    def __init__(self, config: CompressedTensorsConfig):
+        super().__init__(config.bits, config.group_size)
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        pf = pack_factor(self.bits)
+        if input_size % pf:
+            raise ValueError(f"pack-quantized int{self.bits} needs inputs divisible by {pf}, got {input_size}")
+        _, groups = self.groups(input_size)
+        add_param(layer, "weight_packed", (output_size, input_size // pf), torch.int32, shard_loader(layer, 0))
+        add_param(layer, "weight_scale", (output_size, groups), torch.get_default_dtype(), shard_loader(layer, 0))
+        add_param(layer, "weight_shape", (2,), torch.int64, _shape_checker(input_size))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        codes = unpack_cols(layer.weight_packed.data, self.bits, layer.input_size).t()   # [K, N], offset by 2^(b-1)
+        scales = layer.weight_scale.data.t()
+        zeros = torch.full_like(scales, float(1 << (self.bits - 1)))
+        self.set_processed(layer, pack_rows(codes, self.bits), scales, zeros, layer.weight_scale.dtype)

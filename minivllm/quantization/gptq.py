@@ -1,0 +1,71 @@
+"""GPTQ checkpoints as AutoGPTQ / GPTQModel write them (`quant_method: "gptq"`).
+
+Per linear layer with K inputs, N outputs, G = K / group_size groups, pf = 32 / bits:
+  qweight [K / pf, N] int32  codes packed along the input dimension (field i of row j is input j*pf+i);
+  qzeros  [G, N / pf] int32  zero points packed along the output dimension; checkpoint_format "gptq"
+                             (v1) stores zero - 1, "gptq_v2" (GPTQModel) the zero itself;
+  scales  [G, N] fp16;       g_idx [K] int32: the group of each input (read only with desc_act, whose act-order permutes it).
+W[k, n] = (code[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.quantization.base import QuantizationConfig, add_param, shard_loader, shared_loader
+from minivllm.quantization.packing import pack_factor, pack_rows, unpack_cols, unpack_rows
+from minivllm.quantization.weight_only import WeightOnlyLinearMethod
+
+
+class GPTQConfig(QuantizationConfig):
+    name = "gptq"
+
+    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str = "gptq"):
+        pack_factor(bits)
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}")
+        self.bits, self.group_size, self.desc_act, self.sym = bits, group_size, desc_act, sym
+        self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+
+    @classmethod
+    def from_config(cls, config: dict) -> "GPTQConfig":
+        return cls(int(config.get("bits", 4)), int(config.get("group_size", 128)), bool(config.get("desc_act", False)),
+                   bool(config.get("sym", True)), config.get("checkpoint_format", "gptq"))
+
+    def describe(self) -> str:
+        return f"gptq (int{self.bits}, group {self.group_size}{', desc_act' if self.desc_act else ''})"
+
+    def get_quant_method(self, layer: nn.Module):
+        return GPTQLinearMethod(self)
+
+
+class GPTQLinearMethod(WeightOnlyLinearMethod):
+    def __init__(self, config: GPTQConfig):
+        super().__init__(config.bits, config.group_size)
+        self.config = config
+        self.zero_offset = config.zero_offset
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        pf = pack_factor(self.bits)
+        if input_size % pf or output_size % pf:
+            raise ValueError(f"GPTQ int{self.bits} needs layer sizes divisible by {pf}, got {input_size}x{output_size}")
+        _, groups = self.groups(input_size)
+        add_param(layer, "qweight", (input_size // pf, output_size), torch.int32, shard_loader(layer, 1))
+        add_param(layer, "qzeros", (groups, output_size // pf), torch.int32, shard_loader(layer, 1, pf))
+        add_param(layer, "scales", (groups, output_size), torch.get_default_dtype(), shard_loader(layer, 1))
+        add_param(layer, "g_idx", (input_size,), torch.int32, shared_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        K, N = layer.input_size, layer.output_size
+        group_size, _ = self.groups(K)
+        zeros = unpack_cols(layer.qzeros.data, self.bits, N) + self.config.zero_offset
+        qweight, perm = layer.qweight.data, None
+        g_idx = layer.g_idx.data.long()
+        contiguous = torch.arange(K, device=g_idx.device) // group_size
+        if self.config.desc_act and not torch.equal(g_idx, contiguous):
+            # act-order: sort inputs by group so each group is a contiguous run; x is permuted alike.
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], contiguous):
+                raise ValueError("g_idx does not assign group_size inputs to each group")
+            qweight = pack_rows(unpack_rows(qweight, self.bits, K)[perm], self.bits)
+        self.set_processed(layer, qweight, layer.scales.data, zeros, layer.scales.dtype, perm)

@@ -1,0 +1,162 @@
+"""`minivllm quantize`: quantize a Llama-family checkpoint offline into a GPTQ- or AWQ-format folder.
+
+rtn and gptq write AutoGPTQ's layout (v1: stored zero - 1, so asymmetric zeros are kept >= 1), awq
+writes AutoAWQ's GEMM layout; both with config.json's `quantization_config`, fp16 non-quantized
+tensors and the tokenizer files, so minivllm, vLLM and transformers' loaders read the folder.
+Calibration (gptq, awq) runs the transformers model over `num_samples` windows of `seq_len` tokens of
+a text file and accumulates, per linear-layer input, H = X^T X and mean |x| (one pass, all layers).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from minivllm.quantization.algorithms import awq_search_scale, gptq_quantize, quantize_rtn
+from minivllm.quantization.awq import AWQ_ORDER
+from minivllm.quantization.packing import pack_cols, pack_rows
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# linear -> the projection whose input statistics it shares
+INPUT_OF = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
+            "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+
+
+def calibration_windows(text: str, tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
+    """`num_samples` token windows spread evenly over the text."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if len(ids) < seq_len:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    starts = torch.linspace(0, len(ids) - seq_len, num_samples).long()
+    return torch.stack([ids[s:s + seq_len] for s in starts])
+
+
+@torch.no_grad()
+def collect_input_stats(hf_model, windows: torch.Tensor, batch_size: int = 8) -> dict:
+    """{(layer, projection): (H [K, K], mean |x| [K])} for q_proj, o_proj, gate_proj and down_proj inputs."""
+    sums, hooks = {}, []
+    for i, layer in enumerate(hf_model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+            key = (i, name.split(".")[-1])
+
+            def hook(module, args, key=key):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                H, absum, count = sums.get(key, (0.0, 0.0, 0))
+                sums[key] = (H + x.t() @ x, absum + x.abs().sum(0), count + x.shape[0])
+            hooks.append(layer.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        for start in range(0, len(windows), batch_size):
+            hf_model(windows[start:start + batch_size])
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return {key: (H / count, absum / count) for key, (H, absum, count) in sums.items()}
+
+
+@torch.no_grad()
+def apply_awq_scales(layer, stats: dict, index: int, bits: int, group_size: int) -> None:
+    """Scale each group of linears sharing an input by AWQ's search, folding 1/s into the op before."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [((attn.q_proj, attn.k_proj, attn.v_proj), "q_proj", layer.input_layernorm.weight),
+              ((mlp.gate_proj, mlp.up_proj), "gate_proj", layer.post_attention_layernorm.weight),
+              ((mlp.down_proj,), "down_proj", mlp.up_proj.weight)]
+    for linears, site, previous in groups:
+        H, x_abs_mean = stats[(index, site)]
+        s = awq_search_scale([m.weight.float() for m in linears], H, x_abs_mean, bits, group_size)
+        for m in linears:
+            m.weight.mul_(s.to(m.weight.dtype))
+        if previous.dim() == 1:
+            previous.div_(s.to(previous.dtype))
+        else:   # up_proj's output rows feed down_proj's inputs
+            previous.div_(s.to(previous.dtype).unsqueeze(1))
+
+
+def gptq_format_tensors(codes, scales, zeros, g_idx, bits: int) -> dict:
+    return {"qweight": pack_rows(codes.t(), bits), "qzeros": pack_cols((zeros - 1).int(), bits),
+            "scales": scales.half(), "g_idx": g_idx.int()}
+
+
+def awq_format_tensors(codes, scales, zeros, g_idx, bits: int) -> dict:
+    return {"qweight": pack_cols(codes.t(), bits, AWQ_ORDER), "qzeros": pack_cols(zeros.int(), bits, AWQ_ORDER),
+            "scales": scales.half()}
+
+
+def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc_act: bool) -> dict:
+    if method == "awq":
+        return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
+                "version": "gemm", "w_bit": bits, "q_group_size": group_size}
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+            "checkpoint_format": "gptq", "static_groups": False, "true_sequential": False,
+            "damp_percent": 0.01, "quantizer": f"minivllm-{method}"}
+
+
+@torch.no_grad()
+def quantize_model(model: str | None, method: str, out: str, bits: int = 4, group_size: int = 128,
+                   calib: str | None = None, num_samples: int = 32, seq_len: int = 256,
+                   sym: bool | None = None, desc_act: bool = False) -> Path:
+    """Quantize `model` (HF folder or .gguf; None: the default model) into the folder `out`."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from minivllm.models.loader import resolve_model
+
+    if method not in ("rtn", "gptq", "awq"):
+        raise ValueError(f"unknown method {method!r} (rtn, gptq or awq)")
+    if method == "awq" and bits != 4:
+        raise ValueError("awq writes 4-bit weights only")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if method != "rtn" and not calib:
+        raise ValueError(f"{method} needs calibration text (--calib FILE)")
+    sym = (method != "awq") if sym is None else sym
+    if method == "awq" and sym:
+        raise ValueError("awq's format is asymmetric (zero points); drop --sym")
+    source = resolve_model(model)
+    if source.weights_dir is None or source.tokenizer_dir is None:
+        raise ValueError(f"{model!r} has no weights or no tokenizer to quantize with")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    stats = {}
+    if method != "rtn":
+        text = Path(calib).read_text(encoding="utf-8", errors="replace")
+        stats = collect_input_stats(hf_model, calibration_windows(text, tokenizer, num_samples, seq_len))
+    min_zero = 0 if (sym or method == "awq") else 1
+    quantized = {}
+    write = awq_format_tensors if method == "awq" else gptq_format_tensors
+    for index, layer in enumerate(hf_model.model.layers):
+        if method == "awq":
+            apply_awq_scales(layer, stats, index, bits, group_size)
+        linears = {prefix.rsplit(".", 1)[-1]: (prefix, module) for prefix, module in layer.named_modules()
+                   if prefix.rsplit(".", 1)[-1] in LINEARS}
+        for site in dict.fromkeys(INPUT_OF.values()):
+            # GPTQ treats rows independently given H, so projections of one input are quantized as one matrix
+            names = [name for name in LINEARS if INPUT_OF[name] == site]
+            w = torch.cat([linears[name][1].weight.float() for name in names])
+            if method == "gptq":
+                codes, scales, zeros, g_idx = gptq_quantize(w, stats[(index, site)][0], bits, group_size, sym,
+                                                            desc_act, min_zero=min_zero)
+            else:
+                codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero)
+            start = 0
+            for name in names:
+                prefix, module = linears[name]
+                rows = slice(start, start + module.weight.shape[0])
+                start = rows.stop
+                for key, value in write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits).items():
+                    quantized[f"model.layers.{index}.{prefix}.{key}"] = value.contiguous()
+                if module.bias is not None:
+                    quantized[f"model.layers.{index}.{prefix}.bias"] = module.bias.half()
+    tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+    tensors = {name: t.half().contiguous() for name, t in hf_model.state_dict().items()
+               if name.rsplit(".", 2)[-2] not in LINEARS and not (tied and name == "lm_head.weight")}
+    tensors.update(quantized)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_model.config.to_dict()
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = quantization_config(method, bits, group_size, sym, desc_act)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(folder))
+    return folder

@@ -1,0 +1,123 @@
+"""8-bit weights and activations (W8A8), shared by fp8 and int8: per-output-channel weight scales,
+dynamic per-token activation scales computed in each forward.
+
+y[m, n] = sum_k xq[m, k] wq[n, k] * sx[m] * sw[n], with xq = quant(x / sx), sx = max|x[m]| / QMAX.
+On CUDA the 8-bit product runs in hardware (fp8: torch._scaled_mm with row-wise scales on Hopper;
+int8: torch._int_mm, int32 accumulation); elsewhere `w8a8_reference` emulates it: the same 8-bit
+values (fp8 rounding through real torch.float8_e4m3fn casts), products summed in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max   # 448
+INT8_MAX = 127.0
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row scaled to the 8-bit range: (codes [R, C] in `dtype`, scales [R, 1] fp32)."""
+    qmax = FP8_MAX if dtype == FP8 else INT8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    scaled = x.float() / scale
+    codes = scaled.clamp(-qmax, qmax).to(FP8) if dtype == FP8 else scaled.round().clamp(-qmax, qmax).to(torch.int8)
+    return codes, scale
+
+
+def w8a8_reference(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
+    return ((x_codes.float() @ w_codes.float().t()) * x_scale * w_scale.view(1, -1)).to(out_dtype)
+
+
+def w8a8_cuda(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
+    if x_codes.dtype == FP8:
+        # row-wise scaled fp8 GEMM produces bf16; other dtypes are cast after
+        out = torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(),
+                               out_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    M = x_codes.shape[0]
+    if M <= 16:   # _int_mm needs more than 16 rows
+        x_codes = torch.cat([x_codes, x_codes.new_zeros(17 - M, x_codes.shape[1])])
+    acc = torch._int_mm(x_codes, w_codes.t())[:M]
+    return (acc.float() * x_scale * w_scale.view(1, -1)).to(out_dtype)
+
+
+class W8A8Config(QuantizationConfig):
+    weight_dtype: torch.dtype = FP8
+
+    def __init__(self, serialized: bool):
+        self.serialized = serialized   # the checkpoint holds 8-bit weights (else: quantize at load)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "W8A8Config":
+        return cls(serialized=bool(config.get("serialized", True)))
+
+    def describe(self) -> str:
+        return f"{self.name} (w8a8, {'serialized' if self.serialized else 'quantized at load'})"
+
+    def get_quant_method(self, layer: nn.Module):
+        return W8A8LinearMethod(self)
+
+
+def _scale_loader(layer: nn.Module):
+    """Per-channel scales, or one per-tensor scale per checkpoint shard spread over its rows."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        target = param.data
+        if shard_id is not None:
+            start, size = layer.shard_offsets[shard_id]
+            target = target.narrow(0, start, size)
+        if loaded.numel() == 1:
+            target.fill_(float(loaded.reshape(())))
+        elif loaded.numel() == target.numel():
+            target.copy_(loaded.reshape(target.shape))
+        else:
+            raise ValueError(f"weight_scale of {loaded.numel()} values for {target.numel()} rows")
+    return load
+
+
+def _ignore(param, loaded, shard_id=None) -> None:
+    """Static input scales: activations are scaled per token here instead."""
+
+
+class W8A8LinearMethod:
+    def __init__(self, config: W8A8Config):
+        self.config = config
+        self.dtype = config.weight_dtype
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        if not self.config.serialized:
+            layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+            return
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=self.dtype), requires_grad=False)
+        add_param(layer, "weight_scale", (output_size,), torch.float32, _scale_loader(layer))
+        if getattr(self.config, "static_input_scale", False):
+            add_param(layer, "input_scale", (1,), torch.float32, _ignore)
+
+    @torch.no_grad()
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """Codes spread over the 8-bit range, scales giving weights of std ~0.02."""
+        if not self.config.serialized:
+            return
+        if self.dtype == FP8:
+            layer.weight.copy_(torch.randn(layer.weight.shape, device=layer.weight.device).to(FP8))
+            layer.weight_scale.fill_(0.02)
+        else:
+            layer.weight.random_(-127, 128)
+            layer.weight_scale.fill_(0.02 / 73)   # uniform int8 codes have std ~73
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.config.serialized:
+            codes, scale = quantize_rows(layer.weight.data, self.dtype)
+            replace_param(layer, "weight", codes)
+            layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x_codes, x_scale = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
+        gemm = w8a8_cuda if x.is_cuda else w8a8_reference
+        out = gemm(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])

@@ -1,0 +1,65 @@
+"""The linear method shared by the weight-only integer formats (GPTQ, AWQ, compressed-tensors).
+
+Each format declares its on-disk tensors and converts them, once after loading, into our layout
+(see packing.py): `qweight`, `scales`, `zeros`, and for GPTQ's act-order a `perm` of the input
+features so that groups are contiguous. `apply` runs the Triton mixed-precision GEMM on CUDA and the
+dequantize + matmul reference elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.quantization.packing import weight_only_gemm_reference
+
+
+class WeightOnlyLinearMethod:
+    zero_offset = 0   # what the checkpoint's stored zero points lack (GPTQ v1 stores zero - 1)
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits = bits
+        self.group_size = group_size
+
+    @torch.no_grad()
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """Codes uniform over every field, zero points at mid-range, scales giving weights of std ~0.02."""
+        mid = (1 << (self.bits - 1)) - self.zero_offset
+        word = sum(mid << (i * self.bits) for i in range(32 // self.bits))
+        for name, param in layer.named_parameters(recurse=False):
+            if name in ("qweight", "weight_packed"):
+                param.random_(-(1 << 31), (1 << 31) - 1)
+            elif "zero" in name and not param.is_floating_point():
+                param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+            elif "scale" in name:
+                param.fill_(0.02 / (1 << (self.bits - 1)) * 1.7)
+
+    def groups(self, input_size: int) -> tuple[int, int]:
+        """(group size, number of groups); group_size -1 means one group over all inputs."""
+        size = input_size if self.group_size in (-1, 0) else self.group_size
+        return size, -(-input_size // size)
+
+    def set_processed(self, layer: nn.Module, qweight: torch.Tensor, scales: torch.Tensor,
+                      zeros: torch.Tensor, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
+        """Install our layout (scales and zeros in the model's dtype), dropping what the format loaded."""
+        for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
+            delattr(layer, name)
+        layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
+        layer.scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
+        layer.zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
+        layer.register_buffer("perm", perm, persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if layer.perm is not None:
+            x = x[:, layer.perm]
+        group_size, _ = self.groups(layer.input_size)
+        if x.is_cuda:
+            from minivllm.kernels.int4_gemm import weight_only_gemm
+            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
+        else:
+            out = weight_only_gemm_reference(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])
+

@@ -1,0 +1,150 @@
+"""The offline quantizer end to end on a tiny model that uses the default model's tokenizer, calibrated
+on real English prose: each method's folder loads through our loader, rtn weights stay within half a
+step of the originals, and GPTQ's weights beat round-to-nearest on the calibration inputs' output error
+(the quantity it minimises)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.conftest import tiny_hf_config
+from minivllm.models.loader import load_model, resolve_model
+from minivllm.quantization.algorithms import output_error
+from minivllm.quantization.packing import dequantize
+from minivllm.quantization.quantizer import calibration_windows, collect_input_stats, quantize_model
+
+GROUP = 32
+
+
+def prose() -> str:
+    """The King James Bible from the Debian package bible-kjv (scripts/setup.sh installs it); without
+    it, the repository's own English documentation."""
+    if shutil.which("bible"):
+        return subprocess.run(["bible", "gen1:1-gen3:24"], capture_output=True, text=True, check=True).stdout
+    root = Path(__file__).resolve().parent.parent
+    return "\n".join((root / name).read_text() for name in ("README.md", "WRITEUP.md", "ARCHITECTURE.md")
+                     if (root / name).is_file())
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny llama with the default model's vocabulary and tokenizer files, plus a calibration file."""
+    folder = tmp_path_factory.mktemp("tiny")
+    default = resolve_model(None)
+    config = tiny_hf_config("llama3")
+    config.vocab_size = default.hf_config.vocab_size
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.08)
+    model.save_pretrained(str(folder))
+    transformers.AutoTokenizer.from_pretrained(default.tokenizer_dir).save_pretrained(str(folder))
+    calib = folder / "calib.txt"
+    calib.write_text(prose())
+    return folder, model.eval(), calib
+
+
+def loaded_linears(folder: Path) -> dict:
+    """{checkpoint-like name: dequantized W [N, K]} from our loader, packed layers split per shard."""
+    model = load_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"))
+    weights = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "qweight"):
+            continue
+        group_size, _ = module.quant_method.groups(module.input_size)
+        w = dequantize(module.qweight, module.scales, module.zeros, group_size, module.quant_method.bits,
+                       module.input_size)
+        if module.perm is not None:
+            w = w[torch.argsort(module.perm)]
+        w = w.t()
+        shards = getattr(module, "shard_offsets", None)
+        for shard, (start, size) in (shards or {None: (0, w.shape[0])}).items():
+            part = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}.get(shard)
+            key = name.replace("qkv_proj", part).replace("gate_up_proj", part) if part else name
+            weights[key] = w[start:start + size]
+    return weights
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rtn_round_trips_within_half_a_step(tiny_model, tmp_path, bits):
+    folder, reference, _ = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path), bits=bits, group_size=GROUP)
+    loaded = loaded_linears(tmp_path)
+    assert len(loaded) == 14
+    for name, w in loaded.items():
+        original = reference.get_parameter(name + ".weight")
+        groups = original.shape[1] // GROUP
+        amax = original.abs().reshape(original.shape[0], groups, GROUP).amax(-1).repeat_interleave(GROUP, 1)
+        step = amax * 2 / ((1 << bits) - 1)
+        # half a step, plus the fp16 rounding of the scale (<= 2^-11 relative, times 2^(bits-1) levels)
+        assert ((w - original).abs() <= step * (0.5 + (1 << (bits - 1)) / 2048)).all(), name
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_beats_rtn_on_calibration_error(tiny_model, tmp_path, desc_act):
+    folder, reference, calib = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path / "rtn"), group_size=GROUP)
+    quantize_model(str(folder), "gptq", str(tmp_path / "gptq"), group_size=GROUP, calib=str(calib),
+                   num_samples=8, seq_len=64, desc_act=desc_act)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    stats = collect_input_stats(reference, calibration_windows(calib.read_text(), tokenizer, 8, 64))
+    rtn, gptq = loaded_linears(tmp_path / "rtn"), loaded_linears(tmp_path / "gptq")
+    site = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
+            "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+    for name in rtn:
+        layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
+        H = stats[(layer, site[proj])][0]
+        original = reference.get_parameter(name + ".weight")
+        assert output_error(gptq[name] - original, H) < output_error(rtn[name] - original, H), name
+
+
+def test_awq_folder_loads_and_tracks_the_original(tiny_model, tmp_path):
+    folder, reference, calib = tiny_model
+    quantize_model(str(folder), "awq", str(tmp_path), group_size=GROUP, calib=str(calib), num_samples=8, seq_len=64)
+    assert (tmp_path / "tokenizer.json").is_file()
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    from tests.conftest import PagedRun
+    ids = transformers.AutoTokenizer.from_pretrained(str(folder))(calib.read_text()[:400]).input_ids[:48]
+    ours = PagedRun(model, 1, len(ids)).step([ids])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    # AWQ rescales weights and norms: the function, not the tensors, must stay close
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() < 0.1
+
+
+def test_quantizer_rejects_bad_options(tiny_model, tmp_path):
+    folder, _, _ = tiny_model
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_model(str(folder), "gptq", str(tmp_path))
+    with pytest.raises(ValueError, match="4-bit"):
+        quantize_model(str(folder), "awq", str(tmp_path), bits=8, calib="x")
+
+
+def test_quantized_folder_serves_through_the_openai_sdk(tiny_model, tmp_path):
+    import openai
+
+    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.engine.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.server.api_server import ServerThread, build_app
+
+    folder, _, _ = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path), group_size=GROUP)
+    llm = LLM(str(tmp_path), kv_cache_memory=8 << 20, max_model_len=64)
+    expected = llm.generate(["In the beginning"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    thread = ServerThread(build_app(AsyncEngine(llm.llm_engine)))
+    url = thread.start()
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        card = client.models.list().data[0]
+        assert card.model_extra["quantization"] == "gptq"
+        reply = client.completions.create(model=card.id, prompt="In the beginning", max_tokens=4, temperature=0)
+        assert reply.choices[0].text == expected[0].outputs[0].text
+    finally:
+        thread.stop()
