@@ -174,14 +174,14 @@ class MultiprocTPExecutor:
         broadcast_object(("capture", max_num_seqs, max_model_len))
         self.driver.capture_cuda_graphs(max_num_seqs, max_model_len)
 
-    def execute(self, scheduler_output):
-        return self.execute_async(scheduler_output).result()
+    def execute(self, scheduler_output, grammar_bitmask=None):
+        return self.execute_async(scheduler_output, grammar_bitmask).result()
 
-    def execute_async(self, scheduler_output):
+    def execute_async(self, scheduler_output, grammar_bitmask=None):
         if self._closed:
             raise self._failure(WorkerFailedError("the tensor-parallel group is shut down"))
         try:
-            return self.driver.execute_async(scheduler_output)
+            return self.driver.execute_async(scheduler_output, grammar_bitmask)
         except Exception as e:
             self._closed = True   # a failed collective leaves the group unusable
             raise self._failure(e) from e
