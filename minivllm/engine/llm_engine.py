@@ -252,6 +252,10 @@ class LLMEngine:
                            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
                            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
 
+    def snapshot(self) -> dict:
+        """Queues and KV pool as plain data, for the dashboard (O(blocks); call between steps)."""
+        return {"scheduler": self.scheduler.snapshot(), "kv": self.block_manager.snapshot()}
+
     def shutdown(self) -> None:
         """Abort every unfinished request and forget the step in flight."""
         self.abort_request(list(self.scheduler.groups))
