@@ -41,8 +41,9 @@ class ServerLimits:
 
     def check_request(self, request) -> None:
         """The caps on what a request asks for (400); a default max_tokens is clamped at admission."""
+        asked = getattr(request, "model_fields_set", ())  # a field's default (16 for completions) is no ask
         for name in ("max_tokens", "max_completion_tokens"):
-            value = getattr(request, name, None)
+            value = getattr(request, name, None) if name in asked else None
             if self.max_tokens_limit is not None and value is not None and value > self.max_tokens_limit:
                 raise errors.bad_request(f"{name} must be at most {self.max_tokens_limit}, got {value}", param=name)
         n = getattr(request, "n", None)
