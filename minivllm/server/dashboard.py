@@ -58,6 +58,8 @@ def event(engine, metrics, rolling: RollingStats) -> dict:
 
 
 def install(app: FastAPI, engine, metrics) -> None:
+    polled = RollingStats()  # rates between successive polls of /dashboard/snapshot
+
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page() -> FileResponse:
         return FileResponse(STATIC / "dashboard.html", media_type="text/html")
@@ -65,12 +67,17 @@ def install(app: FastAPI, engine, metrics) -> None:
     @app.get("/dashboard/snapshot")
     async def dashboard_snapshot() -> JSONResponse:
         """The latest engine snapshot and rolling figures (a snapshot is taken while this is polled)."""
+        asked = time.monotonic()
         engine.subscribe_snapshots(+1)
-        try:
-            await asyncio.sleep(engine.SNAPSHOT_INTERVAL_S)
+        try:  # a fresh one: the loop takes it after its current step (or at once when idle)
+            while engine.is_running and time.monotonic() < asked + 30:
+                snapshot = engine.get_snapshot()
+                if snapshot is not None and snapshot["time"] >= asked:
+                    break
+                await asyncio.sleep(0.02)
         finally:
             engine.subscribe_snapshots(-1)
-        return JSONResponse(event(engine, metrics, RollingStats()))
+        return JSONResponse(event(engine, metrics, polled))
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def dashboard_events(request: Request) -> EventStreamResponse:
