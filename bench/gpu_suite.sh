@@ -6,6 +6,10 @@
 #   C: sweeps, ablation (each optimisation added in turn) and the attention microbenchmark
 #   D: diagnosis: per-phase step profile, W1 and single stream traced step by step, TTFT at 1 and 4 users
 #      with and without async scheduling
+#   K: soak: 256 streaming clients for 5 minutes against dummy Llama-3-8B with a 1024-block pool (constant
+#      preemption, 20% mid-stream disconnects): soak_h100.json (5xx, crashes, leaked blocks, RSS, greedy probes)
+#   L: the dashboard's cost: W1-shaped load through the server with and without a /dashboard/events
+#      subscriber, twice each: dashboard_cost_h100.json (target <= 1%)
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh A|B|C|D   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +48,15 @@ case "${1:-A}" in
         --output-len 256 $flag --tag "h100_$mode" --out "$OUT" > "$OUT/serve_$mode.log" 2>&1
       tail -3 "$OUT/serve_$mode.log"
     done
+    ;;
+  K)
+    python3 bench/soak.py --model llama-3-8b --load-format dummy --clients 256 --duration-s 300 --max-model-len 2048 \
+      --max-tokens 256 --token-id-prompts --server-args "--num-gpu-blocks-override 1024" --tag h100 --out "$OUT" \
+      > "$OUT/soak_h100.log" 2>&1; tail -3 "$OUT/soak_h100.log"
+    ;;
+  L)
+    python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 2 --tag h100 --out "$OUT" \
+      > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.
