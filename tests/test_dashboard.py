@@ -19,8 +19,10 @@ import httpx
 import pytest
 
 from minivllm.config import EngineConfig
+from minivllm.core.block_manager import BlockManager
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server.api_server import ServerThread, build_app
+from tests.test_block_manager import make_seq
 
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 3  # a shared prefix: cache hits
@@ -78,6 +80,22 @@ def browser():
                  "--window-size=1440,900", "--hide-scrollbars"):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(driver_path), options=options)
+
+
+def test_block_manager_snapshot_codes():
+    """One character per block: ref count (shared after a fork), free, and free-but-cached after a free."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = make_seq(range(10))
+    assert bm.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    bm.cache_blocks(parent)  # two full blocks get hashes
+    child = parent.fork(index=1)
+    bm.fork(parent, child)
+    snapshot = bm.snapshot()
+    assert snapshot["blocks"] == "222....." and snapshot["num_shared"] == 3 and snapshot["num_free"] == 5
+    bm.free(parent)
+    bm.free(child)
+    assert bm.snapshot()["blocks"] == "cc......" and bm.snapshot()["num_cached"] == 2
 
 
 def test_snapshot_is_plain_data_that_matches_the_pool(server):
