@@ -26,7 +26,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from bench.common import git_commit  # noqa: E402
-from bench.serve import device_name, device_tag, free_port, run_level, start_server, stop_server, wait_healthy  # noqa: E402
+from bench.serve import (device_name, device_tag, free_port, run_level, start_server, stop_server,  # noqa: E402
+                         wait_healthy)
 from minivllm.core.block_manager import BlockManager  # noqa: E402
 
 

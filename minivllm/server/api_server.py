@@ -145,9 +145,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def make_server(app: FastAPI, log_level: str = "info", limits: ServerLimits | None = None,
                 shutdown_timeout: float = 30.0) -> uvicorn.Server:
     # timeout_graceful_shutdown: streams still open at Ctrl-C are cut, and their requests aborted.
-    # h11 (not httptools) so that the header-size limit below is the one in force.
+    # h11 (not httptools) so that the head-size limit below is the one in force.
+    head_limit = (limits or ServerLimits()).h11_max_incomplete_event_size
     config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, timeout_graceful_shutdown=5,
-                            http="h11", h11_max_incomplete_event_size=(limits or ServerLimits()).h11_max_incomplete_event_size)
+                            http="h11", h11_max_incomplete_event_size=head_limit)
     return GracefulServer(config, shutdown_timeout)
 
 
