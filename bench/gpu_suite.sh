@@ -19,6 +19,10 @@
 #   Q: quantization: gpu tests of the int4 Triton GEMM and the fp8/int8 W8A8 GEMMs against their references;
 #      bench/quant_bench.py (dummy Llama-3-8B in bf16, fp8, int8, int4: batch-1 decode, W1, GEMM table ->
 #      quant_<gpu>.json), then Llama-3-70B int4 and fp8 W1 on one GPU (quant_70b_<gpu>.json). ~7 min.
+#   K: soak: 256 streaming clients for 5 minutes against dummy Llama-3-8B with a 1024-block pool (constant
+#      preemption, 20% mid-stream disconnects): soak_h100.json (5xx, crashes, leaked blocks, RSS, greedy probes)
+#   L: the dashboard's cost: W1-shaped load through the server with and without a /dashboard/events
+#      subscriber, twice each: dashboard_cost_h100.json (target <= 1%)
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +94,15 @@ case "${1:-A}" in
     timeout 200 python3 bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm \
       --gpu-memory-utilization 0.95 --out "$OUT" > "$OUT/quant_70b.log" 2>&1
     grep -v "^ " "$OUT/quant_70b.log" | tail -6
+    ;;
+  K)
+    python3 bench/soak.py --model llama-3-8b --load-format dummy --clients 256 --duration-s 300 --max-model-len 2048 \
+      --max-tokens 256 --token-id-prompts --server-args "--num-gpu-blocks-override 1024" --tag h100 --out "$OUT" \
+      > "$OUT/soak_h100.log" 2>&1; tail -3 "$OUT/soak_h100.log"
+    ;;
+  L)
+    python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 2 --tag h100 --out "$OUT" \
+      > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

@@ -84,6 +84,39 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config, quantization=args.quantization)
 
 
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from minivllm.server.limits import ServerLimits
+    d = ServerLimits()
+    g = parser.add_argument_group("limits")
+    g.add_argument("--api-key-exempt-paths", nargs="*", default=list(d.api_key_exempt_paths),
+                   help="paths served without the API key (default: %(default)s)")
+    g.add_argument("--max-request-body-bytes", type=parse_size, default=d.max_request_body_bytes,
+                   help="larger bodies get HTTP 413 (default: 8MiB)")
+    g.add_argument("--max-json-depth", type=int, default=d.max_json_depth, help="deeper JSON bodies get HTTP 400")
+    g.add_argument("--h11-max-header-count", type=int, default=d.h11_max_header_count)
+    g.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=d.h11_max_incomplete_event_size,
+                   help="largest request head (request line and headers) in bytes")
+    g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
+                   help="largest max_tokens a request may ask for, and the default when it asks none")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
+    g.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                   help="HTTP 429 while admitted requests reserve this many tokens (prompt + max_tokens x n)")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may run before it is aborted with HTTP 408 (default: none)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are aborted")
+
+
+def server_limits_from_args(args: argparse.Namespace):
+    from minivllm.server.limits import ServerLimits
+    return ServerLimits(
+        max_request_body_bytes=args.max_request_body_bytes, max_json_depth=args.max_json_depth,
+        h11_max_header_count=args.h11_max_header_count,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size, max_tokens_limit=args.max_tokens_limit,
+        max_n=args.max_n, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
+        api_key_exempt_paths=tuple(args.api_key_exempt_paths))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="A small vLLM-like inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine replicas, each its own server process, behind one router on --port")
+    add_limit_args(serve)
     add_engine_args(serve, serving=True)
 
     router = sub.add_parser("router", help="route OpenAI requests across running servers (prefix affinity, "
@@ -214,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
             from minivllm.server.api_server import run_server
             run_server(engine_config_from_args(args), host=args.host, port=args.port,
                        served_model_name=args.served_model_name, api_key=args.api_key,
-                       log_level=args.uvicorn_log_level, tool_call_parser=args.tool_call_parser,
+                       log_level=args.uvicorn_log_level, limits=server_limits_from_args(args),
+                       shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                        enable_auto_tool_choice=args.enable_auto_tool_choice)
         elif args.command in ("quantize", "eval-ppl"):
             _run_quantization_command(args)

@@ -2,6 +2,10 @@
 # Create .venv and install minivllm with its test dependencies (CPU torch; the GPU image brings its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The dashboard's browser test drives Debian's Chromium; it fails (does not skip) without it.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

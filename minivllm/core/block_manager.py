@@ -16,12 +16,16 @@ never reused), so by induction a hit's whole prefix is equal token by token.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence as SequenceLike
+
+import numpy as np
 
 from minivllm.core.sequence import Sequence
 
 _ROOT = -1  # parent_cache_id of the first block of a sequence
+_REF_COUNT = operator.attrgetter("ref_count")
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -238,6 +242,20 @@ class BlockManager:
             block._reset_hash()
         block.ref_count = 1
         return block_id
+
+    # ---- observation --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """The pool for a dashboard, one character per block: '.' free, 'c' free but still a prefix-cache
+        hit (LRU), '1'..'9' in use by that many sequences (9: nine or more). O(blocks), no per-block objects."""
+        refs = np.fromiter(map(_REF_COUNT, self.blocks), dtype=np.int64, count=self.num_blocks)
+        codes = (np.minimum(refs, 9) + ord("0")).astype(np.uint8)
+        codes[refs == 0] = ord(".")
+        cached = np.fromiter(self.cached_block_hash_to_block.values(), dtype=np.int64)
+        codes[cached[refs[cached] == 0]] = ord("c")
+        return {"num_blocks": self.num_blocks, "block_size": self.block_size, "blocks": codes.tobytes().decode("ascii"),
+                "num_free": len(self.free_block_queue), "num_cached": len(self.cached_block_hash_to_block),
+                "num_shared": int((refs > 1).sum())}
 
     # ---- checks -------------------------------------------------------------------------------
 

@@ -325,6 +325,26 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.trim(seq)
         group.metrics.last_token_time = now
+    # ---- observation --------------------------------------------------------------------------
+
+    def snapshot(self, max_per_queue: int = 200) -> dict:
+        """Plain data for a dashboard: each queue's first `max_per_queue` sequences and its full length.
+        A waiting sequence that has been preempted before is listed as preempted."""
+        def entry(seq: Sequence) -> dict:
+            params = seq.sampling_params
+            return {"request_id": seq.request_id, "index": seq.index, "priority": seq.priority,
+                    "prompt_tokens": seq.num_prompt_tokens, "output_tokens": seq.num_output_tokens,
+                    "max_tokens": params.max_tokens, "computed_tokens": seq.num_computed_tokens,
+                    "cached_tokens": seq.group.num_cached_tokens, "num_blocks": len(seq.block_table),
+                    "num_preemptions": seq.num_preemptions}
+
+        preempted = [seq for seq in self.waiting if seq.num_preemptions > 0]
+        waiting = [seq for seq in self.waiting if seq.num_preemptions == 0]
+        return {"running": [entry(s) for s in self.running[:max_per_queue]],
+                "waiting": [entry(s) for s in waiting[:max_per_queue]],
+                "preempted": [entry(s) for s in preempted[:max_per_queue]],
+                "num_running": len(self.running), "num_waiting": len(waiting), "num_preempted": len(preempted),
+                "num_preemptions": self.num_preemptions}
 
     def _check_stop(self, seq: Sequence) -> None:
         params = seq.sampling_params

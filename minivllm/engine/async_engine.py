@@ -97,6 +97,13 @@ class AsyncEngine:
         self._dead_lock = threading.Lock()  # orders "is it dead?" + enqueue against the loop's exit
         self._live_ids: set[str] = set()    # engine-thread view of admitted, unfinished requests
         self._stats = engine.get_stats()
+        # Dashboard: while anyone subscribes, the loop snapshots queues and KV pool between steps, at
+        # most every SNAPSHOT_INTERVAL_S and never more than 1% of its time (a snapshot is O(blocks): a
+        # pool of 30k blocks takes a few ms, so it is then taken less often); nobody subscribed, no cost.
+        self.snapshot_subscribers = 0
+        self._snapshot: dict | None = None
+        self._snapshot_time = 0.0
+        self._snapshot_interval = self.SNAPSHOT_INTERVAL_S
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncEngine:
@@ -131,6 +138,27 @@ class AsyncEngine:
     def get_stats(self) -> Any:
         """The engine stats as of the end of the last step or command batch (never blocks)."""
         return self._stats
+
+    SNAPSHOT_INTERVAL_S = 0.1
+
+    def get_snapshot(self) -> dict | None:
+        """The latest engine snapshot (queues, KV pool) taken by the loop, with its monotonic time."""
+        return self._snapshot
+
+    def subscribe_snapshots(self, delta: int) -> None:
+        """Count a dashboard subscriber in (+1) or out (-1); a new one gets a snapshot even when idle."""
+        self.snapshot_subscribers += delta
+        if delta > 0:
+            self._commands.put(("snapshot",))
+
+    def _maybe_snapshot(self) -> None:
+        now = time.monotonic()
+        if self.snapshot_subscribers > 0 and now - self._snapshot_time >= self._snapshot_interval:
+            snapshot = self.engine.snapshot()
+            cost = time.monotonic() - now
+            self._snapshot_interval = max(self.SNAPSHOT_INTERVAL_S, 100 * cost)
+            snapshot["time"] = now
+            self._snapshot, self._snapshot_time = snapshot, now
 
     @property
     def is_running(self) -> bool:
@@ -269,9 +297,12 @@ class AsyncEngine:
                 return
             if self._paused or not self.engine.has_unfinished_requests():
                 self._stats = self.engine.get_stats()  # adds/aborts changed it; no step will refresh it
+                self._snapshot_time = 0.0  # idle: the next snapshot is the last word until work arrives
+                self._maybe_snapshot()
                 continue
             outputs = self.engine.step()
             self._stats = self.engine.get_stats()
+            self._maybe_snapshot()
             for output in outputs:
                 if output.finished:
                     self._live_ids.discard(output.request_id)
@@ -311,6 +342,9 @@ class AsyncEngine:
             self._paused = True
         elif kind == "resume":
             self._paused = False
+        elif kind == "snapshot":
+            self._snapshot_time = 0.0
+            self._maybe_snapshot()
         elif kind == "stop":
             self._abort_all()
             return True

@@ -339,6 +339,10 @@ class LLMEngine:
                            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
                            spec_decode=self.spec.stats if self.spec is not None else None)
 
+    def snapshot(self) -> dict:
+        """Queues and KV pool as plain data, for the dashboard (O(blocks); call between steps)."""
+        return {"scheduler": self.scheduler.snapshot(), "kv": self.block_manager.snapshot()}
+
     def shutdown(self) -> None:
         """Abort every unfinished request and forget the step in flight."""
         self.abort_request(list(self.scheduler.groups))

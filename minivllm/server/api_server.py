@@ -3,26 +3,28 @@
 `ServerThread` serves an app from a background thread (tests, benchmarks, notebooks).
 
 Routes: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /v1/models, /health,
-/version, /metrics. With an API key set, every route except /health, /version and /metrics needs
-`Authorization: Bearer <key>`.
+/version, /metrics, /dashboard. `LimitsMiddleware` guards them all: with an API key set, every path
+except `limits.api_key_exempt_paths` (/health and /metrics by default) needs `Authorization: Bearer
+<key>`; body size, JSON depth and header count are bounded; SIGTERM drains (see shutdown.py).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
+import signal
 import socket
 import threading
 import time
 from importlib import metadata
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from minivllm.engine.async_engine import AsyncEngine
-from minivllm.server import errors
+from minivllm.server import dashboard, errors
+from minivllm.server.limits import LimitsMiddleware, QueuedTokens, ServerLimits
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (
     ChatCompletionRequest,
@@ -34,6 +36,7 @@ from minivllm.server.protocol import (
 )
 from minivllm.server.serving_chat import OpenAIServingChat
 from minivllm.server.serving_completion import OpenAIServingCompletion
+from minivllm.server.shutdown import GracefulServer
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +49,19 @@ def _version() -> str:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = None,
-              api_key: str | None = None, tool_call_parser: str | None = None,
+              api_key: str | None = None, limits: ServerLimits | None = None, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False) -> FastAPI:
     """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+    limits = limits or ServerLimits()
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
     metrics = ServerMetrics(engine.get_stats, names[0])
     chat = OpenAIServingChat(engine, names, metrics, tool_call_parser=tool_call_parser,
                              enable_auto_tool_choice=enable_auto_tool_choice)
     completion = OpenAIServingCompletion(engine, names, metrics)
+    queued_tokens = QueuedTokens(limits.max_queued_tokens)
+    for serving in (chat, completion):
+        serving.limits, serving.queued_tokens = limits, queued_tokens
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,24 +74,22 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
     app = FastAPI(title="minivllm", version=_version(), lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.queued_tokens = queued_tokens
+    app.state.draining = False
+    app.state.num_api_requests = 0
     errors.install_error_handlers(app)
+    app.add_middleware(LimitsMiddleware, limits=limits, api_key=api_key, state=app.state)
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise errors.unauthorized()
-
-    router = APIRouter(dependencies=[Depends(check_api_key)])
+    router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        limits.check_request(request)
         return await chat.create_chat_completion(request, raw_request)
 
     @router.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
+        limits.check_request(request)
         return await completion.create_completion(request, raw_request)
 
     @router.get("/v1/models")
@@ -116,7 +121,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        return Response(status_code=200 if engine.is_running and not app.state.draining else 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -126,6 +131,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    dashboard.install(app, engine, metrics)
     return app
 
 
@@ -139,19 +145,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: FastAPI, log_level: str = "info") -> uvicorn.Server:
+def make_server(app: FastAPI, log_level: str = "info", limits: ServerLimits | None = None,
+                shutdown_timeout: float = 30.0) -> uvicorn.Server:
     # timeout_graceful_shutdown: streams still open at Ctrl-C are cut, and their requests aborted.
-    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    # h11 (not httptools) so that the head-size limit below is the one in force.
+    head_limit = (limits or ServerLimits()).h11_max_incomplete_event_size
+    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, timeout_graceful_shutdown=5,
+                            http="h11", h11_max_incomplete_event_size=head_limit)
+    return GracefulServer(config, shutdown_timeout)
 
 
 def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_model_name=None,
-               api_key: str | None = None, log_level: str = "info", **tool_options) -> None:
-    """Load the engine, then serve until interrupted. `tool_options`: tool_call_parser, enable_auto_tool_choice."""
+               api_key: str | None = None, log_level: str = "info", limits: ServerLimits | None = None,
+               shutdown_timeout: float = 30.0, **tool_options) -> None:
+    """Load the engine, then serve until interrupted; SIGTERM drains first and exits 0.
+    `tool_options`: tool_call_parser, enable_auto_tool_choice."""
     sock = bind_socket(host, port)
     engine = AsyncEngine.from_config(engine_config)
-    app = build_app(engine, served_model_name, api_key, **tool_options)
-    server = make_server(app, log_level)
+    app = build_app(engine, served_model_name, api_key, limits, **tool_options)
+    server = make_server(app, log_level, limits, shutdown_timeout)
+    # uvicorn re-raises the signals it caught once it has stopped: a no-op SIGTERM handler makes a
+    # drained shutdown exit 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     logger.info("serving %s on http://%s:%d", app.state.metrics.model_name, host, sock.getsockname()[1])
     try:
         server.run(sockets=[sock])
@@ -162,9 +177,10 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
 class ServerThread:
     """Serve `app` from a background thread on a free local port: `with ServerThread(app) as url: ...`."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: ServerLimits | None = None) -> None:
         self.sock = bind_socket(host, port)
-        self.server = make_server(app, log_level)
+        self.server = make_server(app, log_level, limits)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minivllm-uvicorn", daemon=True)

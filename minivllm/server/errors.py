@@ -7,6 +7,7 @@ errors included), a wrong key 401, an unknown model 404, a full waiting queue 42
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,11 +36,21 @@ class OpenAIError(Exception):
         self.headers = headers
 
     def to_dict(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+        return ErrorResponse(error=ErrorInfo(message=scrub(self.message), type=self.type, param=self.param,
                                              code=self.code)).model_dump()
 
     def to_response(self) -> JSONResponse:
         return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+# What an error message must never carry: a traceback, or a file system path of this machine.
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\).*", re.DOTALL)
+_PATH = re.compile(r"(?<![\w/:.])(?:[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}[/\\]?")
+
+
+def scrub(message: str) -> str:
+    """The message without tracebacks or file paths (an exception's text may quote either)."""
+    return _PATH.sub("<path>", _TRACEBACK.sub("", message)).strip() or "Invalid request."
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -64,6 +75,16 @@ def too_many_requests(reason: str) -> OpenAIError:
 
 def engine_unavailable(reason: str) -> OpenAIError:
     return OpenAIError(503, f"The engine is not running: {reason}", "server_error", code="engine_unavailable")
+
+
+def shutting_down() -> OpenAIError:
+    return OpenAIError(503, "The server is shutting down and admits no new requests.", "server_error",
+                       code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def request_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(408, f"The request did not finish within the server's request timeout ({seconds:g} s).",
+                       "timeout_error", code="request_timeout")
 
 
 def internal_error() -> OpenAIError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -76,6 +77,9 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     def __init__(self, get_stats: Callable[[], object], model_name: str) -> None:
         self.model_name = model_name
+        # (monotonic time, seconds) of recent requests, for the dashboard's rolling percentiles.
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)
+        self.recent_itl: deque[tuple[float, float]] = deque(maxlen=16384)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
         reg = self.registry
@@ -127,6 +131,7 @@ class RequestTracker:
                 self.first_token_time = now
             else:
                 self.metrics.inter_token_latency.observe(now - self.last_token_time)
+                self.metrics.recent_itl.append((now, now - self.last_token_time))
             self.last_token_time = now
             self.num_tokens = num_tokens
         if output.finished:
@@ -151,6 +156,7 @@ class RequestTracker:
         ttft = first_token - arrival if first_token is not None else None
         if ttft is not None:
             m.time_to_first_token.observe(ttft)
+            m.recent_ttft.append((now, ttft))
         if timing is not None and timing.first_scheduled_time is not None:
             m.request_queue_time.observe(timing.first_scheduled_time - arrival)
         latency = finished - arrival

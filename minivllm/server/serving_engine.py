@@ -18,6 +18,7 @@ from minivllm.engine.async_engine import AsyncEngine, RequestStream
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import errors
+from minivllm.server.limits import QueuedTokens, ServerLimits
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import ChatMessage, PromptTokensDetails, UsageInfo
 from minivllm.server.tool_calling import template_messages
@@ -50,6 +51,10 @@ class EventStreamResponse(StreamingResponse):
 
 
 class OpenAIServing:
+    # Set by build_app to the server's (shared by chat and completions); these defaults limit nothing.
+    limits = ServerLimits()
+    queued_tokens = QueuedTokens(None)
+
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], metrics: ServerMetrics) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
@@ -142,6 +147,7 @@ class OpenAIServing:
         if priority != 0 and getattr(self.engine.config, "scheduling_policy", "priority") != "priority":
             raise errors.bad_request(f"priority {priority} needs the server to run with --scheduling-policy "
                                      "priority", param="priority")
+        release = self.check_limits(prompts, params)
         arrival_time = time.monotonic()
         streams: list[RequestStream] = []
         try:
@@ -151,12 +157,24 @@ class OpenAIServing:
                 streams.append(await self.engine.add_request(request_id, prompt, sub_params, priority=priority,
                                                              arrival_time=arrival_time))
         except BaseException as e:
+            release()
             for stream in streams:
                 stream.close()
             if isinstance(e, Exception):
                 raise errors.from_exception(e) from None
             raise
+        QueuedTokens.attach(release, streams)
         return streams
+
+    def check_limits(self, prompts: Sequence[list[int]], params: SamplingParams):
+        """The default max_tokens clamped to the cap (what a request asks for was checked by the route
+        against `limits.check_request`), then the queued-token budget (429); returns its release."""
+        cap = self.limits.max_tokens_limit
+        if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
+            params.max_tokens = cap
+        max_len = self.engine.max_model_len
+        amount = sum(len(p) + params.n * (params.max_tokens or max(max_len - len(p), 0)) for p in prompts)
+        return self.queued_tokens.reserve(amount)
 
     async def iterate(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) pairs from all streams as they come; tracks metrics.
@@ -165,9 +183,24 @@ class OpenAIServing:
         """
         trackers = [self.metrics.track(s.request_id) for s in streams]
         pumps: list[asyncio.Task] = []
+        timeout = self.limits.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        async def within_deadline(awaitable):
+            if deadline is None:
+                return await awaitable
+            try:
+                return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise errors.request_timeout(timeout) from None
+
         try:
             if len(streams) == 1:
-                async for output in streams[0]:
+                while True:
+                    try:
+                        output = await within_deadline(anext(streams[0]))
+                    except StopAsyncIteration:
+                        break
                     trackers[0].on_output(output)
                     yield 0, output
                 return
@@ -184,7 +217,7 @@ class OpenAIServing:
             pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
             remaining = len(streams)
             while remaining:
-                i, item = await queue.get()
+                i, item = await within_deadline(queue.get())
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -197,6 +230,7 @@ class OpenAIServing:
                 task.cancel()
             for stream in streams:
                 stream.close()
+                getattr(stream, "release_tokens", lambda: None)()
             for tracker in trackers:
                 tracker.on_close()
 
