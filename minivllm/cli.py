@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         "most this many prompt tokens, so prompts arriving together get first tokens one chunk "
                         f"apart rather than all after the whole batch (chunked prefill only; default: "
                         f"{'512' if serving else 'off'}; 0: off)")
+    g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
+                   help="swap: long preempted sequences move their KV to CPU memory (default: recompute)")
+    g.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped KV blocks")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=4096,
                    help="steps with prompt tokens of up to this many tokens replay CUDA graphs too (0: decode only)")
@@ -78,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,

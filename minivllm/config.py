@@ -26,6 +26,10 @@ class EngineConfig:
     # While few sequences run (SchedulerConfig.small_batch_max_seqs), a step takes at most this many prompt
     # tokens: prompts that arrive together are prefilled one after another. None: off; `serve` uses 512.
     small_batch_prefill_tokens: int | None = None
+    # "recompute" | "swap" (None: recompute): swap copies a long preempted sequence's KV blocks to
+    # `swap_space` GiB of (pinned) CPU memory and back instead of recomputing it (ARCHITECTURE.md, "Swap").
+    preemption_mode: str | None = None
+    swap_space: float = 4
     enforce_eager: bool = False
     # Steps with prompt tokens (prefill, chunks, prefix hits) of up to this many tokens also replay a
     # CUDA graph, padded to a captured size; longer ones run eagerly. 0: only decode steps use graphs.
@@ -56,6 +60,12 @@ class EngineConfig:
             raise ValueError("small_batch_prefill_tokens must be at least 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
+        if self.preemption_mode == "swap" and self.tensor_parallel_size > 1:
+            raise ValueError("preemption_mode='swap' does not support tensor_parallel_size > 1 yet")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.speculative_config is not None:

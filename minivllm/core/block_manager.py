@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence as SequenceLike
 import numpy as np
 
 from minivllm.core.sequence import Sequence
+from minivllm.core.swap import CpuBlockPool
 
 _ROOT = -1  # parent_cache_id of the first block of a sequence
 _REF_COUNT = operator.attrgetter("ref_count")
@@ -56,7 +57,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -74,6 +76,9 @@ class BlockManager:
         self._cache_ids = itertools.count()
         self.prefix_cache_queries = 0  # in tokens
         self.prefix_cache_hits = 0     # in tokens
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)  # swap space (preemption_mode="swap")
+        self._blocks_to_swap_out: list[tuple[int, int]] = []
+        self._blocks_to_swap_in: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -227,6 +232,42 @@ class BlockManager:
         copies, self._blocks_to_copy = self._blocks_to_copy, []
         return copies
 
+    # ---- swapping (core/swap.py holds the CPU side) ----------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Only a sequence whose blocks are all its own: a shared block would have to stay on the GPU."""
+        return (bool(seq.block_table) and len(seq.block_table) <= self.cpu_pool.num_free_blocks
+                and all(self.blocks[b].ref_count == 1 for b in seq.block_table))
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Map each GPU block of `seq` to a CPU block (the copies are taken with `take_swaps`), free them."""
+        assert self.can_swap_out(seq)
+        cpu_table = self.cpu_pool.take(seq.seq_id, len(seq.block_table))
+        self._blocks_to_swap_out += zip(seq.block_table, cpu_table)
+        self.free(seq)
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for the swapped blocks and for the next `num_new_tokens` of `seq`."""
+        num_held = len(self.cpu_pool.tables[seq.seq_id])
+        num_needed = max(num_held, _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
+        return num_needed <= len(self.free_block_queue)
+
+    def swap_in(self, seq: Sequence) -> None:
+        assert not seq.block_table
+        cpu_table = self.cpu_pool.release(seq.seq_id)
+        seq.block_table = [self._take_free_block() for _ in cpu_table]
+        self._blocks_to_swap_in += zip(cpu_table, seq.block_table)
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """A swapped sequence ended (aborted): its CPU blocks go back."""
+        self.cpu_pool.release(seq.seq_id)
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(GPU -> CPU pairs, CPU -> GPU pairs) decided since the last call."""
+        swaps = self._blocks_to_swap_out, self._blocks_to_swap_in
+        self._blocks_to_swap_out, self._blocks_to_swap_in = [], []
+        return swaps
+
     def _incref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -259,8 +300,11 @@ class BlockManager:
 
     # ---- checks -------------------------------------------------------------------------------
 
-    def check_integrity(self, seqs: Iterable[Sequence] | None = None) -> None:
-        """Assert the pool's invariants; with `seqs` (all sequences holding blocks), also exact ref counts."""
+    def check_integrity(self, seqs: Iterable[Sequence] | None = None,
+                        swapped: Iterable[Sequence] | None = None) -> None:
+        """Assert the pool's invariants; with `seqs` (all sequences holding blocks), also exact ref counts;
+        with `swapped` (all swapped-out sequences), also which sequences hold CPU blocks."""
+        self.cpu_pool.check_integrity(None if swapped is None else [seq.seq_id for seq in swapped])
         num_in_use = 0
         for block in self.blocks:
             assert block.ref_count >= 0, f"{block} has a negative ref count"

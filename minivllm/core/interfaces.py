@@ -28,6 +28,10 @@ class SchedulerOutput:
     num_samples: list[int] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Swap-to-CPU preemption, applied before blocks_to_copy: first GPU block -> CPU block (the GPU blocks
+    # may be reused by this very step), then CPU block -> GPU block.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> list[int]:

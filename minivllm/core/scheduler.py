@@ -5,7 +5,9 @@ There is no prefill or decode phase. Every sequence has `num_computed_tokens` ca
 recompute of a preempted sequence and a decode are the same mechanism. Running sequences are served
 first, in priority order; waiting ones are then admitted head-of-line while budget, sequence slots and
 KV blocks allow. When blocks run out, the lowest-priority, latest-arriving running sequence is
-preempted: its blocks are freed and it is requeued to recompute its prompt and outputs.
+preempted: its blocks are freed and it is requeued to recompute its prompt and outputs. With
+`preemption_mode="swap"` a long victim instead has its blocks copied to CPU blocks (the `swapped`
+queue, served before any new admission) and keeps its computed tokens (ARCHITECTURE.md, "Swap").
 
 `num_computed_tokens` advances when a chunk is scheduled, and a chunk that ends a sequence's tokens
 marks one token pending until `update()` delivers it. So the next step can be scheduled while this one
@@ -43,8 +45,14 @@ class SchedulerConfig:
     # `minivllm serve` turns it on).
     small_batch_prefill_tokens: int | None = None
     small_batch_max_seqs: int = 8
+    # "recompute" | "swap" (None: recompute). Swap only victims with at least `swap_min_tokens` computed:
+    # a short recompute rides along other steps almost free, a swap pays fixed copy and sync costs.
+    preemption_mode: str | None = None
+    swap_min_tokens: int = 512
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "small_batch_max_seqs"):
@@ -74,7 +82,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # kept sorted by _order_key
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # kept sorted by _order_key
         self.num_preemptions = 0
+        self.num_swap_outs = 0
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
 
     @property
@@ -85,8 +95,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def get_group(self, request_id: str) -> SequenceGroup | None:
         return self.groups.get(request_id)
@@ -131,9 +145,13 @@ class Scheduler:
             if stop_reason is not None and isinstance(stop_reason, str):
                 seq.status, seq.stop_reason = status, stop_reason
             return
-        queue = self.waiting if seq.status is SequenceStatus.WAITING else self.running
-        queue.remove(seq)
-        self.block_manager.free(seq)
+        if seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.block_manager.free_swapped(seq)
+        else:
+            queue = self.waiting if seq.status is SequenceStatus.WAITING else self.running
+            queue.remove(seq)
+            self.block_manager.free(seq)
         seq.status = status
         seq.stop_reason = stop_reason
         group = seq.group
@@ -191,10 +209,32 @@ class Scheduler:
                 budget -= num_new + len(drafts)
                 i += 1
 
-        # 2. Waiting sequences, head of line only; none while preempting (their blocks would be taken back).
-        # A sequence whose prompt is not done yet will fork n - 1 siblings: their slots are taken now.
+        # 2. Swapped sequences come back first, in order, when their blocks and their next tokens fit; none
+        # while preempting. New prompts wait until every swapped sequence is back (no starvation).
         num_seq_slots = sum(1 + seq.num_pending_forks for seq in self.running)
-        while self.waiting and budget > 0 and not preempted:
+        while self.swapped and budget > 0 and not preempted and num_seq_slots < config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = seq.num_total_tokens - seq.num_computed_tokens
+            if config.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            if not block_manager.can_swap_in(seq, num_new):
+                break
+            self.swapped.pop(0)
+            block_manager.swap_in(seq)
+            allocated = block_manager.allocate_slots(seq, num_new)
+            assert allocated, "can_swap_in promised room"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if num_new:
+                scheduled.append((seq, num_new, []))
+            budget -= num_new
+            num_seq_slots += 1
+
+        # 3. Waiting sequences, head of line only; none while preempting (their blocks would be taken back).
+        # A sequence whose prompt is not done yet will fork n - 1 siblings: their slots are taken now.
+        while self.waiting and budget > 0 and not preempted and not self.swapped:
             seq = self.waiting[0]
             if num_seq_slots + 1 + seq.num_pending_forks > config.max_num_seqs:
                 break
@@ -221,8 +261,9 @@ class Scheduler:
             budget -= num_new
             num_seq_slots += 1 + seq.num_pending_forks
 
-        # 3. A sequence samples only when this step reaches its last token (then once per pending fork too).
+        # 4. A sequence samples only when this step reaches its last token (then once per pending fork too).
         output = SchedulerOutput(blocks_to_copy=block_manager.take_blocks_to_copy())
+        output.blocks_to_swap_out, output.blocks_to_swap_in = block_manager.take_swaps()
         if any(drafts for _, _, drafts in scheduled):
             output.spec_token_ids = [drafts for _, _, drafts in scheduled]
         for seq, num_new, drafts in scheduled:
@@ -245,15 +286,32 @@ class Scheduler:
                 or seq.num_total_tokens >= self.config.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free all of `seq`'s blocks and requeue it; it keeps its outputs and recomputes them as prompt."""
+        """Free all of `seq`'s blocks and requeue it; it keeps its outputs and recomputes them as prompt.
+        Or, when swapping applies, its blocks move to CPU blocks and it keeps its computed tokens."""
         self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self._should_swap(seq):
+            self.block_manager.swap_out(seq)
+            seq.spec_token_ids = []
+            seq.status = SequenceStatus.SWAPPED
+            self.num_swap_outs += 1
+            bisect.insort(self.swapped, seq, key=self._order_key)
+            return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=self._order_key)
+
+    def _should_swap(self, seq: Sequence) -> bool:
+        """Swap a long victim whose blocks are all its own. It may be in the step in flight: the swap-out
+        copies run after that step's KV writes, and its sampled token reaches it in update() before it
+        can be swapped back in. Not when drafts are in flight (their rollback needs RUNNING), when a
+        sibling is still to be forked from it, or when the token in flight ends it anyway."""
+        return (self.config.preemption_mode == "swap" and seq.num_computed_tokens >= self.config.swap_min_tokens
+                and seq.num_computed_tokens <= seq.num_tokens and not seq.num_pending_forks
+                and not self._ends_with_pending_token(seq) and self.block_manager.can_swap_out(seq))
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[SequenceGroup]:
         """Append sampled tokens, register newly full blocks, fork n > 1 requests, finish sequences.
@@ -344,7 +402,7 @@ class Scheduler:
                 "waiting": [entry(s) for s in waiting[:max_per_queue]],
                 "preempted": [entry(s) for s in preempted[:max_per_queue]],
                 "num_running": len(self.running), "num_waiting": len(waiting), "num_preempted": len(preempted),
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions, "num_swapped": len(self.swapped)}
 
     def _check_stop(self, seq: Sequence) -> None:
         params = seq.sampling_params

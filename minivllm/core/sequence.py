@@ -16,6 +16,7 @@ from minivllm.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"        # in the waiting queue (new, or preempted and waiting for recompute)
     RUNNING = "running"        # holds blocks, scheduled every step until finished
+    SWAPPED = "swapped"        # preempted with its KV copied to CPU blocks; waits to be swapped back in
     FINISHED_STOPPED = "stop"  # eos, stop token id or stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"

@@ -41,6 +41,8 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     spec_decode: SpecDecodeStats | None = None
+    num_swapped: int = 0    # requests whose KV is swapped out to CPU now
+    num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
 
 
 class _InFlightStep(NamedTuple):
@@ -101,11 +103,12 @@ class LLMEngine:
             logger.warning("max_model_len lowered from %d to %d to fit the KV cache", self.max_model_len,
                            self.runner.num_kv_tokens)
             self.max_model_len = self.runner.num_kv_tokens
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_cpu_blocks=getattr(self.runner, "num_cpu_blocks", 0))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             enable_chunked_prefill=chunked, policy=config.scheduling_policy, max_num_waiting=config.max_num_waiting,
-            small_batch_prefill_tokens=config.small_batch_prefill_tokens),
+            small_batch_prefill_tokens=config.small_batch_prefill_tokens, preemption_mode=config.preemption_mode),
             self.block_manager)
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
@@ -337,7 +340,8 @@ class LLMEngine:
                            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
                            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
                            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-                           spec_decode=self.spec.stats if self.spec is not None else None)
+                           spec_decode=self.spec.stats if self.spec is not None else None,
+                           num_swapped=self.scheduler.num_swapped, num_swap_outs=self.scheduler.num_swap_outs)
 
     def snapshot(self) -> dict:
         """Queues and KV pool as plain data, for the dashboard (O(blocks); call between steps)."""

@@ -53,6 +53,7 @@ class _EngineStatsCollector(Collector):
 
         yield gauge("num_requests_running", "Number of requests in model execution batches.", stats.num_running)
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
+        yield gauge("num_requests_swapped", "Number of requests swapped to CPU.", stats.num_swapped)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       stats.prefix_cache_queries)

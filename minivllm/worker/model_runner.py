@@ -26,6 +26,7 @@ from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
+from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ class ModelRunner:
             cache, index = (self.kv_cache, i) if i < self.num_layers else (self.draft_kv_cache, i - self.num_layers)
             layer.k_cache, layer.v_cache = cache[0, index], cache[1, index]
         self.kv_cache_bytes = self.num_blocks * per_block
+        self.swap_space = None  # preemption_mode="swap": the CPU blocks swapped sequences' KV lives in
+        if config.preemption_mode == "swap":
+            caches = [c for c in (self.kv_cache, self.draft_kv_cache) if c is not None]
+            self.swap_space = SwapSpace(caches, num_cpu_blocks(config.swap_space, per_block))
+        self.num_cpu_blocks = self.swap_space.num_blocks if self.swap_space is not None else 0
         self.kv_budget_bytes = budget
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -198,6 +204,8 @@ class ModelRunner:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
         `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata)."""
+        if self.swap_space is not None:
+            self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
