@@ -23,6 +23,9 @@
 #      preemption, 20% mid-stream disconnects): soak_h100.json (5xx, crashes, leaked blocks, RSS, greedy probes)
 #   L: the dashboard's cost: W1-shaped load through the server with and without a /dashboard/events
 #      subscriber, twice each: dashboard_cost_h100.json (target <= 1%)
+#   W: swap-to-CPU preemption: its GPU tests (pinned copies on the side stream, async engine outputs), then
+#      bench/swap_bench.py (dummy Llama-3-8B, 32 x 4096 -> 256 under a pool holding ~11 prompts; recompute vs
+#      swap alternating, PCIe bandwidth and prefill time per token for the cost rule) -> swap_<gpu>.json (~5 min)
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,6 +106,10 @@ case "${1:-A}" in
   L)
     python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 2 --tag h100 --out "$OUT" \
       > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
+    ;;
+  W)
+    python3 -m pytest -q -m gpu tests/test_swap.py 2>&1 | tee "$OUT/gpu_tests_W.log" | tail -3
+    timeout 420 python3 bench/swap_bench.py --out "$OUT" > "$OUT/swap_bench.log" 2>&1; tail -8 "$OUT/swap_bench.log"
     ;;
 esac
 # Only a few files come back from a device call: everything also travels in one archive.

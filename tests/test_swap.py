@@ -229,3 +229,34 @@ def test_engine_aborts_of_swapped_requests_leak_nothing(tiny_model):
         engine.block_manager.check_integrity(engine.scheduler.running, engine.scheduler.swapped)
     assert num_aborted == 3 and not engine.has_unfinished_requests()
     _assert_no_leaks(engine)
+
+
+@pytest.mark.gpu
+def test_swap_space_on_cuda_round_trips_through_pinned_memory_and_the_side_stream():
+    kv = torch.randn(2, 4, 64, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    original = kv.clone()
+    space = SwapSpace([kv], num_blocks=32)
+    assert space.cpu_caches[0].is_pinned()
+    out = [(b, i) for i, b in enumerate(range(0, 64, 2))]
+    space.apply(out, [])
+    kv.mul_(0)  # the main stream overwrites the freed blocks: ordered after the swap-out reads
+    space.apply([], [(i, 63 - i) for i in range(32)])
+    kv.add_(0)  # a main-stream kernel after the swap-in sees its data
+    torch.cuda.synchronize()
+    for i, b in enumerate(range(0, 64, 2)):
+        assert torch.equal(kv[:, :, 63 - i], original[:, :, b])
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_with_async_scheduling_gives_the_unpreempted_outputs(tiny_model):
+    prompts = _prompts(8)
+    params = [SamplingParams(temperature=0, max_tokens=20 + i, ignore_eos=True) for i in range(len(prompts))]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    cuda = dict(device="cuda", kv_cache_memory=None, gpu_memory_utilization=0.3, enforce_eager=True)
+    reference = _llm(tiny_model, **cuda).generate(requests, params, use_tqdm=False)
+    llm = _llm(tiny_model, **cuda, num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.001)
+    llm.llm_engine.scheduler.config.swap_min_tokens = 8
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
+    assert llm.llm_engine.get_stats().num_swap_outs > 0
+    _assert_no_leaks(llm.llm_engine)
