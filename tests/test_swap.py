@@ -260,3 +260,21 @@ def test_engine_on_cuda_with_async_scheduling_gives_the_unpreempted_outputs(tiny
     assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
     assert llm.llm_engine.get_stats().num_swap_outs > 0
     _assert_no_leaks(llm.llm_engine)
+
+
+def test_metrics_expose_the_swapped_gauge(tiny_model):
+    from minivllm.server.metrics import _EngineStatsCollector
+    engine = _llm(tiny_model, num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.001).llm_engine
+    engine.scheduler.config.swap_min_tokens = 8
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(8)):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(200):
+        if engine.scheduler.swapped:
+            break
+        engine.step()
+    families = {f.name: f for f in _EngineStatsCollector(engine.get_stats, "tiny").collect()}
+    [sample] = families["minivllm:num_requests_swapped"].samples
+    assert sample.value == len(engine.scheduler.swapped) > 0
+    engine.shutdown()
+    _assert_no_leaks(engine)
