@@ -82,6 +82,15 @@ def test_swapping_scheduler_gives_the_unpreempted_outputs(seed, async_scheduling
     assert swapping.num_swap_outs > 0 and swapping.num_preemptions >= swapping.num_swap_outs
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_swapping_under_priority_policy_and_without_chunking(chunked):
+    options = dict(policy="priority", enable_chunked_prefill=chunked, max_num_batched_tokens=64)
+    reference, _ = _run(_scheduler(256, **options), _groups(3, 14))
+    swapping = _scheduler(20, 64, preemption_mode="swap", swap_min_tokens=4, **options)
+    outputs, _ = _run(swapping, _groups(3, 14), async_scheduling=True)
+    assert outputs == reference and swapping.num_swap_outs > 0
+
+
 def test_short_or_shared_victims_recompute_and_a_full_swap_space_falls_back():
     scheduler = _scheduler(20, 64, max_num_batched_tokens=32, preemption_mode="swap", swap_min_tokens=10**6)
     _run(scheduler, _groups(0))
