@@ -107,3 +107,23 @@ def test_default_model_linear_bytes_below_40_percent(both):
     assert held < 0.4 * fp32
     assert held == fp32 * 0.625 / 4   # Q4_1: 20 bytes per block of 32 weights
     assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_model_kept_quantized_on_gpu():
+    """The CUDA path (kernel form + Triton GEMM, tf32 dot) against the dequantized model in fp32 on the GPU:
+    same first greedy token per prompt, its logprob within 0.05, and linear weights under 40% of fp32."""
+    kwargs = dict(model=default_model_path(), dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=256, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    dense = [out.outputs[0] for out in LLM(**kwargs).generate(PROMPTS, params)]
+    kept_llm = LLM(quantization="gguf", **kwargs)
+    kept = [out.outputs[0] for out in kept_llm.generate(PROMPTS, params)]
+    for a, b in zip(dense, kept):
+        assert a.token_ids[0] == b.token_ids[0]
+        token = a.token_ids[0]
+        assert abs(a.logprobs[0][token].logprob - b.logprobs[0][token].logprob) < 0.05
+    model = kept_llm.llm_engine.runner.model
+    assert next(model.parameters()).is_cuda
+    held, fp32 = quantized_weight_bytes(model)
+    assert held < 0.4 * fp32
