@@ -19,6 +19,9 @@
 #   Q: quantization: gpu tests of the int4 Triton GEMM and the fp8/int8 W8A8 GEMMs against their references;
 #      bench/quant_bench.py (dummy Llama-3-8B in bf16, fp8, int8, int4: batch-1 decode, W1, GEMM table ->
 #      quant_<gpu>.json), then Llama-3-70B int4 and fp8 W1 on one GPU (quant_70b_<gpu>.json). ~7 min.
+#   G: GGUF kept quantized (quantization="gguf"): the default model's Q4_1 linears through the Triton GEMM
+#      against the dequantized model, fp32 on the GPU (tests/test_quant_gguf.py); needs the model file (run
+#      after A/B carried both halves, as V). ~1 min.
 #   K: soak: 256 streaming clients for 5 minutes against dummy Llama-3-8B with a 1024-block pool (constant
 #      preemption, 20% mid-stream disconnects): soak_h100.json (5xx, crashes, leaked blocks, RSS, greedy probes)
 #   L: the dashboard's cost: W1-shaped load through the server with and without a /dashboard/events
@@ -97,6 +100,9 @@ case "${1:-A}" in
     timeout 200 python3 bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm \
       --gpu-memory-utilization 0.95 --out "$OUT" > "$OUT/quant_70b.log" 2>&1
     grep -v "^ " "$OUT/quant_70b.log" | tail -6
+    ;;
+  G)
+    timeout 300 python3 -m pytest -q -m gpu tests/test_quant_gguf.py 2>&1 | tee "$OUT/gpu_tests_G.log" | tail -3
     ;;
   K)
     python3 bench/soak.py --model llama-3-8b --load-format dummy --clients 256 --duration-s 300 --max-model-len 2048 \

@@ -68,6 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         '\'{"method": "draft_model", "draft_layers": 8}\'')
     g.add_argument("--quantization", "-q", default=None,
                    help="fp8 | int8 (quantize at load) or the checkpoint's format (gptq, awq, compressed-tensors); "
+                        "gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 linears quantized; "
                         "default: config.json's quantization_config")
 
 

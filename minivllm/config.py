@@ -43,6 +43,7 @@ class EngineConfig:
     # vLLM's speculative_config dict (spec_decode/config.py): {"method": "ngram" | "draft_model", ...}
     speculative_config: dict | None = None
     # "fp8" | "int8" | "gptq" | "awq" | "compressed-tensors"; None: from config.json's quantization_config
+    # "gguf" (a .gguf file): keep its Q4_0/Q4_1/Q8_0 linear weights quantized instead of dequantizing
     quantization: str | None = None
 
     def __post_init__(self) -> None:

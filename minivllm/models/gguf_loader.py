@@ -242,3 +242,51 @@ def convert_gguf(path: str) -> str:
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return str(out_dir)
+
+
+# Linear layers whose Q4_0 / Q4_1 / Q8_0 blocks quantization="gguf" keeps (see quantization/gguf.py).
+_LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def _linear_tensors(reader) -> list:
+    return [t for t in reader.tensors if _BLOCK_RE.fullmatch(t.name) and t.name.endswith(_LINEAR_SUFFIXES)]
+
+
+def gguf_quant_config(path: str):
+    """The GGUFConfig for the file's linear weights, which must all share one kept type."""
+    from gguf import GGUFReader
+    from minivllm.quantization.gguf import GGUFConfig
+    reader = GGUFReader(str(path))
+    if _metadata(reader).get("general.architecture") != "llama":
+        raise ValueError("quantization='gguf' supports llama-architecture GGUF files")
+    types = sorted({t.tensor_type.name for t in _linear_tensors(reader)})
+    if len(types) != 1:
+        raise ValueError(f"quantization='gguf' needs one block type for all linear weights; this file mixes "
+                         f"{types}; load without quantization to dequantize")
+    return GGUFConfig(types[0])
+
+
+def gguf_quantized_weights(path: str, weights_dir: str, config: dict):
+    """HF-named tensors for a model with kept-quantized linears: those linears' qweight / scales
+    (/ mins) straight from the GGUF blocks, everything else from the dequantized conversion."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+    from minivllm.quantization.gguf import held_tensors, unpack_blocks
+    reader = GGUFReader(str(path))
+    held = set()
+    for tensor in _linear_tensors(reader):
+        match = _BLOCK_RE.fullmatch(tensor.name)
+        prefix = f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}".removesuffix(".weight")
+        codes, scales, mins = unpack_blocks(tensor.data, tensor.tensor_type.name, int(tensor.shape[0]))
+        heads = {"attn_q.weight": "num_attention_heads", "attn_k.weight": "num_key_value_heads"}.get(match.group(2))
+        if heads:   # llama.cpp's row permutation; each row's blocks move with it
+            codes, scales = (unpermute_rows(a, config[heads]) for a in (codes, scales))
+            mins = None if mins is None else unpermute_rows(mins, config[heads])
+        for suffix, value in held_tensors(codes, scales, mins, tensor.tensor_type.name).items():
+            yield f"{prefix}.{suffix}", value
+        held.add(f"{prefix}.weight")
+    with safe_open(str(Path(weights_dir) / "model.safetensors"), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            if name not in held:
+                yield name, f.get_tensor(name)

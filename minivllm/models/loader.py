@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +18,7 @@ import torch
 import transformers
 from torch import nn
 
-from minivllm.models.gguf_loader import convert_gguf
+from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
 from minivllm.models.registry import get_model_class
 from minivllm.quantization import (get_quantization_config, init_dummy_quantized_weights,
                                    process_weights_after_loading, quantization_context)
@@ -36,6 +36,7 @@ class ModelSource:
     weights_dir: str | None     # folder of *.safetensors (None for dummy weights)
     tokenizer_dir: str | None   # folder AutoTokenizer.from_pretrained can load (None if none available)
     name: str                   # served model name
+    gguf_file: str | None = None   # the .gguf it was converted from (quantization="gguf" reads its blocks)
 
 
 def default_model_path() -> str:
@@ -69,7 +70,7 @@ def _hf_folder_source(folder: Path, name: str) -> ModelSource:
 
 
 def _gguf_source(path: Path, name: str) -> ModelSource:
-    return _hf_folder_source(Path(convert_gguf(str(path))), name)
+    return replace(_hf_folder_source(Path(convert_gguf(str(path))), name), gguf_file=str(path))
 
 
 def _single_gguf_in(folder: Path) -> Path | None:
@@ -192,14 +193,25 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> nn.Module:
     model_class = get_model_class(source.hf_config)
-    quant_config = get_quantization_config(source.hf_config, quantization, load_format)
+    keep_gguf = (quantization or "").lower() == "gguf" and load_format != "dummy"
+    if keep_gguf and source.gguf_file is None:
+        raise ValueError("quantization='gguf' needs a .gguf model file")
+    if keep_gguf:
+        quant_config = gguf_quant_config(source.gguf_file)
+    else:
+        quant_config = get_quantization_config(source.hf_config, quantization, load_format)
     with torch.device(device), _default_dtype(dtype), quantization_context(quant_config):
         model = model_class(source.hf_config)
     if load_format == "dummy" or source.weights_dir is None:
         init_dummy_weights(model, seed)
         init_dummy_quantized_weights(model)
+    elif keep_gguf:
+        model.load_weights(gguf_quantized_weights(source.gguf_file, source.weights_dir, source.hf_config.to_dict()))
     else:
         model.load_weights(iterate_safetensors(source.weights_dir))
     process_weights_after_loading(model)
+    if keep_gguf:
+        from minivllm.quantization.gguf import log_weight_bytes
+        log_weight_bytes(model, quant_config)
     model.quant_config = quant_config   # what the engine reports (e.g. in /v1/models)
     return model.eval()

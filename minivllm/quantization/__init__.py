@@ -18,6 +18,7 @@ QUANTIZATION_METHODS = {
     "gptq": "minivllm.quantization.gptq:GPTQConfig",
     "awq": "minivllm.quantization.awq:AWQConfig",
     "compressed-tensors": "minivllm.quantization.compressed_tensors:CompressedTensorsConfig",
+    "gguf": "minivllm.quantization.gguf:GGUFConfig",   # only on a .gguf file (models/loader.py)
 }
 # Formats that can quantize a plain checkpoint while it loads (no calibration needed).
 ONLINE_METHODS = ("fp8", "int8")
@@ -87,3 +88,4 @@ def process_weights_after_loading(model) -> None:
         method = getattr(module, "quant_method", None)
         if hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+
