@@ -28,12 +28,22 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return [o.outputs[0].token_ids for o in LLM(**SETTINGS).chat(CHATS, GREEDY, use_tqdm=False)]
+def plain():
+    return LLM(**SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return [o.outputs[0].token_ids for o in plain.chat(CHATS, GREEDY, use_tqdm=False)]
+
+
+def _finished(outputs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in outputs]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_output_is_identical_to_no_speculation(name, reference):
+def test_greedy_output_is_identical_to_no_speculation(name, plain, reference):
     llm = LLM(**SETTINGS, speculative_config=CONFIGS[name])
     outputs = llm.chat(CHATS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -41,6 +51,13 @@ def test_greedy_output_is_identical_to_no_speculation(name, reference):
     assert stats.num_accepted_tokens > 0
     assert sum(o.metrics.spec_num_accepted_tokens for o in outputs) == stats.num_accepted_tokens
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    # Stop strings that match inside a verified step's tokens: the sequence ends at the token that
+    # completes the string, with the same text and stop reason as plain decoding.
+    text = plain.get_tokenizer().decode(reference[0])
+    with_stop = SamplingParams(temperature=0.0, max_tokens=48, stop=[text[30:36], text[60:65]])
+    ours, theirs = llm.chat(CHATS, with_stop, use_tqdm=False), plain.chat(CHATS, with_stop, use_tqdm=False)
+    assert _finished(ours) == _finished(theirs)
+    assert any(o.outputs[0].stop_reason in with_stop.stop for o in theirs)
 
 
 def _spec_counters(url: str) -> dict[str, float]:

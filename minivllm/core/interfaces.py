@@ -38,6 +38,12 @@ class SchedulerOutput:
         return [len(d) for d in self.spec_token_ids] if self.spec_token_ids else [0] * len(self.seqs)
 
     @property
+    def num_sampling_rows(self) -> list[int]:
+        """Rows of logits the runner samples for each sequence, in order: `num_samples`, or num_drafts + 1
+        for a sequence verifying drafts."""
+        return [d + 1 if d else n for n, d in zip(self.num_samples, self.num_spec_tokens)]
+
+    @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 

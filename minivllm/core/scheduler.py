@@ -141,9 +141,6 @@ class Scheduler:
         """End one sequence (also used by the engine for stop strings): frees its blocks, leaves its queue."""
         assert status.is_finished
         if seq.is_finished:
-            # Already ended later in the same multi-token step (speculation); an earlier stop string wins.
-            if stop_reason is not None and isinstance(stop_reason, str):
-                seq.status, seq.stop_reason = status, stop_reason
             return
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
@@ -360,6 +357,15 @@ class Scheduler:
                 self._check_stop(target)
         return list(touched.values())
 
+    def stop_before_end(self, seq: Sequence, stop_string: str) -> None:
+        """A stop string matched before the last token a verified step delivered: the sequence ends
+        there, by that string, as it would have had the tokens come one per step (the engine drops the
+        later tokens). It may have finished already, on a later token of the same step."""
+        if seq.is_finished:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
+        else:
+            self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
+
     def _update_speculative(self, seq: Sequence, num_drafts: int, token_ids: list[int], model_output: ModelOutput,
                             index: int) -> None:
         """Take a verified step's accepted drafts plus one token; roll back the rejected drafts' KV."""
@@ -383,6 +389,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.trim(seq)
         group.metrics.last_token_time = now
+
     # ---- observation --------------------------------------------------------------------------
 
     def snapshot(self, max_per_queue: int = 200) -> dict:

@@ -312,8 +312,10 @@ class LLMEngine:
             _, stop_string = state.detokenizer.update(chunk, finished=seq.is_finished and last)
             if stop_string is None:
                 continue
-            self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
-            if not last:
+            if last:
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_string)
+            else:
+                self.scheduler.stop_before_end(seq, stop_string)
                 seq.truncate(seq.num_prompt_tokens + state.num_seen)
             return
 

@@ -73,7 +73,7 @@ class StructuredOutputManager:
             return None
         started = time.perf_counter()
         # A speculating sequence (never a constrained one) has a row per verified position.
-        rows_of_seq = [d + 1 if d else n for n, d in zip(scheduler_output.num_samples, scheduler_output.num_spec_tokens)]
+        rows_of_seq = scheduler_output.num_sampling_rows
         bitmask = np.full((sum(rows_of_seq), self.num_words), -1, dtype=np.int32)
         matchers, rows, forks = [], [], []
         row = 0

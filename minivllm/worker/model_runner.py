@@ -26,8 +26,8 @@ from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
-from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -277,10 +277,9 @@ class ModelRunner:
         logprobs: list[list[SampleLogprobs]] | None = [[] for _ in scheduler_output.seqs] \
             if per_row_logprobs is not None else None
         row = 0
-        for i, (num_samples, num_drafts) in enumerate(zip(scheduler_output.num_samples,
-                                                          scheduler_output.num_spec_tokens)):
-            # A verified sequence has num_drafts + 1 rows: its accepted drafts, one more token, then -1s.
-            for _ in range(num_drafts + 1 if num_drafts else num_samples):
+        for i, num_rows in enumerate(scheduler_output.num_sampling_rows):
+            # A verified sequence's rows hold its accepted drafts, one more token, then -1s.
+            for _ in range(num_rows):
                 if token_ids[row] >= 0:
                     sampled[i].append(token_ids[row])
                     if logprobs is not None:
