@@ -7,8 +7,9 @@ average (115 µs worst) against llguidance's 52 µs (1.7 ms worst), and compilin
 Each sequence gets its own matcher (n > 1 siblings diverge after their first token). A matcher catches up
 with its sequence's output tokens when the next mask is filled, so forks, preemption and the engine's
 update path need no hooks; the one requirement is that every token of a constrained sequence is on the
-host when its step is scheduled, which the engine ensures by reading such steps back before scheduling
-the next (async scheduling samples step N + 1 before N's token reaches the host).
+host when its mask is filled. The engine ensures it: the runner asks for step N + 1's mask once N + 1's
+forward pass is launched, and the engine first reads step N back (async scheduling launches N + 1
+before N's token reaches the host), so the matchers and the mask work overlap the GPU's forward pass.
 """
 from __future__ import annotations
 
@@ -64,12 +65,17 @@ class StructuredOutputManager:
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured output specification: {_first_line(e)}") from None
 
+    @staticmethod
+    def is_constrained(scheduler_output: SchedulerOutput) -> bool:
+        """Whether any sampling row of the step is under a grammar."""
+        return any(n and s.sampling_params.structured_outputs is not None
+                   for s, n in zip(scheduler_output.seqs, scheduler_output.num_samples))
+
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> np.ndarray | None:
         """[rows, ceil(V / 32)] int32 bitmask for the step's sampling rows (a sequence's `num_samples` rows
         in schedule order, as the runner lays them out); None when no row is constrained."""
         seqs = scheduler_output.seqs
-        if not any(n and s.sampling_params.structured_outputs is not None
-                   for s, n in zip(seqs, scheduler_output.num_samples)):
+        if not self.is_constrained(scheduler_output):
             return None
         started = time.perf_counter()
         # A speculating sequence (never a constrained one) has a row per verified position.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,12 +25,16 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
-from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
+from minivllm.worker.inputs import (InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
+                                   prepare_inputs)
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
 logger = logging.getLogger(__name__)
+
+# A step's structured-output mask, or the function that fills it once the forward pass is launched.
+GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None] | None
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -120,6 +125,7 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = InputStager(self.device)
         self.host_buffers = PinnedBufferPool()
+        self.bitmask_stager = StagingBuffer(torch.int32, self.device)
         self._previous_samples: PreviousSamples | None = None
         # Tensor parallelism: called with (blocks_to_copy, inputs) to ship each step to the other ranks.
         self.step_broadcaster = None
@@ -195,15 +201,17 @@ class ModelRunner:
         with set_forward_context(inputs.metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: np.ndarray | None = None) -> ModelOutput:
+    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask = None) -> ModelOutput:
         return self.execute_async(scheduler_output, grammar_bitmask).result()
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput,
-                      grammar_bitmask: np.ndarray | None = None) -> PendingModelOutput:
+                      grammar_bitmask: GrammarBitmask = None) -> PendingModelOutput:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
-        `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata)."""
+        `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
+        function returning it, called once the forward pass is launched so that the host fills the mask
+        while the GPU runs the model."""
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
@@ -221,8 +229,10 @@ class ModelRunner:
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
-        if grammar_bitmask is not None:
-            metadata.grammar_bitmask = torch.from_numpy(grammar_bitmask).to(self.device, non_blocking=True)
+        if callable(grammar_bitmask):
+            grammar_bitmask = grammar_bitmask()
+        if grammar_bitmask is not None:  # pinned: a copy from pageable memory may wait for the forward pass
+            metadata.grammar_bitmask, = self.bitmask_stager.transfer([grammar_bitmask])
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)
