@@ -25,7 +25,8 @@ from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
-from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
+from minivllm.worker.kv_cache import (allocate_kv_cache, block_copy_view, kv_bytes_per_block, kv_cache_budget,
+                                      resolve_kv_cache_dtype)
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         hf = source.hf_config
         self.hf_config = hf
@@ -87,7 +89,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         peak = self._profile_peak_memory(max_num_batched_tokens)
         budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
-        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.kv_cache_dtype)
                         for layer in self.attention_layers)
         num_blocks = budget // per_block
         if config.num_gpu_blocks_override is not None:
@@ -97,13 +99,13 @@ class ModelRunner:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
         self.num_blocks = int(num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                          self.head_dim, self.dtype, self.device)
+                                          self.head_dim, self.kv_cache_dtype, self.device)
         self.draft_kv_cache = None
         if len(self.attention_layers) > self.num_layers:
             draft = self.attention_layers[self.num_layers]
             self.draft_kv_cache = allocate_kv_cache(len(self.attention_layers) - self.num_layers, self.num_blocks,
-                                                    self.block_size, draft.num_kv_heads, draft.head_dim, self.dtype,
-                                                    self.device)
+                                                    self.block_size, draft.num_kv_heads, draft.head_dim,
+                                                    self.kv_cache_dtype, self.device)
         for i, layer in enumerate(self.attention_layers):
             cache, index = (self.kv_cache, i) if i < self.num_layers else (self.draft_kv_cache, i - self.num_layers)
             layer.k_cache, layer.v_cache = cache[0, index], cache[1, index]
@@ -187,7 +189,8 @@ class ModelRunner:
         # non_blocking from pageable memory: staged by CUDA without waiting for the stream
         # (torch.tensor(..., device=cuda) would wait for every queued kernel).
         src, dst = torch.tensor(pairs, dtype=torch.int64).t().contiguous().to(self.device, non_blocking=True)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        cache = block_copy_view(self.kv_cache)
+        cache[:, :, dst] = cache[:, :, src]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
