@@ -234,6 +234,37 @@ def test_engine_with_fp8_cache_swaps_blocks_and_keeps_its_outputs(tiny_model):
     assert engine.get_stats().num_swap_outs > 0
 
 
+def test_checkpoint_kv_cache_scales_are_loaded_in_vllm_spellings_and_applied(tiny_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(tiny_model, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.04)            # compressed-tensors
+    tensors["model.layers.0.self_attn.v_proj.output_scale"] = torch.tensor([0.02])  # Quark
+    tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor(0.03)           # one for both
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = _llm(str(tmp_path), kv_cache_dtype="fp8")
+    layers = llm.llm_engine.runner.attention_layers
+    assert [a.k_scale for a in layers] + [a.v_scale for a in layers] == pytest.approx([0.04, 0.03, 0.02, 0.03])
+    _tokens(llm, prompts, params)
+    unscaled = _llm(tiny_model, kv_cache_dtype="fp8")
+    _tokens(unscaled, prompts, params)
+    # Same requests, same slots: layer 0's cached keys are those of the unscaled run divided by 0.04
+    # (each side rounded to e4m3, so within 2 x 2^-4).
+    unscaled_keys = unscaled.llm_engine.runner.attention_layers[0].k_cache
+    ratio = layers[0].k_cache.float().abs().max() / unscaled_keys.float().abs().max()
+    assert abs(ratio / 25 - 1) <= 2 * UNIT_ROUNDOFF
+    # A model-dtype cache ignores the scales: the same tokens as the checkpoint without them.
+    assert _tokens(_llm(str(tmp_path)), prompts, params) == _tokens(_llm(tiny_model), prompts, params)
+    tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor(-1.0)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="positive"):
+        _llm(str(tmp_path))
+
+
 def test_real_model_next_token_choices_with_fp8_cache_mostly_agree_with_auto():
     text = ("The Roman Empire was the post-Republican state of ancient Rome. It included large territorial "
             "holdings around the Mediterranean Sea in Europe, North Africa, and Western Asia, and was ruled "

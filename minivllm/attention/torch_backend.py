@@ -3,7 +3,7 @@ are tested against. Loops over sequences (never over tokens); clarity over speed
 
 An fp8 cache (float8_e4m3fn) stores `x / scale` saturated to e4m3's range, and reads back `stored * scale`,
 with one scale per layer for keys and one for values (ARCHITECTURE.md, "FP8 KV cache"); other caches
-hold the values as they are (their scales are 1).
+hold the values as they are and ignore the scales.
 """
 from __future__ import annotations
 

@@ -194,6 +194,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert k_cache.dtype == v_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0   # as in the reference: only an fp8 cache is scaled
     assert k_cache.stride() == v_cache.stride() and query.stride(2) == 1 and k_cache.stride(3) == 1
     assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)

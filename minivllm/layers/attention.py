@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.v_cache = torch.tensor([])
         self.backend: AttentionBackend = TorchAttentionBackend()
         # An fp8 KV cache stores k / k_scale and v / v_scale: 1.0 unless the checkpoint provides scales
-        # (ARCHITECTURE.md, "FP8 KV cache"); any other cache keeps 1.0.
+        # (models/kv_cache_scales.py; ARCHITECTURE.md, "FP8 KV cache"); other caches ignore them.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
