@@ -26,7 +26,7 @@ from minivllm.kernels import write_kv  # noqa: E402
 from minivllm.worker.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype  # noqa: E402
 from minivllm.worker.swap import SwapSpace  # noqa: E402
 from tests.test_kernels import DEVICE, assert_close, make_batch  # noqa: E402
-from tests.test_swap import _llm, _prompts, tiny_model  # noqa: E402,F401  (tiny_model: a fixture)
+from tests.test_swap import DRAFT_LAYERS, _llm, _prompts, tiny_model  # noqa: E402,F401  (tiny_model: a fixture)
 
 FP8 = torch.float8_e4m3fn
 UNIT_ROUNDOFF = 2.0 ** -4        # half an ulp, relative, for e4m3's 3 mantissa bits
@@ -221,12 +221,13 @@ def test_engine_next_token_choices_with_fp8_cache_mostly_agree_with_auto(tiny_mo
     assert _agreement(choices) >= 0.9
 
 
-def test_engine_with_fp8_cache_swaps_blocks_and_keeps_its_outputs(tiny_model):
+@pytest.mark.parametrize("variant", [{}, {"speculative_config": DRAFT_LAYERS}], ids=["plain", "draft_layers"])
+def test_engine_with_fp8_cache_swaps_blocks_and_keeps_its_outputs(tiny_model, variant):
     prompts = _prompts(8)
     params = [SamplingParams(temperature=0, max_tokens=20 + i, ignore_eos=True) for i in range(len(prompts))]
     reference = _tokens(_llm(tiny_model, kv_cache_dtype="fp8"), prompts, params)
     llm = _llm(tiny_model, kv_cache_dtype="fp8", num_gpu_blocks_override=40, preemption_mode="swap",
-               swap_space=0.001)
+               swap_space=0.001, **variant)
     engine = llm.llm_engine
     assert engine.runner.swap_space.cpu_caches[0].element_size() == 1
     engine.scheduler.config.swap_min_tokens = 8
