@@ -116,8 +116,8 @@ class ModelRunner:
             self.swap_space = SwapSpace(caches, num_cpu_blocks(config.swap_space, per_block))
         self.num_cpu_blocks = self.swap_space.num_blocks if self.swap_space is not None else 0
         self.kv_budget_bytes = budget
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
+                    self.kv_cache_dtype, self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = InputStager(self.device)
