@@ -235,6 +235,17 @@ def test_engine_with_fp8_cache_swaps_blocks_and_keeps_its_outputs(tiny_model, va
     assert engine.get_stats().num_swap_outs > 0
 
 
+def test_engine_fp8_copy_on_write_gives_n_greedy_samples_the_single_sample_tokens(tiny_model):
+    # Prompts of 11 and 14 tokens end inside a 4-token block that the n samples share: the first write
+    # to it copies the fp8 block (ModelRunner._copy_blocks), and every sample must continue identically.
+    prompts = _prompts(3)[1:]
+    llm = _llm(tiny_model, kv_cache_dtype="fp8")
+    single = _tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [[s.token_ids for s in o.outputs] for o in outputs] == [[t] * 3 for t in single]
+
+
 def test_checkpoint_kv_cache_scales_are_loaded_in_vllm_spellings_and_applied(tiny_model, tmp_path):
     import shutil
 
@@ -303,14 +314,19 @@ def test_gpu_triton_fp8_paths_match_the_reference(query_lens):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_engine_fp8_cache_holds_about_twice_the_tokens(tiny_model):
+def test_gpu_engine_fp8_cache_holds_about_twice_the_tokens():
+    """Same model and memory share: the fp8 pool has ~2x the blocks, and generates through the Triton
+    kernels and CUDA graphs."""
+    import gc
     blocks = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(tiny_model, dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-                  kv_cache_dtype=kv, max_model_len=128, enforce_eager=True)
+        llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.15, kv_cache_dtype=kv, max_model_len=1024, max_num_seqs=8)
         blocks[kv] = llm.llm_engine.runner.num_blocks
         out = llm.generate([{"prompt_token_ids": p} for p in _prompts(4)],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 8 for o in out)
-        del llm
+        del llm, out
+        gc.collect()
+        torch.cuda.empty_cache()   # the next engine's profile must not see this one's memory
     assert blocks["fp8"] >= 1.9 * blocks["auto"], blocks

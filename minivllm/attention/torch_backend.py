@@ -29,22 +29,28 @@ def dequantize_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return x.float() * scale if x.dtype == FP8_KV_DTYPE else x.float()
 
 
+def fp8_as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 views of the same memory, others as they are: for indexing and block copies,
+    which move bytes whatever they mean (CPU's index_copy_, for one, has no float8 kernel)."""
+    return x.view(torch.uint8) if x.dtype == FP8_KV_DTYPE else x
+
+
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = quantize_kv(key[valid], k_cache.dtype, k_scale)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = quantize_kv(value[valid], v_cache.dtype,
-                                                                                   v_scale)
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = fp8_as_bytes(cache).view(num_blocks * block_size, *cache.shape[2:])
+        rows[slots] = fp8_as_bytes(quantize_kv(x[valid], cache.dtype, scale))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` tokens of one sequence from the paged cache: [seq_len, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]
+    blocks = fp8_as_bytes(cache)[block_table[:num_blocks].long()].view(cache.dtype)
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 

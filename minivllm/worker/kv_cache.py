@@ -54,8 +54,3 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     """One tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; layer l's K is cache[0, l]."""
     return torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
-
-def block_copy_view(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as copies of whole blocks see it: fp8 caches as bytes (CPU's index_copy_ has no float8
-    kernel, and a block copy moves bytes whatever they mean); other caches as they are."""
-    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

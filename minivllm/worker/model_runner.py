@@ -13,6 +13,7 @@ import torch
 
 from minivllm.attention.backend import get_attention_backend
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.attention.torch_backend import fp8_as_bytes
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
@@ -25,8 +26,7 @@ from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
-from minivllm.worker.kv_cache import (allocate_kv_cache, block_copy_view, kv_bytes_per_block, kv_cache_budget,
-                                      resolve_kv_cache_dtype)
+from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
@@ -189,7 +189,7 @@ class ModelRunner:
         # non_blocking from pageable memory: staged by CUDA without waiting for the stream
         # (torch.tensor(..., device=cuda) would wait for every queued kernel).
         src, dst = torch.tensor(pairs, dtype=torch.int64).t().contiguous().to(self.device, non_blocking=True)
-        cache = block_copy_view(self.kv_cache)
+        cache = fp8_as_bytes(self.kv_cache)
         cache[:, :, dst] = cache[:, :, src]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
