@@ -187,9 +187,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            partition_size: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
-    same shape. The cache has the query's dtype, or is fp8 read as stored * k_scale / v_scale. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
+    same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None picks it from the shapes (`choose_decode_partition_size`), and a value of at least
-    `block_tables.shape[1] * block_size` disables the split."""
+    `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
+    read as stored * k_scale (keys) and stored * v_scale (values)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
