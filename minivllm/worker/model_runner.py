@@ -14,6 +14,7 @@ import torch
 
 from minivllm.attention.backend import get_attention_backend
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.attention.torch_backend import fp8_as_bytes
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
@@ -27,7 +28,7 @@ from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import (InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
                                    prepare_inputs)
-from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
+from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
@@ -59,6 +60,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         hf = source.hf_config
         self.hf_config = hf
@@ -92,7 +94,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         peak = self._profile_peak_memory(max_num_batched_tokens)
         budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
-        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.kv_cache_dtype)
                         for layer in self.attention_layers)
         num_blocks = budget // per_block
         if config.num_gpu_blocks_override is not None:
@@ -102,13 +104,13 @@ class ModelRunner:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
         self.num_blocks = int(num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                          self.head_dim, self.dtype, self.device)
+                                          self.head_dim, self.kv_cache_dtype, self.device)
         self.draft_kv_cache = None
         if len(self.attention_layers) > self.num_layers:
             draft = self.attention_layers[self.num_layers]
             self.draft_kv_cache = allocate_kv_cache(len(self.attention_layers) - self.num_layers, self.num_blocks,
-                                                    self.block_size, draft.num_kv_heads, draft.head_dim, self.dtype,
-                                                    self.device)
+                                                    self.block_size, draft.num_kv_heads, draft.head_dim,
+                                                    self.kv_cache_dtype, self.device)
         for i, layer in enumerate(self.attention_layers):
             cache, index = (self.kv_cache, i) if i < self.num_layers else (self.draft_kv_cache, i - self.num_layers)
             layer.k_cache, layer.v_cache = cache[0, index], cache[1, index]
@@ -119,8 +121,8 @@ class ModelRunner:
             self.swap_space = SwapSpace(caches, num_cpu_blocks(config.swap_space, per_block))
         self.num_cpu_blocks = self.swap_space.num_blocks if self.swap_space is not None else 0
         self.kv_budget_bytes = budget
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
+                    self.kv_cache_dtype, self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = InputStager(self.device)
@@ -193,7 +195,8 @@ class ModelRunner:
         # non_blocking from pageable memory: staged by CUDA without waiting for the stream
         # (torch.tensor(..., device=cuda) would wait for every queued kernel).
         src, dst = torch.tensor(pairs, dtype=torch.int64).t().contiguous().to(self.device, non_blocking=True)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        cache = fp8_as_bytes(self.kv_cache)
+        cache[:, :, dst] = cache[:, :, src]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
