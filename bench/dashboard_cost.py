@@ -48,13 +48,17 @@ async def measure(args, url: str) -> dict:
         async with session.get(url + "/dashboard/snapshot") as response:
             num_blocks = (await response.json())["snapshot"]["kv"]["num_blocks"]
     rng = random.Random(args.seed)
-    workload = [([rng.randint(100, 20000) for _ in range(args.input_len)], args.output_len)
-                for _ in range(args.num_prompts)]
-    await run_level(url, model, workload[: max(1, args.concurrency // 4)], args.concurrency, None, {}, 600, 0)  # warm
+
+    def fresh_workload(num_prompts: int) -> list:
+        # New prompts for every run: a repeated prompt would hit the prefix cache and skip its prefill.
+        return [([rng.randint(100, 20000) for _ in range(args.input_len)], args.output_len)
+                for _ in range(num_prompts)]
+    await run_level(url, model, fresh_workload(max(1, args.concurrency // 4)), args.concurrency, None, {}, 600, 0)
     runs = {"off": [], "on": []}
     events = []
     for _ in range(args.repeats):
         for mode in ("off", "on"):
+            workload = fresh_workload(args.num_prompts)
             stop, counts, task = asyncio.Event(), {"events": 0}, None
             if mode == "on":
                 task = asyncio.create_task(subscriber(url, stop, counts))
@@ -66,7 +70,7 @@ async def measure(args, url: str) -> dict:
                 events.append(counts["events"] / result["duration_s"])
             assert result["failed"] == 0, result["errors"]
             runs[mode].append(result["output_tokens_per_s"])
-    off, on = statistics.mean(runs["off"]), statistics.mean(runs["on"])
+    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
     return {"model": model, "num_blocks": num_blocks, "output_tokens_per_s_without": runs["off"],
             "output_tokens_per_s_with": runs["on"], "dashboard_events_per_s": [round(e, 2) for e in events],
             "throughput_cost_percent": round(100 * (1 - on / off), 2),
