@@ -87,7 +87,7 @@ def install(app: FastAPI, engine, metrics) -> None:
             try:
                 while not app.state.draining and engine.is_running:
                     yield sse(json.dumps(event(engine, metrics, rolling)))
-                    await asyncio.sleep(engine.SNAPSHOT_INTERVAL_S)
+                    await asyncio.sleep(engine.snapshot_interval)  # no event without a new snapshot
             finally:
                 engine.subscribe_snapshots(-1)
         return EventStreamResponse(stream())
