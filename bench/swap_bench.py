@@ -3,7 +3,7 @@
     python bench/swap_bench.py --out bench/results          # H100: dummy Llama-3-8B, 32 x 4096 -> 256
     python bench/swap_bench.py --device cpu --quick --out /tmp/s   # smoke: the default model, tiny sizes
 
-One engine (preemption_mode="swap", so the pinned CPU pool exists) runs the same load alternately with the
+One engine (preemption_mode="swap", so the pinned CPU pool exists; prefix caching off) runs the same load alternately with the
 scheduler's preemption mode set to recompute and to swap; the pool holds about a third of the load, so
 sequences are preempted over and over. Also measured, for the cost rule (ARCHITECTURE.md, "Swap"): pinned
 host<->device copy bandwidth and the prefill time per token, giving the per-token cost of a swap (KV bytes
@@ -56,7 +56,10 @@ def build_llm(args):
     options = dict(seed=0, device=args.device, max_num_seqs=args.num_requests, max_num_batched_tokens=8192,
                    max_model_len=args.input_len + args.output_len + 16, block_size=block_size,
                    num_gpu_blocks_override=num_blocks,
-                   preemption_mode="swap", swap_space=args.swap_space, skip_tokenizer_init=True)
+                   preemption_mode="swap", swap_space=args.swap_space, skip_tokenizer_init=True,
+                   # Off: with it, the timed prefill and every run after the first hit the cache, and a
+                   # recomputed victim finds its own freed blocks (the first H100 run measured that).
+                   enable_prefix_caching=False)
     if args.model != "default":
         options.update(model=args.model, load_format="dummy")
     if args.device == "cpu":
