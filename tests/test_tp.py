@@ -87,6 +87,20 @@ def test_tp2_shards_biases_and_tied_embeddings_like_tp1(tmp_path):
     assert _tiny_greedy(tmp_path, 2, **options)[0] == _tiny_greedy(tmp_path, 1, **options)[0]
 
 
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "mixtral"])
+def test_tp2_moe_shards_experts_like_tp1(tmp_path, arch):
+    """Each rank holds half of every expert's intermediate rows (and Qwen2-MoE's shared expert is a
+    sharded dense MLP): greedy tokens equal TP = 1's, and the stacked expert weights are half as wide."""
+    make_tiny_hf_checkpoint(tmp_path, arch)
+    options = dict(kv_cache_memory=4 << 20)
+    ours, runner = _tiny_greedy(tmp_path, 2, **options)
+    reference, reference_runner = _tiny_greedy(tmp_path, 1, **options)
+    assert ours == reference
+    widths = [m.w2_weight.shape[-1] for r in (runner, reference_runner) for m in r.model.modules()
+              if type(m).__name__ == "FusedMoE"]
+    assert widths and widths[0] * 2 == widths[-1]
+
+
 def test_tp2_with_ngram_speculation_matches_tp1(tmp_path):
     """Verify steps (drafts in the broadcast input ids, k + 1 logits rows gathered) under TP = 2."""
     make_tiny_hf_checkpoint(tmp_path, "llama3")

@@ -5,12 +5,18 @@ up rows) and `w2_weight` [E, H, I], filled from the HF per-expert tensors by `we
 shard id (expert, "w1" | "w3" | "w2") (Mixtral's names; Qwen's gate/up/down map onto them). On CUDA
 the fused Triton kernel (minivllm.kernels.fused_moe) runs them; elsewhere its PyTorch reference.
 The router's linear layer belongs to the model's MoE block, which passes its logits in.
+
+Tensor parallelism splits every expert's intermediate dimension across the ranks, as the dense MLP's
+column/row-parallel pair does: each rank holds its rows of gate and up and its columns of down, so every
+rank computes a partial sum for every token, and one all-reduce completes it. Routing is replicated (the
+router is small and each rank needs every token's choice), so no token moves between ranks.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from minivllm.distributed import get_tp_rank, get_tp_size, split_evenly, tensor_model_parallel_all_reduce
 from minivllm.layers.fusion import fusions_enabled
 
 
@@ -35,11 +41,17 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k ({top_k}) must be in 1..num_experts ({num_experts})")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        self.tp_size = get_tp_size()
+        # This rank's slice of each expert's intermediate dimension.
+        self.intermediate_start, self.intermediate_size = split_evenly(intermediate_size, self.tp_size,
+                                                                       get_tp_rank())
+        if self.intermediate_size == 0:
+            raise ValueError(f"an expert's intermediate size ({intermediate_size}) is smaller than "
+                             f"tensor_parallel_size ({self.tp_size})")
         self.renormalize = renormalize
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size),
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         self.use_triton = fusions_enabled()
@@ -49,7 +61,7 @@ class FusedMoE(nn.Module):
         return {(e, name) for e in range(self.num_experts) for name in names}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id) -> None:
-        """Copy one expert's w1 (gate), w3 (up) or w2 (down) [out, in] into its slice."""
+        """Copy this rank's part of one expert's w1 (gate), w3 (up) or w2 (down) [out, in] into its slice."""
         try:
             expert, name = shard_id
         except (TypeError, ValueError):
@@ -61,6 +73,12 @@ class FusedMoE(nn.Module):
         size = self.intermediate_size
         target = {"w1": lambda: param.data[expert, :size], "w3": lambda: param.data[expert, size:],
                   "w2": lambda: param.data[expert]}[name]()
+        if self.tp_size > 1:
+            start, dim = self.intermediate_start, 1 if name == "w2" else 0
+            if loaded_weight.shape[dim] < start + size:
+                raise ValueError(f"expert {expert} {name}: checkpoint {tuple(loaded_weight.shape)} is too small "
+                                 f"for rows {start}..{start + size} of dimension {dim}")
+            loaded_weight = loaded_weight.narrow(dim, start, size)
         if target.shape != loaded_weight.shape:
             raise ValueError(f"shape mismatch for expert {expert} {name}: parameter slice "
                              f"{tuple(target.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
@@ -73,4 +91,5 @@ class FusedMoE(nn.Module):
             from minivllm.kernels.fused_moe import fused_experts
         else:
             from minivllm.kernels.fused_moe import fused_experts_reference as fused_experts
-        return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
