@@ -24,6 +24,12 @@ from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server.api_server import ServerThread, build_app
 from minivllm.server.limits import ServerLimits
 
+# The fields the structured-output / tool-calling / prompt-logprobs work added. Hypothesis sets any one
+# optional field in only a few of the generic cases (none, for some), so each also gets cases of its own.
+NEW_FIELDS = {"/v1/chat/completions": ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                       "guided_grammar", "structured_outputs", "tools", "tool_choice"),
+              "/v1/completions": ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                  "guided_grammar", "structured_outputs", "echo", "logprobs")}
 EXAMPLES_PER_MODE = 30  # per operation; hypothesis stops earlier on small input spaces (GETs)
 MIN_CASES = 200
 LIMITS = ServerLimits(max_tokens_limit=4, max_n=2, max_request_body_bytes=1 << 20)
@@ -91,3 +97,52 @@ def test_fuzz_openapi_schema(url, capsys):
     answer = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
 
+
+
+FIELD_EXAMPLES = 8  # per field and operation
+BASE_BODIES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+               "/v1/completions": {"prompt": "Hi", "max_tokens": 2}}
+
+
+def value_strategy(schema: dict):
+    """Values for the small JSON-schema subset these fields use (anyOf of object, string, array, boolean,
+    integer), null left out: each case must set the field."""
+    from hypothesis import strategies as st
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=12),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                            max_size=3), max_leaves=8)
+    kinds = {"object": st.dictionaries(st.text(max_size=12), json_values, max_size=4),
+             "string": st.text(max_size=24), "boolean": st.booleans(), "integer": st.integers(-3, 30)}
+    options = []
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") == "array":
+            options.append(st.lists(value_strategy(option["items"]), max_size=3))
+        elif option.get("type") in kinds:
+            options.append(kinds[option["type"]])
+    return st.one_of(options)
+
+
+def test_fuzz_each_new_field(url, capsys):
+    """Every new request field, alone on a minimal valid request, with generated values of its schema's
+    types (shapes the server must reject as well as ones it accepts): no 5xx, OpenAI error objects."""
+    from hypothesis import strategies as st
+    openapi = httpx.get(url + "/openapi.json", timeout=30).json()
+    counts: dict[str, int] = {}
+    with requests.Session() as session:
+        for path, names in NEW_FIELDS.items():
+            ref = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            properties = openapi["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+            for name in names:
+                @settings(max_examples=FIELD_EXAMPLES, deadline=None, database=None, derandomize=True,
+                          suppress_health_check=list(HealthCheck))
+                @given(value=value_strategy(properties[name]), stream=st.booleans())
+                def run(value, stream) -> None:
+                    body = {**BASE_BODIES[path], name: value, "stream": stream}
+                    response = session.post(url + path, json=body, timeout=120)
+                    counts[f"{path} {name}"] = counts.get(f"{path} {name}", 0) + 1
+                    check_response(response.status_code, response.content,
+                                   response.headers.get("content-type", ""), f"{path} {name}={value!r}")
+                run()
+    with capsys.disabled():
+        print(f"\nfuzz: {sum(counts.values())} cases setting one new field each, no 5xx: {counts}")
+    assert len(counts) == sum(map(len, NEW_FIELDS.values())) and min(counts.values()) >= FIELD_EXAMPLES // 2
