@@ -15,4 +15,6 @@ if [ -f /tmp/gguf/part0 ] && [ -f /tmp/gguf/part1 ] && [ ! -f /tmp/site/llm_smol
 fi
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
-export MINIVLLM_COMMIT=${MINIVLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device machine's copy of .git can be stale (it reported the session's first commit all session), so
+# the commit must come from the caller: MINIVLLM_COMMIT=<sha of the tree sent> bash bench/gpu_suite.sh X.
+export MINIVLLM_COMMIT=${MINIVLLM_COMMIT:-unknown}
