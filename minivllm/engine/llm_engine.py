@@ -190,8 +190,8 @@ class LLMEngine:
         synced: list[SequenceGroup] = []
         if self._in_flight is not None and (self._in_flight.needs_sync or num_drafts):
             synced = self._update_in_flight()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, num_drafts)
+        if self.spec is not None and self.spec.propose(self.scheduler.running, num_drafts):
+            self.structured_output.truncate_drafts(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         launched = None
         read_back_now = not self.async_scheduling

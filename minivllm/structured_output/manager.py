@@ -9,13 +9,22 @@ with its sequence's output tokens when the next mask is filled, so forks, preemp
 update path need no hooks; the one requirement is that every token of a constrained sequence is on the
 host when its step is scheduled, which the engine ensures by reading such steps back before scheduling
 the next (async scheduling samples step N + 1 before N's token reaches the host).
+
+Speculative decoding: a verified sequence has one row per position, and the row after draft j is masked
+by the matcher's state after drafts 0..j, reached by accepting them and rolled back afterwards (only the
+tokens verification keeps are committed, at the next catch-up). Host drafts (n-gram) are cut at the
+first token the grammar forbids before scheduling; drafts made on the device reach the host inside the
+runner's step, which then calls back for the masks (the target's forward runs meanwhile). A forbidden
+draft has probability 0 under its row's mask, so verification rejects it and the rows after it are unused.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,6 +51,8 @@ class StructuredOutputManager:
         # Host time spent filling masks, for benchmarks and metrics.
         self.mask_time_s = 0.0
         self.num_masks = 0
+        # Speculative drafts cut or rejected because the grammar forbids them.
+        self.num_rejected_draft_tokens = 0
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -64,30 +75,59 @@ class StructuredOutputManager:
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured output specification: {_first_line(e)}") from None
 
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> np.ndarray | None:
-        """[rows, ceil(V / 32)] int32 bitmask for the step's sampling rows (a sequence's `num_samples` rows
-        in schedule order, as the runner lays them out); None when no row is constrained."""
+    def truncate_drafts(self, seqs: list[Sequence]) -> None:
+        """Cut each constrained sequence's host drafts (`spec_token_ids`) before the first token its grammar
+        forbids, so no slot is spent on a draft that cannot be accepted. Device placeholders (-1) stay."""
+        for seq in seqs:
+            drafts = seq.spec_token_ids
+            if not drafts or drafts[0] < 0 or seq.sampling_params.structured_outputs is None:
+                continue
+            matcher = self._catch_up(seq).matcher
+            num_valid = num_advanced = 0
+            for token_id in drafts:
+                step = self._try_draft(matcher, token_id)
+                if step is None:
+                    break
+                num_valid, num_advanced = num_valid + 1, num_advanced + step
+            matcher.rollback(num_advanced)
+            if num_valid < len(drafts):
+                self.num_rejected_draft_tokens += len(drafts) - num_valid
+                seq.spec_token_ids = drafts[:num_valid]
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput, device_drafts: dict[int, list[int]] | None = None
+                        ) -> np.ndarray | Callable[[dict[int, list[int]]], np.ndarray] | None:
+        """[rows, ceil(V / 32)] int32 bitmask for the step's sampling rows (a sequence's `num_sampling_rows`
+        in schedule order, as the runner lays them out); None when no row is constrained.
+
+        When a constrained sequence's drafts are still placeholders (proposed on the device), this returns
+        a function of `device_drafts` ({sequence index in the step: draft ids}) that the runner calls once
+        it has read them back."""
         seqs = scheduler_output.seqs
         if not any(n and s.sampling_params.structured_outputs is not None
                    for s, n in zip(seqs, scheduler_output.num_samples)):
             return None
+        drafts_of_seq = scheduler_output.spec_token_ids or [[] for _ in seqs]
+        if device_drafts is None and any(d and d[0] < 0 and s.sampling_params.structured_outputs is not None
+                                         for s, d in zip(seqs, drafts_of_seq)):
+            return functools.partial(self.grammar_bitmask, scheduler_output)
         started = time.perf_counter()
-        # A speculating sequence (never a constrained one) has a row per verified position.
         rows_of_seq = scheduler_output.num_sampling_rows
         bitmask = np.full((sum(rows_of_seq), self.num_words), -1, dtype=np.int32)
         matchers, rows, forks = [], [], []
         row = 0
-        for seq, num_samples, num_rows in zip(seqs, scheduler_output.num_samples, rows_of_seq):
+        for i, (seq, num_samples, num_rows) in enumerate(zip(seqs, scheduler_output.num_samples, rows_of_seq)):
             if num_samples and seq.sampling_params.structured_outputs is not None:
                 state = self._catch_up(seq)
-                if not state.matcher.is_terminated():
+                drafts = drafts_of_seq[i]
+                if drafts:
+                    if device_drafts is not None and drafts[0] < 0:
+                        drafts = device_drafts[i][:len(drafts)]
+                    self._fill_verified_rows(state.matcher, drafts, bitmask, row)
+                elif not state.matcher.is_terminated():
                     matchers.append(state.matcher)
                     rows.append(row)
-                else:  # the grammar is complete and its stop token ignored (ignore_eos): stop tokens only
-                    words = bitmask.view(np.uint32)
-                    words[row] = 0
-                    for t in self.stop_token_ids:
-                        words[row, t // 32] |= np.uint32(1 << (t % 32))
+                else:
+                    self._allow_stop_tokens_only(bitmask, row)
                 if num_samples > 1:
                     forks.append((row, num_samples))
             row += num_rows
@@ -98,6 +138,38 @@ class StructuredOutputManager:
         self.mask_time_s += time.perf_counter() - started
         self.num_masks += 1
         return bitmask
+
+    def _fill_verified_rows(self, matcher, drafts: list[int], bitmask: np.ndarray, first_row: int) -> None:
+        """Rows `first_row + j` (j = 0..len(drafts)) masked as after accepting drafts[:j]; the matcher ends
+        where it began. Rows after a draft the grammar forbids stay all ones: verification stops before them."""
+        num_advanced = 0
+        for j in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                self._allow_stop_tokens_only(bitmask, first_row + j)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, first_row + j)
+            if j == len(drafts):
+                break
+            step = self._try_draft(matcher, drafts[j])
+            if step is None:
+                self.num_rejected_draft_tokens += len(drafts) - j
+                break
+            num_advanced += step
+        matcher.rollback(num_advanced)
+
+    def _try_draft(self, matcher, token_id: int) -> int | None:
+        """Advance over one draft: 1 if the matcher took it, 0 if allowed without a step (a stop token
+        after the grammar completed, under ignore_eos), None if the grammar forbids it."""
+        if matcher.is_terminated():
+            return 0 if token_id in self.stop_token_ids else None
+        return 1 if matcher.accept_token(token_id) else None
+
+    def _allow_stop_tokens_only(self, bitmask: np.ndarray, row: int) -> None:
+        """The grammar is complete and its stop token ignored (ignore_eos): stop tokens only."""
+        words = bitmask.view(np.uint32)
+        words[row] = 0
+        for t in self.stop_token_ids:
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
 
     def _get_batch_matcher(self):
         if self._batch_matcher is None:

@@ -200,10 +200,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput,
-                      grammar_bitmask: np.ndarray | None = None) -> PendingModelOutput:
+                      grammar_bitmask=None) -> PendingModelOutput:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
-        `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata)."""
+        `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
+        function of the device proposer's drafts ({index in the step: ids}) that returns it."""
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
@@ -212,7 +213,12 @@ class ModelRunner:
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs)
         draft_ids, draft_probs = self._propose(inputs)
+        drafts_on_host = None
+        if callable(grammar_bitmask):  # the masks of verified positions follow the device's drafts
+            drafts_on_host = self._start_copy_drafts_to_host(draft_ids)
         hidden = self._forward(inputs)
+        if drafts_on_host is not None:  # the target's forward is queued: fill the masks while it runs
+            grammar_bitmask = grammar_bitmask(self._drafts_by_seq(inputs, drafts_on_host))
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
                                                   inputs.metadata.query_start_loc_cpu)
         if not inputs.sampling_rows:
@@ -244,6 +250,26 @@ class ModelRunner:
         last_hidden_index = spec.draft_positions[:, 0] - 1
         return self.proposer.propose(inputs.input_ids, inputs.positions, inputs.metadata, spec, rows_per_step,
                                      last_hidden_index, spec.last_positions.tolist())
+
+    def _start_copy_drafts_to_host(self, draft_ids: torch.Tensor) -> tuple:
+        """Queue the copy of the device proposer's drafts ahead of the target's forward."""
+        if self.device.type != "cuda":
+            return draft_ids, None, None
+        host, buffer = self.host_buffers.copy_to_host(draft_ids)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready, buffer
+
+    def _drafts_by_seq(self, inputs: ModelInputs, drafts_on_host: tuple) -> dict[int, list[int]]:
+        """{index in the step: its drafts}, once their copy has landed (the drafts only, not the forward)."""
+        draft_ids, ready, buffer = drafts_on_host
+        if ready is not None:
+            ready.synchronize()
+        ids = draft_ids.tolist()
+        if buffer is not None:
+            self.host_buffers.release([buffer])
+        spec = inputs.spec
+        return {int(i): ids[n][:int(k)] for n, (i, k) in enumerate(zip(spec.seq_index, spec.num_drafts))}
 
     def _start_copy_to_host(self, output: SamplerOutput | None, prompt_logprobs: PromptLogprobs | None = None
                             ) -> tuple[SamplerOutput | None, torch.cuda.Event | None, list[torch.Tensor]]:
