@@ -1,11 +1,13 @@
 """Structured outputs under speculative decoding: the masks of a verified step's positions against matchers
-advanced by hand, and greedy constrained outputs with n-gram and draft-layers speculation token-identical
-to no speculation (a tiny random Llama with the default tokenizer, and the real default model in fp32),
-with drafts the grammar forbids, no leaked blocks, and a json_schema request streamed by the server."""
+advanced by hand; greedy constrained outputs with n-gram and draft-layers speculation token-identical to
+no speculation (a tiny random Llama with the default tokenizer, and the real default model in fp32), with
+drafts the grammar forbids and no leaked blocks; constrained sampling distributed as without speculation
+(chi-square); a json_schema request streamed by the server."""
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import jsonschema
 import numpy as np
@@ -23,6 +25,8 @@ from minivllm.sampling_params import StructuredOutputsParams
 from minivllm.server.api_server import ServerThread, build_app
 from minivllm.structured_output import StructuredOutputManager
 from tests.conftest import make_tiny_hf_checkpoint
+from tests.test_models_serving import write_byte_tokenizer
+from tests.test_spec_decode import _chi_square_p_value
 from tests.test_structured_output import SCHEMA as PERSON_SCHEMA
 
 # test_structured_output's person without the address: short enough for few tokens on the CPU.
@@ -145,6 +149,59 @@ def test_tiny_model_constrained_greedy_is_token_identical(tiny_model, speculativ
     assert engine.get_stats().spec_decode.num_draft_tokens > 0
     assert engine.structured_output.num_rejected_draft_tokens > 0
 
+
+# ---- the engine: sampling distribution ---------------------------------------------------------------------
+
+SAMPLING_ENGINE = dict(dtype="float32", kv_cache_memory=16 << 20, max_model_len=64, seed=0, max_num_seqs=256,
+                       max_num_batched_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory) -> str:
+    """A tiny random Llama with a one-token-per-byte tokenizer (257 tokens: sampling 8k rows stays cheap)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-bytes")
+    vocab = write_byte_tokenizer(folder)
+    make_tiny_hf_checkpoint(folder, "llama3", vocab_size=vocab, eos_token_id=vocab - 1)
+    return str(folder)
+
+
+def _sample_constrained(llm: LLM, num_samples: int) -> list[Counter]:
+    """Histograms of output positions 1 and 2 (those verified steps produce) under a regex, at temperature 1."""
+    params = SamplingParams(temperature=1.0, max_tokens=3, n=64,
+                            structured_outputs=StructuredOutputsParams(regex="[a-h]{5}"))
+    outputs = llm.generate(["abcdefghabcdefghabc"] * (num_samples // 64), params, use_tqdm=False)
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    assert all(re.fullmatch("[a-h]{3}", c.text) for o in outputs for c in o.outputs)
+    tokens = [c.token_ids for o in outputs for c in o.outputs]
+    return [Counter(t[j] for t in tokens) for j in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def constrained_distribution(byte_model) -> list[Counter]:
+    return _sample_constrained(LLM(byte_model, **SAMPLING_ENGINE), 8192)
+
+
+@pytest.mark.parametrize("speculative_config", [
+    NGRAM, {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3, "adaptive": False}],
+    ids=["ngram", "draft_layers"])
+def test_constrained_sampling_has_the_non_speculative_distribution(byte_model, constrained_distribution,
+                                                                   speculative_config):
+    """8,192 samples under a regex at temperature 1: the speculated positions are distributed as without
+    speculation (two-sample chi-square). N-gram drafts (letters of the prompt) are allowed and accepted
+    or not by p/q; the one-layer draft mostly proposes bytes the grammar forbids (p = 0: rejected)."""
+    llm = LLM(byte_model, **SAMPLING_ENGINE, speculative_config=speculative_config)
+    speculative = _sample_constrained(llm, 8192)
+    stats = llm.llm_engine.get_stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if speculative_config is not NGRAM:
+        assert llm.llm_engine.structured_output.num_rejected_draft_tokens > 0
+    p_values = [_chi_square_p_value(a, b) for a, b in zip(speculative, constrained_distribution)]
+    print(f"acceptance {stats.num_accepted_tokens}/{stats.num_draft_tokens}, forbidden drafts "
+          f"{llm.llm_engine.structured_output.num_rejected_draft_tokens}, chi-square p-values {p_values}")
+    assert min(p_values) > 1e-3, p_values
+
+
+# ---- the real default model ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def real_reference():
