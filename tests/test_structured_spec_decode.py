@@ -125,6 +125,24 @@ def test_verified_rows_are_masked_as_after_each_accepted_draft(manager):
     assert np.array_equal(manager.grammar_bitmask(output)[0], expected[0])
 
 
+def test_verified_rows_after_the_grammar_completes_allow_stop_tokens_only(manager):
+    """ignore_eos: the sequence goes on past the grammar's end; its drafts may be stop tokens only."""
+    eos = manager.stop_token_ids[0]
+    params = SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    manager.compile(params)
+    seq = SequenceGroup(request_id="1", prompt=None, prompt_token_ids=[1, 2], sampling_params=params).seqs[0]
+    for token_id in manager.tokenizer.encode("yes") + [eos]:
+        seq.append_token(token_id)
+    drafts = [eos, eos, manager.tokenizer.encode("no")[0]]
+    output = SchedulerOutput(seqs=[seq], num_computed_tokens=[seq.num_tokens - 1], num_scheduled_tokens=[4],
+                             num_samples=[1], spec_token_ids=[drafts])
+    bitmask = manager.grammar_bitmask(output).view(np.uint32)
+    only_eos = np.zeros(manager.num_words, dtype=np.uint32)
+    only_eos[eos // 32] = 1 << (eos % 32)
+    assert all(np.array_equal(bitmask[j], only_eos) for j in range(3))
+    assert (bitmask[3] == np.uint32(0xFFFFFFFF)).all()   # after the forbidden "no": never used
+
+
 # ---- the engine: greedy exactness ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ class StructuredOutputManager:
         started = time.perf_counter()
         rows_of_seq = scheduler_output.num_sampling_rows
         bitmask = np.full((sum(rows_of_seq), self.num_words), -1, dtype=np.int32)
-        matchers, rows, forks = [], [], []
+        matchers, rows, forks, verified = [], [], [], []
         row = 0
         for i, (seq, num_samples, num_rows) in enumerate(zip(seqs, scheduler_output.num_samples, rows_of_seq)):
             if num_samples and seq.sampling_params.structured_outputs is not None:
@@ -122,40 +122,58 @@ class StructuredOutputManager:
                 if drafts:
                     if device_drafts is not None and drafts[0] < 0:
                         drafts = device_drafts[i][:len(drafts)]
-                    self._fill_verified_rows(state.matcher, drafts, bitmask, row)
-                elif not state.matcher.is_terminated():
+                    verified.append((state.matcher, drafts, row))
+                else:
                     matchers.append(state.matcher)
                     rows.append(row)
-                else:
-                    self._allow_stop_tokens_only(bitmask, row)
                 if num_samples > 1:
                     forks.append((row, num_samples))
             row += num_rows
-        if matchers:  # rows in parallel on a few host threads (xgrammar releases the GIL)
-            self._get_batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        self._fill_rows(matchers, rows, bitmask)
+        if verified:
+            self._fill_verified_rows(verified, bitmask)
         for row, num_samples in forks:  # siblings of a fork share the prompt's state
             bitmask[row + 1:row + num_samples] = bitmask[row]
         self.mask_time_s += time.perf_counter() - started
         self.num_masks += 1
         return bitmask
 
-    def _fill_verified_rows(self, matcher, drafts: list[int], bitmask: np.ndarray, first_row: int) -> None:
-        """Rows `first_row + j` (j = 0..len(drafts)) masked as after accepting drafts[:j]; the matcher ends
-        where it began. Rows after a draft the grammar forbids stay all ones: verification stops before them."""
-        num_advanced = 0
-        for j in range(len(drafts) + 1):
+    def _fill_rows(self, matchers: list, rows: list[int], bitmask: np.ndarray) -> None:
+        """Each matcher's next-token mask into its row, in parallel on a few host threads (xgrammar releases
+        the GIL). A terminated matcher (grammar complete, its stop token ignored under ignore_eos) allows
+        stop tokens only."""
+        live_matchers, live_rows = [], []
+        for matcher, row in zip(matchers, rows):
             if matcher.is_terminated():
-                self._allow_stop_tokens_only(bitmask, first_row + j)
+                self._allow_stop_tokens_only(bitmask, row)
             else:
-                matcher.fill_next_token_bitmask(bitmask, first_row + j)
-            if j == len(drafts):
-                break
-            step = self._try_draft(matcher, drafts[j])
-            if step is None:
-                self.num_rejected_draft_tokens += len(drafts) - j
-                break
-            num_advanced += step
-        matcher.rollback(num_advanced)
+                live_matchers.append(matcher)
+                live_rows.append(row)
+        if live_matchers:
+            self._get_batch_matcher().batch_fill_next_token_bitmask(live_matchers, bitmask, live_rows)
+
+    def _fill_verified_rows(self, verified: list[tuple], bitmask: np.ndarray) -> None:
+        """For each (matcher, drafts, first row): row `first + j` (j = 0..len(drafts)) masked as after
+        accepting drafts[:j], position by position across sequences; each matcher ends where it began.
+        Rows after a draft the grammar forbids stay all ones: verification stops before them."""
+        num_advanced = [0] * len(verified)
+        alive = list(range(len(verified)))
+        for j in range(max(len(drafts) for _, drafts, _ in verified) + 1):
+            self._fill_rows([verified[v][0] for v in alive], [verified[v][2] + j for v in alive], bitmask)
+            still_alive = []
+            for v in alive:
+                matcher, drafts, _ = verified[v]
+                if j == len(drafts):
+                    continue
+                step = self._try_draft(matcher, drafts[j])
+                if step is None:
+                    self.num_rejected_draft_tokens += len(drafts) - j
+                    continue
+                num_advanced[v] += step
+                still_alive.append(v)
+            alive = still_alive
+        for (matcher, _, _), n in zip(verified, num_advanced):
+            matcher.rollback(n)
 
     def _try_draft(self, matcher, token_id: int) -> int | None:
         """Advance over one draft: 1 if the matcher took it, 0 if allowed without a step (a stop token
@@ -165,7 +183,6 @@ class StructuredOutputManager:
         return 1 if matcher.accept_token(token_id) else None
 
     def _allow_stop_tokens_only(self, bitmask: np.ndarray, row: int) -> None:
-        """The grammar is complete and its stop token ignored (ignore_eos): stop tokens only."""
         words = bitmask.view(np.uint32)
         words[row] = 0
         for t in self.stop_token_ids:
