@@ -16,9 +16,10 @@
 #   S: structured outputs: the offline structured-output tests on the GPU (default model), then W1 with every
 #      request under a JSON schema vs none, alternating in one run, with per-step mask time
 #      (structured_<gpu>.json); carry the default model as for B and the xgrammar + apache-tvm-ffi wheels in .whl
-#   Q: quantization: gpu tests of the int4 Triton GEMM and the fp8/int8 W8A8 GEMMs against their references;
-#      bench/quant_bench.py (dummy Llama-3-8B in bf16, fp8, int8, int4: batch-1 decode, W1, GEMM table ->
-#      quant_<gpu>.json), then Llama-3-70B int4 and fp8 W1 on one GPU (quant_70b_<gpu>.json). ~7 min.
+#   Q: quantization: gpu tests of the int4 Triton GEMM, the fp8/int8 W8A8 GEMMs and the fp8 KV cache paths against
+#      their references; bench/quant_bench.py (dummy Llama-3-8B in bf16, fp8, int8, int4, and bf16 with an fp8
+#      KV cache: batch-1 decode, W1, KV capacity, GEMM table -> quant_<gpu>.json), then Llama-3-70B int4 and
+#      fp8 W1 on one GPU (quant_70b_<gpu>.json). ~8 min.
 #   G: GGUF kept quantized (quantization="gguf"): the default model's Q4_1 linears through the Triton GEMM
 #      against the dequantized model, fp32 on the GPU (tests/test_quant_gguf.py); needs the model file (run
 #      after A/B carried both halves, as V). ~1 min.
@@ -93,9 +94,9 @@ case "${1:-A}" in
     python3 bench/structured_bench.py --out "$OUT" > "$OUT/structured_bench.log" 2>&1; tail -10 "$OUT/structured_bench.log"
     ;;
   Q)
-    timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
-      | tee "$OUT/gpu_tests_Q.log" | tail -3
-    timeout 270 python3 bench/quant_bench.py --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py \
+      tests/test_kv_cache_fp8.py 2>&1 | tee "$OUT/gpu_tests_Q.log" | tail -3
+    timeout 320 python3 bench/quant_bench.py --out "$OUT" > "$OUT/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant_bench.log" | tail -30
     timeout 200 python3 bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm \
       --gpu-memory-utilization 0.95 --out "$OUT" > "$OUT/quant_70b.log" 2>&1

@@ -3,11 +3,13 @@
     python bench/quant_bench.py --out bench/results                  # 8B engine runs + GEMM table
     python bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm --out bench/results
 
-Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128): batch-1 decode tok/s
-(1 x 512 -> 128, median time per output token) and W1 (64 x 512 -> 256 output tok/s), each with its
-ratio to bf16. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096} x the 8B layer shapes, as the
-linear layers run it (activation quantization included for W8A8), with achieved weight+activation
-bytes/s against the measured copy bandwidth and FLOP/s against the measured bf16 matmul rate.
+Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128, and fp8kv = bf16 weights
+with kv_cache_dtype="fp8"): batch-1 decode tok/s (1 x 512 -> 128, median time per output token) and W1
+(64 x 512 -> 256 output tok/s), each with its ratio to bf16, and the KV capacity (blocks and tokens at the
+same gpu_memory_utilization) with its ratio to bf16's. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096}
+x the 8B layer shapes, as the linear layers run it (activation quantization included for W8A8), with
+achieved weight+activation bytes/s against the measured copy bandwidth and FLOP/s against the measured bf16
+matmul rate.
 The GEMM table runs first (minutes at most), then the engine rows.
 Writes quant_<device>.json (or quant_70b_<device>.json); each result is written as soon as it exists,
 and a format that fails records its error instead of stopping the run.
@@ -28,6 +30,7 @@ from bench.common import (device_slug, measure_copy_bandwidth, measure_matmul_ra
 from bench.throughput import Workload, free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
 
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
+KV_CACHE_DTYPE = {"fp8kv": "fp8"}   # engine-only formats: bf16 weights, another KV cache dtype
 SINGLE, W1 = Workload(1, 512, 128), Workload(64, 512, 256)
 QUICK_SINGLE, QUICK_W1 = Workload(1, 16, 4), Workload(2, 16, 4)
 # (name, input features K, output features N) of Llama-3-8B's linear layers (qkv and gate_up packed)
@@ -39,7 +42,8 @@ GEMM_M = (1, 16, 64, 256, 4096)
 def engine_row(args, fmt: str, device: torch.device) -> dict:
     from minivllm import LLM
     single, w1 = (QUICK_SINGLE, QUICK_W1) if args.quick else (SINGLE, W1)
-    options = dict(model=args.model, load_format="dummy", quantization=QUANTIZATION[fmt], dtype="bfloat16"
+    options = dict(model=args.model, load_format="dummy", quantization=QUANTIZATION.get(fmt),
+                   kv_cache_dtype=KV_CACHE_DTYPE.get(fmt, "auto"), dtype="bfloat16"
                    if device.type == "cuda" else "float32", device=device.type, max_num_seqs=w1.num_requests,
                    max_model_len=w1.prompt_len + w1.output_len, skip_tokenizer_init=True, seed=0)
     if device.type == "cuda":
@@ -49,7 +53,8 @@ def engine_row(args, fmt: str, device: torch.device) -> dict:
     llm = LLM(**options)
     runner = llm.llm_engine.runner
     vocab = runner.vocab_size
-    row = {"format": fmt, "quantization": QUANTIZATION[fmt], "weight_bytes": runner.weight_bytes,
+    row = {"format": fmt, "quantization": QUANTIZATION.get(fmt), "weight_bytes": runner.weight_bytes,
+           "kv_cache_dtype": options["kv_cache_dtype"], "num_gpu_blocks": runner.num_blocks,
            "kv_cache_tokens": runner.num_kv_tokens}
     warm_up(llm, w1, vocab)
     one = timed_generate(llm, random_prompts(single, vocab, seed=1), single.output_len)
@@ -108,7 +113,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--model", default=None, help="dummy config (default: llama-3-8b on CUDA, tiny-llama on CPU)")
-    parser.add_argument("--formats", default="bf16,fp8,int8,int4")
+    parser.add_argument("--formats", default="bf16,fp8,int8,int4,fp8kv")
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -150,6 +155,7 @@ def main(argv=None) -> dict:
         if base and "error" not in row:
             row["decode_vs_bf16"] = row["decode_batch1_tokens_per_s"] / base["decode_batch1_tokens_per_s"]
             row["w1_vs_bf16"] = row["w1_output_tokens_per_s"] / base["w1_output_tokens_per_s"]
+            row["kv_cache_tokens_vs_bf16"] = row["kv_cache_tokens"] / base["kv_cache_tokens"]
         print(row, flush=True)
         result["engine"].append(row)
         write_json(path, result)

@@ -49,7 +49,9 @@ def build_llm(args):
     from minivllm import LLM
     block_size = 16
     prompt_blocks = -(-args.input_len // block_size)
-    num_blocks = max(args.seqs_fit * prompt_blocks + args.seqs_fit // 2,
+    # Half a prompt of slack: the running sequences' growth outruns it, so preemption must happen (with a
+    # slack of seqs_fit // 2 blocks on the H100 the scheduler admitted one prompt fewer and never preempted).
+    num_blocks = max(args.seqs_fit * prompt_blocks + prompt_blocks // 2,
                      -(-(args.input_len + args.output_len + 16) // block_size))
     options = dict(seed=0, device=args.device, max_num_seqs=args.num_requests, max_num_batched_tokens=8192,
                    max_model_len=args.input_len + args.output_len + 16, block_size=block_size,

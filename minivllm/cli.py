@@ -70,6 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                    help="fp8 | int8 (quantize at load) or the checkpoint's format (gptq, awq, compressed-tensors); "
                         "gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 linears quantized; "
                         "default: config.json's quantization_config")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="fp8: store the KV cache as float8 e4m3 with per-layer scales (about twice the tokens); "
+                        "auto: the model's dtype")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -86,7 +89,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-        speculative_config=args.speculative_config, quantization=args.quantization)
+        speculative_config=args.speculative_config, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,9 @@ class EngineConfig:
     # "fp8" | "int8" | "gptq" | "awq" | "compressed-tensors"; None: from config.json's quantization_config
     # "gguf" (a .gguf file): keep its Q4_0/Q4_1/Q8_0 linear weights quantized instead of dequantizing
     quantization: str | None = None
+    # "auto" (the model's dtype) | "fp8" = "fp8_e4m3": KV stored as float8_e4m3fn with per-layer scales
+    # (ARCHITECTURE.md, "FP8 KV cache"), halving the bytes per cached token.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.tensor_parallel_size > 1:

@@ -119,7 +119,7 @@ def test_gpu_fp32_greedy_matches_transformers(arch, tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
     llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-              max_model_len=256, max_num_batched_tokens=48)
+              max_model_len=256, max_num_batched_tokens=48, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]

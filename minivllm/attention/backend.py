@@ -13,15 +13,19 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; rows with slot -1 are skipped."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; rows with slot -1 are skipped.
+        An fp8 cache stores key / k_scale and value / v_scale, saturated (torch_backend.quantize_kv)."""
 
     @abc.abstractmethod
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+               metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim] -> output of the same shape, causal over the
         sequence's cached context plus its own query tokens. Query heads map to KV heads in groups
-        (head h uses KV head h // (num_heads // num_kv_heads))."""
+        (head h uses KV head h // (num_heads // num_kv_heads)). An fp8 cache's entries are read as
+        stored * k_scale (keys) and stored * v_scale (values)."""
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:

@@ -27,16 +27,19 @@ class TritonAttentionBackend(AttentionBackend):
         that many tokens per partition (a value past the block table's reach disables the split)."""
         self.decode_partition_size = decode_partition_size
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
-        write_kv(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+        write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+               metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
         # Decode-only with one row per sequence: row i is sequence i's query (query_start_loc = arange).
         if metadata.is_decode_only and query.shape[0] == metadata.num_seqs:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables,
                                           metadata.seq_lens, scale,
-                                          partition_size=self.decode_partition_size)
+                                          partition_size=self.decode_partition_size,
+                                          k_scale=k_scale, v_scale=v_scale)
         return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                        metadata.seq_lens, metadata.block_tables, scale,
-                                       max_query_len=metadata.max_query_len)
+                                       max_query_len=metadata.max_query_len,
+                                       k_scale=k_scale, v_scale=v_scale)

@@ -6,6 +6,7 @@ request validation; it knows nothing about HTTP and never touches tensors.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -196,12 +197,13 @@ class LLMEngine:
         launched = None
         read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
-            # Penalties, grammars and verification (a variable number of tokens) need every token of this
-            # step on the host before the next is scheduled.
+            # Penalties and verification (a variable number of tokens) need every token of this step on
+            # the host before the next is scheduled.
             needs_sync = bool(scheduler_output.spec_token_ids) or any(
-                seq.sampling_params.uses_penalties or seq.sampling_params.structured_outputs
-                for seq in scheduler_output.seqs)
-            bitmask = self.structured_output.grammar_bitmask(scheduler_output)
+                seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
+            bitmask = None
+            if self.structured_output.is_constrained(scheduler_output):
+                bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
             launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
                                      needs_sync)
             # A request's first token goes out without the one-step lag: time to first token matters more
@@ -218,6 +220,15 @@ class LLMEngine:
             self.spec.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started,
                                    speculative=bool(scheduler_output.spec_token_ids))
         return outputs
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
+                         device_drafts: dict[int, list[int]] | None = None):
+        """The step's grammar mask, filled by the runner's call once the forward pass is launched. The step
+        before it, still in flight, is read back first: its tokens advance the grammar matchers.
+        `device_drafts`: the drafts the runner's proposer made for this step (they decide verified rows)."""
+        if self._in_flight is not None:
+            synced += self._update_in_flight()
+        return self.structured_output.grammar_bitmask(scheduler_output, device_drafts)
 
     def _complete_in_flight(self) -> list[RequestOutput]:
         return [self._make_output(group) for group in self._update_in_flight()]

@@ -9,6 +9,9 @@ Design:
 - Split-K ("flash-decoding"): the context is cut into partitions handled by separate programs, each
   writing its running max, softmax sum and normalised partial output; a second kernel combines them.
   This keeps the GPU busy when batch x kv_heads is small and contexts are long.
+- fp8 caches (float8_e4m3fn) are loaded at one byte per element and widened to the query's dtype in
+  registers (exact: every e4m3 value is a bf16 value); the per-layer scales are folded into the
+  softmax scale (keys) and the output (values), so dequantizing costs no extra multiply per element.
 - CUDA-graph safe: no host syncs, and the grids depend only on shapes (batch, kv heads and a split
   count derived from `block_tables.shape[1]`, the most blocks any sequence can own); programs whose
   partition starts past their sequence's length exit at once.
@@ -41,7 +44,7 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-        qk_scale, num_queries_per_kv, head_dim,
+        qk_scale, v_scale, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         partial_stride_seq, partial_stride_head,
@@ -81,7 +84,7 @@ def _decode_partition_kernel(
         rows = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row \
             + kv_head * cache_stride_h
         k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
-                    mask=valid[None, :] & dim_mask[:, None], other=0.0)           # [D, N]
+                    mask=valid[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
         scores = _dot(q, k, DOT_PRECISION, UPCAST) * qk_scale                     # [G, N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -89,10 +92,11 @@ def _decode_partition_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
-                    mask=valid[:, None] & dim_mask[None, :], other=0.0)           # [N, D]
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
 
+    acc = acc * v_scale   # the values' dequantization scale, once per output instead of per element
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if SPLIT:
         # Normalised partial output plus (max, sum): the reduction reweights partitions exactly.
@@ -180,16 +184,20 @@ def _decode_config(block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           partition_size: int | None = None) -> torch.Tensor:
+                           partition_size: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None picks it from the shapes (`choose_decode_partition_size`), and a value of at least
-    `block_tables.shape[1] * block_size` disables the split."""
+    `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
+    read as stored * k_scale (keys) and stored * v_scale (values)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
-    assert query.dtype == k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1
+    assert k_cache.dtype == v_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0   # as in the reference: only an fp8 cache is scaled
+    assert k_cache.stride() == v_cache.stride() and query.stride(2) == 1 and k_cache.stride(3) == 1
     assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if batch == 0:
@@ -221,7 +229,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_max, partial_sum,
-        scale * LOG2_E, num_queries_per_kv, head_dim,
+        scale * LOG2_E * k_scale, v_scale, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads * num_splits, num_splits,

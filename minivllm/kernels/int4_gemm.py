@@ -79,6 +79,8 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 3
     else:
         block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 3
+    if x.element_size() == 4:   # fp32 tiles at these sizes overflow the H100's 227 KiB of shared memory
+        block_k //= 2
     if split_k is None:
         split_k = choose_split_k(M, N, K, block_n, block_k, _num_sms(x.device))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k

@@ -16,6 +16,8 @@ head cover every tile; a program finds its sequence by counting offsets on devic
 and the few surplus programs exit at once. Programs run heaviest query tiles first (the longest
 key ranges start early, short ones fill the launch's tail). The tile shape comes from a small
 table keyed on the host-side `max_query_len` (never autotuned: the launch is captured in CUDA graphs).
+An fp8 cache is read as in the decode kernel: tiles widened to the query's dtype in registers, the
+key scale folded into the softmax scale and the value scale applied to the output.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=kd_mask, other=0.0)
+    k = k.to(q.dtype)   # an fp8 cache widens here (exactly); a no-op otherwise
     if TRANS_K:
         k = tl.trans(k)
     scores = _dot(q, k, DOT_PRECISION, UPCAST)                                     # [M, N]
@@ -77,6 +80,7 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
 
@@ -86,7 +90,7 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        qk_scale, num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
+        qk_scale, v_scale, num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -156,7 +160,7 @@ def _prefill_kernel(
             True, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST)
 
     # An empty context (a padding row with seq_len 0) yields zeros, as in the reference.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token_rows[:, None] * out_stride_t + heads[:, None] * out_stride_h
              + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & dim_mask[None, :])
@@ -198,16 +202,20 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_tables: torch.Tensor, scale: float,
                             max_query_len: int | None = None, block_m: int | None = None,
                             block_n: int | None = None,
-                            config: PrefillConfig | None = None) -> torch.Tensor:
+                            config: PrefillConfig | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape (rows not covered by
     `query_start_loc` are left unwritten). `max_query_len` (a host-side hint, e.g. the metadata's)
     only picks the tile shape; `config` replaces that choice (benchmarks) and `block_m` (query rows
-    x heads per tile) and `block_n` override its tile sizes, powers of two, for tests."""
+    x heads per tile) and `block_n` override its tile sizes, powers of two, for tests. The cache has
+    the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
-    assert query.dtype == k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1
+    assert k_cache.dtype == v_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0   # as in the reference: only an fp8 cache is scaled
+    assert k_cache.stride() == v_cache.stride() and query.stride(2) == 1 and k_cache.stride(3) == 1
     num_seqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -226,7 +234,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2_E, num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
+        scale * LOG2_E * k_scale, v_scale, num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,

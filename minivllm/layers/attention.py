@@ -29,6 +29,10 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
         self.backend: AttentionBackend = TorchAttentionBackend()
+        # An fp8 KV cache stores k / k_scale and v / v_scale: 1.0 unless the checkpoint provides scales
+        # (models/kv_cache_scales.py; ARCHITECTURE.md, "FP8 KV cache"); other caches ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
@@ -39,8 +43,10 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             out = self._attend_without_cache(query, key, value, meta)
         else:
-            self.backend.write_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = self.backend.attend(query, self.k_cache, self.v_cache, meta, self.scale)
+            self.backend.write_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping,
+                                  self.k_scale, self.v_scale)
+            out = self.backend.attend(query, self.k_cache, self.v_cache, meta, self.scale,
+                                      self.k_scale, self.v_scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _attend_without_cache(self, query, key, value, meta: AttentionMetadata) -> torch.Tensor:

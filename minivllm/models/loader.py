@@ -19,6 +19,7 @@ import transformers
 from torch import nn
 
 from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
+from minivllm.models.kv_cache_scales import extract_kv_cache_scales, set_kv_cache_scales
 from minivllm.models.registry import get_model_class
 from minivllm.quantization import (get_quantization_config, init_dummy_quantized_weights,
                                    process_weights_after_loading, quantization_context)
@@ -208,7 +209,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     elif keep_gguf:
         model.load_weights(gguf_quantized_weights(source.gguf_file, source.weights_dir, source.hf_config.to_dict()))
     else:
-        model.load_weights(iterate_safetensors(source.weights_dir))
+        kv_cache_scales: dict[int, dict[str, float]] = {}   # an fp8 KV cache's per-layer scales, if stored
+        model.load_weights(extract_kv_cache_scales(iterate_safetensors(source.weights_dir), kv_cache_scales))
+        set_kv_cache_scales(model, kv_cache_scales)
     process_weights_after_loading(model)
     if keep_gguf:
         from minivllm.quantization.gguf import log_weight_bytes

@@ -7,24 +7,24 @@ average (115 µs worst) against llguidance's 52 µs (1.7 ms worst), and compilin
 Each sequence gets its own matcher (n > 1 siblings diverge after their first token). A matcher catches up
 with its sequence's output tokens when the next mask is filled, so forks, preemption and the engine's
 update path need no hooks; the one requirement is that every token of a constrained sequence is on the
-host when its step is scheduled, which the engine ensures by reading such steps back before scheduling
-the next (async scheduling samples step N + 1 before N's token reaches the host).
+host when its mask is filled. The engine ensures it: the runner asks for step N + 1's mask once N + 1's
+forward pass is launched, and the engine first reads step N back (async scheduling launches N + 1
+before N's token reaches the host), so the matchers and the mask work overlap the GPU's forward pass.
 
 Speculative decoding: a verified sequence has one row per position, and the row after draft j is masked
 by the matcher's state after drafts 0..j, reached by accepting them and rolled back afterwards (only the
 tokens verification keeps are committed, at the next catch-up). Host drafts (n-gram) are cut at the
 first token the grammar forbids before scheduling; drafts made on the device reach the host inside the
-runner's step, which then calls back for the masks (the target's forward runs meanwhile). A forbidden
-draft has probability 0 under its row's mask, so verification rejects it and the rows after it are unused.
+runner's step, before the target's forward pass is launched, and come with the runner's call for the
+mask. A forbidden draft has probability 0 under its row's mask, so verification rejects it and the rows
+after it are unused.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
 import weakref
-from collections.abc import Callable
 
 import numpy as np
 
@@ -75,6 +75,12 @@ class StructuredOutputManager:
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured output specification: {_first_line(e)}") from None
 
+    @staticmethod
+    def is_constrained(scheduler_output: SchedulerOutput) -> bool:
+        """Whether any sampling row of the step is under a grammar."""
+        return any(n and s.sampling_params.structured_outputs is not None
+                   for s, n in zip(scheduler_output.seqs, scheduler_output.num_samples))
+
     def truncate_drafts(self, seqs: list[Sequence]) -> None:
         """Cut each constrained sequence's host drafts (`spec_token_ids`) before the first token its grammar
         forbids, so no slot is spent on a draft that cannot be accepted. Device placeholders (-1) stay."""
@@ -95,21 +101,14 @@ class StructuredOutputManager:
                 seq.spec_token_ids = drafts[:num_valid]
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput, device_drafts: dict[int, list[int]] | None = None
-                        ) -> np.ndarray | Callable[[dict[int, list[int]]], np.ndarray] | None:
+                        ) -> np.ndarray | None:
         """[rows, ceil(V / 32)] int32 bitmask for the step's sampling rows (a sequence's `num_sampling_rows`
-        in schedule order, as the runner lays them out); None when no row is constrained.
-
-        When a constrained sequence's drafts are still placeholders (proposed on the device), this returns
-        a function of `device_drafts` ({sequence index in the step: draft ids}) that the runner calls once
-        it has read them back."""
+        in schedule order, as the runner lays them out); None when no row is constrained. `device_drafts`
+        ({index in the step: ids}) replaces the placeholders of drafts proposed on the device."""
         seqs = scheduler_output.seqs
-        if not any(n and s.sampling_params.structured_outputs is not None
-                   for s, n in zip(seqs, scheduler_output.num_samples)):
+        if not self.is_constrained(scheduler_output):
             return None
         drafts_of_seq = scheduler_output.spec_token_ids or [[] for _ in seqs]
-        if device_drafts is None and any(d and d[0] < 0 and s.sampling_params.structured_outputs is not None
-                                         for s, d in zip(seqs, drafts_of_seq)):
-            return functools.partial(self.grammar_bitmask, scheduler_output)
         started = time.perf_counter()
         rows_of_seq = scheduler_output.num_sampling_rows
         bitmask = np.full((sum(rows_of_seq), self.num_words), -1, dtype=np.int32)
@@ -120,8 +119,8 @@ class StructuredOutputManager:
                 state = self._catch_up(seq)
                 drafts = drafts_of_seq[i]
                 if drafts:
-                    if device_drafts is not None and drafts[0] < 0:
-                        drafts = device_drafts[i][:len(drafts)]
+                    if drafts[0] < 0:
+                        drafts = device_drafts[i]
                     verified.append((state.matcher, drafts, row))
                 else:
                     matchers.append(state.matcher)

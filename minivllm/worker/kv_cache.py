@@ -1,4 +1,7 @@
-"""KV cache sizing and allocation: how many blocks fit the memory budget, and the per-layer tensors."""
+"""KV cache sizing and allocation: how many blocks fit the memory budget, and the per-layer tensors.
+
+The cache's dtype is the model's, or float8_e4m3fn with kv_cache_dtype="fp8" (one byte per element, so
+the same budget holds twice the blocks of a bf16 cache; ARCHITECTURE.md, "FP8 KV cache")."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +11,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024 * 1024
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """vLLM's names: "auto" keeps the model's dtype; "fp8" and "fp8_e4m3" store float8_e4m3fn."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -41,3 +53,4 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; layer l's K is cache[0, l]."""
     return torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+

@@ -7,12 +7,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from minivllm.attention.backend import get_attention_backend
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.attention.torch_backend import fp8_as_bytes
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
@@ -24,12 +26,17 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
-from minivllm.worker.inputs import InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, prepare_inputs
-from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget
+from minivllm.worker.inputs import (InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
+                                   prepare_inputs)
+from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
 logger = logging.getLogger(__name__)
+
+# A step's structured-output mask, or the function that fills it once the forward pass is launched (given
+# the device proposer's drafts, {index in the step: ids}, or None).
+GrammarBitmask = np.ndarray | Callable[[dict[int, list[int]] | None], np.ndarray | None] | None
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -54,6 +61,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         hf = source.hf_config
         self.hf_config = hf
@@ -87,7 +95,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         peak = self._profile_peak_memory(max_num_batched_tokens)
         budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
-        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.kv_cache_dtype)
                         for layer in self.attention_layers)
         num_blocks = budget // per_block
         if config.num_gpu_blocks_override is not None:
@@ -97,13 +105,13 @@ class ModelRunner:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
         self.num_blocks = int(num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                          self.head_dim, self.dtype, self.device)
+                                          self.head_dim, self.kv_cache_dtype, self.device)
         self.draft_kv_cache = None
         if len(self.attention_layers) > self.num_layers:
             draft = self.attention_layers[self.num_layers]
             self.draft_kv_cache = allocate_kv_cache(len(self.attention_layers) - self.num_layers, self.num_blocks,
-                                                    self.block_size, draft.num_kv_heads, draft.head_dim, self.dtype,
-                                                    self.device)
+                                                    self.block_size, draft.num_kv_heads, draft.head_dim,
+                                                    self.kv_cache_dtype, self.device)
         for i, layer in enumerate(self.attention_layers):
             cache, index = (self.kv_cache, i) if i < self.num_layers else (self.draft_kv_cache, i - self.num_layers)
             layer.k_cache, layer.v_cache = cache[0, index], cache[1, index]
@@ -114,12 +122,13 @@ class ModelRunner:
             self.swap_space = SwapSpace(caches, num_cpu_blocks(config.swap_space, per_block))
         self.num_cpu_blocks = self.swap_space.num_blocks if self.swap_space is not None else 0
         self.kv_budget_bytes = budget
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
+                    self.kv_cache_dtype, self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = InputStager(self.device)
         self.host_buffers = PinnedBufferPool()
+        self.bitmask_stager = StagingBuffer(torch.int32, self.device)
         self._previous_samples: PreviousSamples | None = None
         # Tensor parallelism: called with (blocks_to_copy, inputs) to ship each step to the other ranks.
         self.step_broadcaster = None
@@ -187,7 +196,8 @@ class ModelRunner:
         # non_blocking from pageable memory: staged by CUDA without waiting for the stream
         # (torch.tensor(..., device=cuda) would wait for every queued kernel).
         src, dst = torch.tensor(pairs, dtype=torch.int64).t().contiguous().to(self.device, non_blocking=True)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        cache = fp8_as_bytes(self.kv_cache)
+        cache[:, :, dst] = cache[:, :, src]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
@@ -195,16 +205,18 @@ class ModelRunner:
         with set_forward_context(inputs.metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: np.ndarray | None = None) -> ModelOutput:
+    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask = None) -> ModelOutput:
         return self.execute_async(scheduler_output, grammar_bitmask).result()
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput,
-                      grammar_bitmask=None) -> PendingModelOutput:
+                      grammar_bitmask: GrammarBitmask = None) -> PendingModelOutput:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
         `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
-        function of the device proposer's drafts ({index in the step: ids}) that returns it."""
+        function returning it, called once the forward pass is launched so that the host fills the mask
+        while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
+        None), which decide the masks of verified positions."""
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
@@ -214,11 +226,9 @@ class ModelRunner:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs)
         draft_ids, draft_probs = self._propose(inputs)
         drafts_on_host = None
-        if callable(grammar_bitmask):  # the masks of verified positions follow the device's drafts
+        if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids)
         hidden = self._forward(inputs)
-        if drafts_on_host is not None:  # the target's forward is queued: fill the masks while it runs
-            grammar_bitmask = grammar_bitmask(self._drafts_by_seq(inputs, drafts_on_host))
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
                                                   inputs.metadata.query_start_loc_cpu)
         if not inputs.sampling_rows:
@@ -227,8 +237,11 @@ class ModelRunner:
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
-        if grammar_bitmask is not None:
-            metadata.grammar_bitmask = torch.from_numpy(grammar_bitmask).to(self.device, non_blocking=True)
+        if callable(grammar_bitmask):
+            grammar_bitmask = grammar_bitmask(None if drafts_on_host is None else
+                                              self._drafts_by_seq(inputs, drafts_on_host))
+        if grammar_bitmask is not None:  # pinned: a copy from pageable memory may wait for the forward pass
+            metadata.grammar_bitmask, = self.bitmask_stager.transfer([grammar_bitmask])
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)

@@ -1,15 +1,18 @@
 """SwapSpace: the CPU copy of the KV cache that swap-to-CPU preemption moves blocks to and from.
 
 One CPU tensor per device KV cache, shaped like it ([2, layers, num_cpu_blocks, block_size, heads, dim]),
-pinned on CUDA. Each step's pairs are copied in two batched gathers/scatters per cache (never a loop per
-block): swap-outs first, because the step may hand the freed GPU blocks to other sequences and its forward
-pass overwrites them; then swap-ins. On CUDA the copies run on a side stream that first waits for the
-main stream (earlier steps may still write the blocks being swapped out) and the main stream waits for it
-in turn, so the forward pass sees swapped-in blocks.
+pinned on CUDA; fp8 caches are held and copied as bytes (`fp8_as_bytes`). Each step's pairs are copied
+in two batched gathers/scatters per cache (never a loop per block): swap-outs first, because the step may
+hand the freed GPU blocks to other sequences and its forward pass overwrites them; then swap-ins. On CUDA
+the copies run on a side stream that first waits for the main stream (earlier steps may still write the
+blocks being swapped out) and the main stream waits for it in turn, so the forward pass sees swapped-in
+blocks.
 """
 from __future__ import annotations
 
 import torch
+
+from minivllm.attention.torch_backend import fp8_as_bytes
 
 
 def num_cpu_blocks(swap_space_gib: float, bytes_per_block: int) -> int:
@@ -18,6 +21,7 @@ def num_cpu_blocks(swap_space_gib: float, bytes_per_block: int) -> int:
 
 class SwapSpace:
     def __init__(self, device_caches: list[torch.Tensor], num_blocks: int) -> None:
+        device_caches = [fp8_as_bytes(c) for c in device_caches]
         self.device_caches = device_caches
         self.num_blocks = num_blocks
         on_cuda = device_caches[0].device.type == "cuda"
