@@ -90,7 +90,7 @@ case "${1:-A}" in
       --tag h200x2_70b_tp2 --out "$OUT" > "$OUT/serve_70b_tp2.log" 2>&1; tail -6 "$OUT/serve_70b_tp2.log"
     ;;
   S)
-    python3 -m pytest -q tests/test_structured_output.py 2>&1 | tee "$OUT/gpu_tests_S.log" | tail -3
+    python3 -m pytest -q tests/test_structured_output.py tests/test_structured_spec_decode.py 2>&1 | tee "$OUT/gpu_tests_S.log" | tail -3
     python3 bench/structured_bench.py --out "$OUT" > "$OUT/structured_bench.log" 2>&1; tail -10 "$OUT/structured_bench.log"
     ;;
   Q)

@@ -104,14 +104,14 @@ def chat_text(client, stream: bool, **kwargs) -> tuple[str, str]:
     return text, finish
 
 
-def run_all(client, response_format: dict, max_tokens: int, template: str = "Describe {} as a JSON record."
-            ) -> list[tuple[str, str]]:
+def run_all(client, response_format: dict, max_tokens: int, template: str = "Describe {} as a JSON record.",
+            **sampling) -> list[tuple[str, str]]:
     """Every prompt streamed and not, all at once (one shared batch keeps the CPU run short)."""
     jobs = [(template.format(subject), stream) for subject in SUBJECTS for stream in (False, True)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda job: chat_text(
             client, job[1], messages=[{"role": "user", "content": job[0]}], temperature=0.0,
-            max_tokens=max_tokens, response_format=response_format), jobs))
+            max_tokens=max_tokens, response_format=response_format, **sampling), jobs))
 
 
 def test_json_schema_outputs_parse_and_validate(client):
@@ -125,15 +125,16 @@ def test_json_schema_outputs_parse_and_validate(client):
 
 
 def test_json_mode_outputs_are_json_objects(client):
+    # JSON mode bounds no string, and this small model, greedy, loops inside one on "a jazz pianist"
+    # ('"family": {"Johnny Cage": "Johnny Cage, Johnny Cage, ...') until max_tokens cuts the object
+    # open. A mild repetition penalty, as a user of a small model sets, ends every object.
     results = run_all(client, {"type": "json_object"}, max_tokens=80, template="Give a short JSON object with "
-                      "the name and age of {}.")
-    # Free-form JSON has no length bound and this small model, greedy, may repeat itself inside one: every
-    # output that ends does so as a JSON object, and nearly all end.
-    stopped = [text for text, finish in results if finish == "stop"]
-    assert len(stopped) >= len(results) - 2
-    assert all(isinstance(json.loads(text), dict) for text in stopped)
-    assert all(text.startswith("{") for text, _ in results)
+                      "the name and age of {}.", extra_body={"repetition_penalty": 1.1})
+    for text, finish in results:
+        assert finish == "stop", text
+        assert isinstance(json.loads(text), dict), text
     assert results[0::2] == results[1::2]
+    assert len({text for text, _ in results}) > 10
 
 
 def test_guided_choice_and_regex_always_match(client):

@@ -191,8 +191,8 @@ class LLMEngine:
         synced: list[SequenceGroup] = []
         if self._in_flight is not None and (self._in_flight.needs_sync or num_drafts):
             synced = self._update_in_flight()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, num_drafts)
+        if self.spec is not None and self.spec.propose(self.scheduler.running, num_drafts):
+            self.structured_output.truncate_drafts(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         launched = None
         read_back_now = not self.async_scheduling
@@ -221,12 +221,14 @@ class LLMEngine:
                                    speculative=bool(scheduler_output.spec_token_ids))
         return outputs
 
-    def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup]):
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
+                         device_drafts: dict[int, list[int]] | None = None):
         """The step's grammar mask, filled by the runner's call once the forward pass is launched. The step
-        before it, still in flight, is read back first: its tokens advance the grammar matchers."""
+        before it, still in flight, is read back first: its tokens advance the grammar matchers.
+        `device_drafts`: the drafts the runner's proposer made for this step (they decide verified rows)."""
         if self._in_flight is not None:
             synced += self._update_in_flight()
-        return self.structured_output.grammar_bitmask(scheduler_output)
+        return self.structured_output.grammar_bitmask(scheduler_output, device_drafts)
 
     def _complete_in_flight(self) -> list[RequestOutput]:
         return [self._make_output(group) for group in self._update_in_flight()]

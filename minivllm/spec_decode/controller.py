@@ -75,8 +75,8 @@ class SpeculationController:
         cap = min(self.max_k, self.max_model_len - seq.num_total_tokens - 1)
         if params.max_tokens is not None:
             cap = min(cap, params.max_tokens - seq.num_output_tokens - seq.num_pending_tokens - 1)
-        if (self.ngram is None and params.uses_penalties) or params.structured_outputs is not None:
-            return 0   # grammars are not advanced over drafts yet: constrained requests decode plainly
+        if self.ngram is None and params.uses_penalties:
+            return 0
         return max(cap, 0)
 
     def acceptance_rate(self, seq: Sequence) -> float:

@@ -34,8 +34,9 @@ from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
 logger = logging.getLogger(__name__)
 
-# A step's structured-output mask, or the function that fills it once the forward pass is launched.
-GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None] | None
+# A step's structured-output mask, or the function that fills it once the forward pass is launched (given
+# the device proposer's drafts, {index in the step: ids}, or None).
+GrammarBitmask = np.ndarray | Callable[[dict[int, list[int]] | None], np.ndarray | None] | None
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -214,7 +215,8 @@ class ModelRunner:
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
         `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
         function returning it, called once the forward pass is launched so that the host fills the mask
-        while the GPU runs the model."""
+        while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
+        None), which decide the masks of verified positions."""
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
@@ -223,6 +225,9 @@ class ModelRunner:
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs)
         draft_ids, draft_probs = self._propose(inputs)
+        drafts_on_host = None
+        if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
+            drafts_on_host = self._start_copy_drafts_to_host(draft_ids)
         hidden = self._forward(inputs)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
                                                   inputs.metadata.query_start_loc_cpu)
@@ -233,7 +238,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         if callable(grammar_bitmask):
-            grammar_bitmask = grammar_bitmask()
+            grammar_bitmask = grammar_bitmask(None if drafts_on_host is None else
+                                              self._drafts_by_seq(inputs, drafts_on_host))
         if grammar_bitmask is not None:  # pinned: a copy from pageable memory may wait for the forward pass
             metadata.grammar_bitmask, = self.bitmask_stager.transfer([grammar_bitmask])
         spec = None if inputs.spec is None else build_spec_metadata(
@@ -257,6 +263,26 @@ class ModelRunner:
         last_hidden_index = spec.draft_positions[:, 0] - 1
         return self.proposer.propose(inputs.input_ids, inputs.positions, inputs.metadata, spec, rows_per_step,
                                      last_hidden_index, spec.last_positions.tolist())
+
+    def _start_copy_drafts_to_host(self, draft_ids: torch.Tensor) -> tuple:
+        """Queue the copy of the device proposer's drafts ahead of the target's forward."""
+        if self.device.type != "cuda":
+            return draft_ids, None, None
+        host, buffer = self.host_buffers.copy_to_host(draft_ids)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready, buffer
+
+    def _drafts_by_seq(self, inputs: ModelInputs, drafts_on_host: tuple) -> dict[int, list[int]]:
+        """{index in the step: its drafts}, once their copy has landed (the drafts only, not the forward)."""
+        draft_ids, ready, buffer = drafts_on_host
+        if ready is not None:
+            ready.synchronize()
+        ids = draft_ids.tolist()
+        if buffer is not None:
+            self.host_buffers.release([buffer])
+        spec = inputs.spec
+        return {int(i): ids[n][:int(k)] for n, (i, k) in enumerate(zip(spec.seq_index, spec.num_drafts))}
 
     def _start_copy_to_host(self, output: SamplerOutput | None, prompt_logprobs: PromptLogprobs | None = None
                             ) -> tuple[SamplerOutput | None, torch.cuda.Event | None, list[torch.Tensor]]:
