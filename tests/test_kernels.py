@@ -220,6 +220,66 @@ def test_backend_routes_mixed_batch_through_prefill_kernel():
     assert_close(out, expected, torch.float32)
 
 
+# Gemma-2's per-layer options on the paged kernels: (seq_lens, query_lens, group, head_dim, dtype,
+# sliding window, logit soft cap, block_m, block_n). Windows shorter than the contexts, than a query
+# tile and than a key tile (down to 1), caps that bite (scaled scores of these random vectors reach
+# ~4), odd head dims, chunks after cached prefixes mixed with decode rows and fresh prompts.
+WINDOW_SOFTCAP_PREFILL_CASES = [
+    ([61, 1 + 37, 5], [29, 1, 5], 4, 40, torch.float32, 7, 1.5, 32, 16),
+    ([23, 40], [23, 40], 1, 64, torch.float32, 19, None, 16, 16),
+    ([33, 100], [33, 21], 2, 64, torch.float32, None, 2.0, 16, 16),
+    ([9, 12], [9, 3], 1, 24, torch.float32, 1, 0.5, 16, 16),
+    ([45, 70, 19], [1, 13, 1], 2, 64, torch.bfloat16, 30, 3.0, None, None),
+]
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,group,head_dim,dtype,window,soft_cap,block_m,block_n",
+                         WINDOW_SOFTCAP_PREFILL_CASES)
+def test_prefill_window_and_soft_cap_match_reference(seq_lens, query_lens, group, head_dim, dtype, window,
+                                                     soft_cap, block_m, block_n):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 2, group, head_dim, dtype, block_size=8, num_padding_rows=2, seed=sum(seq_lens))
+    scale = head_dim ** -0.5
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                  metadata.block_tables, scale, max_query_len=metadata.max_query_len,
+                                  block_m=block_m, block_n=block_n, sliding_window=window,
+                                  logits_soft_cap=soft_cap)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
+                                         metadata.seq_lens_cpu, metadata.block_tables, scale,
+                                         sliding_window=window, logits_soft_cap=soft_cap)
+    rows = metadata.query_start_loc_cpu[-1]
+    assert_close(out[:rows], expected[:rows], dtype)
+    plain = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
+                                      metadata.seq_lens_cpu, metadata.block_tables, scale)
+    assert (plain[:rows] - expected[:rows]).abs().max() > 0.05   # the options changed the result
+
+
+# (seq_lens, group, head_dim, dtype, window, soft cap, decode partition): split-K with partitions
+# wholly before the window (which must contribute nothing), unsplit, and an empty padding row.
+WINDOW_SOFTCAP_DECODE_CASES = [
+    ([37, 1, 70, 0], 2, 40, torch.float32, 16, 1.5, 16),
+    ([37, 1, 70, 0], 4, 64, torch.float32, 5, None, 4096),
+    ([50, 33], 4, 64, torch.bfloat16, 20, 2.0, 16),
+    ([90, 17], 1, 32, torch.float32, None, 1.0, 32),
+]
+
+
+@pytest.mark.parametrize("seq_lens,group,head_dim,dtype,window,soft_cap,partition_size",
+                         WINDOW_SOFTCAP_DECODE_CASES)
+def test_decode_window_and_soft_cap_match_reference(seq_lens, group, head_dim, dtype, window, soft_cap,
+                                                    partition_size):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, [1] * len(seq_lens), 2, group, head_dim, dtype, seed=sum(seq_lens) + group)
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    options = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
+        query, k_cache, v_cache, metadata, head_dim ** -0.5, **options)
+    expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, head_dim ** -0.5, **options)
+    assert_close(out, expected, dtype)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])) or seq_lens[-1] > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rms_norm_matches_hf_semantics(dtype):
     generator = torch.Generator().manual_seed(11)
