@@ -429,3 +429,24 @@ def test_gpu_decode_replays_in_a_cuda_graph():
         expected = paged_attention_reference(query, k_cache, v_cache, list(range(batch + 1)),
                                              lengths, metadata.block_tables, 128 ** -0.5)
         assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("partition_size", [None, 512])
+def test_gpu_window_and_soft_cap_realistic(partition_size):
+    """Gemma-2-9B's attention (head_dim 256, 16 query / 8 KV heads, window 4096, cap 50, scale 256^-0.5) in
+    bf16, queries scaled up so that the cap bites: decode rows past the window (split-K partitions wholly
+    before it), then prompt chunks whose query tiles straddle the window's start, mixed with a decode row."""
+    options = dict(sliding_window=4096, logits_soft_cap=50.0)
+    scale = 256 ** -0.5
+    for seq_lens, query_lens in (([6000, 4097, 300, 8192], [1, 1, 1, 1]), ([6000, 5000, 1000], [700, 1, 1000])):
+        query, key, value, k_cache, v_cache, metadata = make_batch(
+            seq_lens, query_lens, 8, 2, 256, torch.bfloat16, num_padding_rows=3, seed=sum(seq_lens))
+        query = query * 8
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
+            query, k_cache, v_cache, metadata, scale, **options)
+        expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, scale, **options)
+        rows = metadata.query_start_loc_cpu[-1]
+        assert_close(out[:rows], expected[:rows], torch.bfloat16)
