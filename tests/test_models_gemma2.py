@@ -1,4 +1,4 @@
-"""Gemma-2 against transformers' Gemma2ForCausalLM (eager attention: sdpa ignores the soft cap). The tiny
+"""Gemma-2 (and Gemma-3's additions) against transformers' Gemma2ForCausalLM (eager attention: sdpa ignores the soft cap). The tiny
 checkpoint has a sliding window of 8 on layer 0 (shorter than every test context), attention and final
 logit soft caps that bite, and an attention scale that is not head_dim ** -0.5; the fp32 logits agree
 within 1e-4. "gemma2" is also one of conftest's NEW_FAMILY_ARCHS, so tests/test_models_families.py checks
@@ -82,3 +82,23 @@ def test_layer_options_follow_the_config():
     assert [a.sliding_window for a in attns] == [8, None, 8, None]
     assert {a.logits_soft_cap for a in attns} == {3.0} and {a.scale for a in attns} == {8 ** -0.5}
     assert not applies_sliding_window(tiny_hf_config("mistral"))
+
+
+def test_gemma3_layers_use_their_own_rope_and_pattern():
+    """Gemma-3: five sliding layers to one full one when the config has no `layer_types`; the sliding
+    layers share the local RoPE table (`rope_local_base_freq`), the full ones the global, scaled one."""
+    import transformers
+    config = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=256,
+                                           sliding_window=8, rope_theta=1e6, rope_local_base_freq=100.0,
+                                           rope_scaling={"rope_type": "linear", "factor": 8.0})
+    model = get_model_class(config)(config)
+    layers = model.model.layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == [8] * 5 + [None, 8]
+    local, full = layers[0].self_attn.rotary_emb, layers[5].self_attn.rotary_emb
+    assert all(layers[i].self_attn.rotary_emb is local for i in (1, 2, 3, 4, 6)) and full is not local
+    assert layers[0].self_attn.q_norm is not None and layers[5].self_attn.k_norm is not None
+    from minivllm.layers.rotary import get_rope
+    assert torch.equal(local.cos_sin_cache, get_rope(16, 256, 100.0, None).cos_sin_cache)
+    assert torch.equal(full.cos_sin_cache, get_rope(16, 256, 1e6, {"rope_type": "linear", "factor": 8.0}).cos_sin_cache)

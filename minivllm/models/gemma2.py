@@ -20,18 +20,23 @@ from minivllm.models.gemma import GemmaForCausalLM, GemmaMLP
 from minivllm.models.llama import LlamaDecoderLayer
 
 
-def layer_types_of(hf_config) -> list[str]:
-    """'sliding_attention' or 'full_attention' per layer; older configs alternate, sliding first."""
+def layer_types_of(hf_config, sliding_window_pattern: int = 2) -> list[str]:
+    """'sliding_attention' or 'full_attention' per layer. Configs without `layer_types` make every
+    `sliding_window_pattern`-th layer full (Gemma-2: every other one, Gemma-3: every sixth)."""
     types = getattr(hf_config, "layer_types", None)
     if types:
         return list(types)
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf_config.num_hidden_layers)]
+    pattern = getattr(hf_config, "sliding_window_pattern", None) or sliding_window_pattern
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(hf_config.num_hidden_layers)]
 
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
+    sliding_window_pattern = 2   # for configs without `layer_types`: every second layer is full
+
     def __init__(self, hf_config, rotary_emb, layer_idx: int):
         super().__init__(hf_config, rotary_emb, GemmaMLP(hf_config))
-        sliding = layer_types_of(hf_config)[layer_idx] == "sliding_attention"
+        sliding = layer_types_of(hf_config, self.sliding_window_pattern)[layer_idx] == "sliding_attention"
         attn = self.self_attn.attn
         self.self_attn.attn = Attention(
             attn.num_heads, attn.head_dim, hf_config.query_pre_attn_scalar ** -0.5, attn.num_kv_heads,

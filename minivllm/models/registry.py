@@ -1,8 +1,8 @@
 """HF architecture name (config.json's `architectures`) -> model class.
 
 The Llama family is one class whose variants are config options (models/llama.py); the MoE models
-reuse its decoder with a different MLP, Gemma with its norms, MLP and embedding swapped (Gemma-2 also
-with its own decoder layer), Phi-3 as is (fused checkpoint tensors); GPT-2 has its own file. Classes are imported when first
+reuse its decoder with a different MLP, Gemma with its norms, MLP and embedding swapped (Gemma-2/3 also
+with their own decoder layer), Phi-3 as is (fused checkpoint tensors); GPT-2 has its own file. Classes are imported when first
 asked for, so loading one family does not import the others.
 """
 from __future__ import annotations
@@ -24,12 +24,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                "gemma2": "Gemma2ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
