@@ -229,6 +229,7 @@ WINDOW_SOFTCAP_PREFILL_CASES = [
     ([23, 40], [23, 40], 1, 64, torch.float32, 19, None, 16, 16),
     ([33, 100], [33, 21], 2, 64, torch.float32, None, 2.0, 16, 16),
     ([9, 12], [9, 3], 1, 24, torch.float32, 1, 0.5, 16, 16),
+    ([100, 7], [20, 7], 1, 32, torch.float32, 60, 2.0, 16, 16),       # masked, unmasked and diagonal tiles
     ([45, 70, 19], [1, 13, 1], 2, 64, torch.bfloat16, 30, 3.0, None, None),
 ]
 
@@ -278,6 +279,28 @@ def test_decode_window_and_soft_cap_match_reference(seq_lens, group, head_dim, d
     expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, head_dim ** -0.5, **options)
     assert_close(out, expected, dtype)
     assert torch.equal(out[-1], torch.zeros_like(out[-1])) or seq_lens[-1] > 0
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,partition_size", [
+    ([37, 1, 70], [1, 1, 1], 16),         # decode, split-K with partitions before the window
+    ([37, 19, 6], [11, 19, 1], None),     # chunk after a cached prefix, a fresh prompt, a decode row
+])
+def test_window_and_soft_cap_on_fp8_cache(seq_lens, query_lens, partition_size):
+    """The per-layer options compose with an fp8 cache's scales (the key scale sits inside the tanh)."""
+    from minivllm.attention.torch_backend import quantize_kv
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 2, 2, 40, torch.float32, block_size=8, seed=sum(seq_lens))
+    k_scale, v_scale = 0.03, 0.02
+    k_cache = quantize_kv(k_cache, torch.float8_e4m3fn, k_scale)
+    v_cache = quantize_kv(v_cache, torch.float8_e4m3fn, v_scale)
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+    options = dict(sliding_window=9, logits_soft_cap=1.5)
+    out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
+        query, k_cache, v_cache, metadata, 40 ** -0.5, k_scale, v_scale, **options)
+    expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, 40 ** -0.5, k_scale, v_scale,
+                                              **options)
+    rows = metadata.query_start_loc_cpu[-1]
+    assert_close(out[:rows], expected[:rows], torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
