@@ -30,6 +30,9 @@
 #   W: swap-to-CPU preemption: its GPU tests (pinned copies on the side stream, async engine outputs), then
 #      bench/swap_bench.py (dummy Llama-3-8B, 32 x 4096 -> 256 under a pool holding ~11 prompts; recompute vs
 #      swap alternating, PCIe bandwidth and prefill time per token for the cost rule) -> swap_<gpu>.json (~5 min)
+#   N: Gemma-2/3: the GPU tests of the sliding-window / soft-cap kernels and of the Gemma families (the engine on
+#      CUDA against transformers), then bench/models_bench.py on dummy gemma-2-9b and gemma-3-1b (W1 + single
+#      stream vs floor) -> gemma2/models_<gpu>.json (a subfolder, so stage M's file is not overwritten). ~5 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +80,12 @@ case "${1:-A}" in
     python3 -m pytest -q -m gpu tests/test_models_families.py tests/test_models_moe_kernel.py 2>&1 \
       | tee "$OUT/gpu_tests_M.log" | tail -3
     python3 bench/models_bench.py --out "$OUT" > "$OUT/models_bench.log" 2>&1; tail -30 "$OUT/models_bench.log"
+    ;;
+  N)
+    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_models_families.py -k "window or gemma" 2>&1 \
+      | tee "$OUT/gpu_tests_N.log" | tail -3
+    python3 bench/models_bench.py --models gemma-2-9b,gemma-3-1b --skip-kernel --out "$OUT/gemma2" > "$OUT/gemma2_bench.log" 2>&1
+    tail -12 "$OUT/gemma2_bench.log"
     ;;
   T)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast

@@ -68,11 +68,23 @@ def tiny_hf_config(arch: str):
     if arch == "gemma":             # GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings, tied
         return transformers.GemmaConfig(**common, head_dim=16, hidden_act="gelu_pytorch_tanh",
                                         tie_word_embeddings=True)
+    if arch == "gemma2":            # window 8 (< the test prompts), caps that bite, attention scale != head_dim
+        return transformers.Gemma2Config(**common, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+                                         query_pre_attn_scalar=8, sliding_window=8, attn_logit_softcapping=3.0,
+                                         final_logit_softcapping=2.0, tie_word_embeddings=True,
+                                         attn_implementation="eager")   # sdpa would ignore the soft cap
+    if arch == "gemma3":            # + q/k norms, a second RoPE table (small theta) for the sliding layers
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=8,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+            attn_implementation="eager")
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
 TINY_ARCHS = ("llama3", "llama-tied-bias", "mistral", "qwen2", "qwen3")
-NEW_FAMILY_ARCHS = ("gpt2", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "gemma")
+NEW_FAMILY_ARCHS = ("gpt2", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "gemma", "gemma2", "gemma3")
 
 
 @torch.no_grad()

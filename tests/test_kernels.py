@@ -220,6 +220,89 @@ def test_backend_routes_mixed_batch_through_prefill_kernel():
     assert_close(out, expected, torch.float32)
 
 
+# Gemma-2's per-layer options on the paged kernels: (seq_lens, query_lens, group, head_dim, dtype,
+# sliding window, logit soft cap, block_m, block_n). Windows shorter than the contexts, than a query
+# tile and than a key tile (down to 1), caps that bite (scaled scores of these random vectors reach
+# ~4), odd head dims, chunks after cached prefixes mixed with decode rows and fresh prompts.
+WINDOW_SOFTCAP_PREFILL_CASES = [
+    ([61, 1 + 37, 5], [29, 1, 5], 4, 40, torch.float32, 7, 1.5, 32, 16),
+    ([23, 40], [23, 40], 1, 64, torch.float32, 19, None, 16, 16),
+    ([33, 100], [33, 21], 2, 64, torch.float32, None, 2.0, 16, 16),
+    ([9, 12], [9, 3], 1, 24, torch.float32, 1, 0.5, 16, 16),
+    ([100, 7], [20, 7], 1, 32, torch.float32, 60, 2.0, 16, 16),       # masked, unmasked and diagonal tiles
+    ([45, 70, 19], [1, 13, 1], 2, 64, torch.bfloat16, 30, 3.0, None, None),
+]
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,group,head_dim,dtype,window,soft_cap,block_m,block_n",
+                         WINDOW_SOFTCAP_PREFILL_CASES)
+def test_prefill_window_and_soft_cap_match_reference(seq_lens, query_lens, group, head_dim, dtype, window,
+                                                     soft_cap, block_m, block_n):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 2, group, head_dim, dtype, block_size=8, num_padding_rows=2, seed=sum(seq_lens))
+    scale = head_dim ** -0.5
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                  metadata.block_tables, scale, max_query_len=metadata.max_query_len,
+                                  block_m=block_m, block_n=block_n, sliding_window=window,
+                                  logits_soft_cap=soft_cap)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
+                                         metadata.seq_lens_cpu, metadata.block_tables, scale,
+                                         sliding_window=window, logits_soft_cap=soft_cap)
+    rows = metadata.query_start_loc_cpu[-1]
+    assert_close(out[:rows], expected[:rows], dtype)
+    plain = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
+                                      metadata.seq_lens_cpu, metadata.block_tables, scale)
+    assert (plain[:rows] - expected[:rows]).abs().max() > 0.05   # the options changed the result
+
+
+# (seq_lens, group, head_dim, dtype, window, soft cap, decode partition): split-K with partitions
+# wholly before the window (which must contribute nothing), unsplit, and an empty padding row.
+WINDOW_SOFTCAP_DECODE_CASES = [
+    ([37, 1, 70, 0], 2, 40, torch.float32, 16, 1.5, 16),
+    ([37, 1, 70, 0], 4, 64, torch.float32, 5, None, 4096),
+    ([50, 33], 4, 64, torch.bfloat16, 20, 2.0, 16),
+    ([90, 17], 1, 32, torch.float32, None, 1.0, 32),
+]
+
+
+@pytest.mark.parametrize("seq_lens,group,head_dim,dtype,window,soft_cap,partition_size",
+                         WINDOW_SOFTCAP_DECODE_CASES)
+def test_decode_window_and_soft_cap_match_reference(seq_lens, group, head_dim, dtype, window, soft_cap,
+                                                    partition_size):
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, [1] * len(seq_lens), 2, group, head_dim, dtype, seed=sum(seq_lens) + group)
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    options = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
+        query, k_cache, v_cache, metadata, head_dim ** -0.5, **options)
+    expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, head_dim ** -0.5, **options)
+    assert_close(out, expected, dtype)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])) or seq_lens[-1] > 0
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,partition_size", [
+    ([37, 1, 70], [1, 1, 1], 16),         # decode, split-K with partitions before the window
+    ([37, 19, 6], [11, 19, 1], None),     # chunk after a cached prefix, a fresh prompt, a decode row
+])
+def test_window_and_soft_cap_on_fp8_cache(seq_lens, query_lens, partition_size):
+    """The per-layer options compose with an fp8 cache's scales (the key scale sits inside the tanh)."""
+    from minivllm.attention.torch_backend import quantize_kv
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 2, 2, 40, torch.float32, block_size=8, seed=sum(seq_lens))
+    k_scale, v_scale = 0.03, 0.02
+    k_cache = quantize_kv(k_cache, torch.float8_e4m3fn, k_scale)
+    v_cache = quantize_kv(v_cache, torch.float8_e4m3fn, v_scale)
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+    options = dict(sliding_window=9, logits_soft_cap=1.5)
+    out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
+        query, k_cache, v_cache, metadata, 40 ** -0.5, k_scale, v_scale, **options)
+    expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, 40 ** -0.5, k_scale, v_scale,
+                                              **options)
+    rows = metadata.query_start_loc_cpu[-1]
+    assert_close(out[:rows], expected[:rows], torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rms_norm_matches_hf_semantics(dtype):
     generator = torch.Generator().manual_seed(11)
@@ -369,3 +452,24 @@ def test_gpu_decode_replays_in_a_cuda_graph():
         expected = paged_attention_reference(query, k_cache, v_cache, list(range(batch + 1)),
                                              lengths, metadata.block_tables, 128 ** -0.5)
         assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("partition_size", [None, 512])
+def test_gpu_window_and_soft_cap_realistic(partition_size):
+    """Gemma-2-9B's attention (head_dim 256, 16 query / 8 KV heads, window 4096, cap 50, scale 256^-0.5) in
+    bf16, queries scaled up so that the cap bites: decode rows past the window (split-K partitions wholly
+    before it), then prompt chunks whose query tiles straddle the window's start, mixed with a decode row."""
+    options = dict(sliding_window=4096, logits_soft_cap=50.0)
+    scale = 256 ** -0.5
+    for seq_lens, query_lens in (([6000, 4097, 300, 8192], [1, 1, 1, 1]), ([6000, 5000, 1000], [700, 1, 1000])):
+        query, key, value, k_cache, v_cache, metadata = make_batch(
+            seq_lens, query_lens, 8, 2, 256, torch.bfloat16, num_padding_rows=3, seed=sum(seq_lens))
+        query = query * 8
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
+            query, k_cache, v_cache, metadata, scale, **options)
+        expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, scale, **options)
+        rows = metadata.query_start_loc_cpu[-1]
+        assert_close(out[:rows], expected[:rows], torch.bfloat16)

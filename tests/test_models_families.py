@@ -1,4 +1,4 @@
-"""GPT-2, the MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral), Phi-3 and Gemma against transformers: tiny random checkpoints
+"""GPT-2, the MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral), Phi-3 and Gemma (1, 2, 3) against transformers: tiny random checkpoints
 built with transformers' own classes give the same fp32 logits (prefill and paged decode), and the engine
 generates transformers' greedy tokens under batching, chunked prefill and prefix-cache hits."""
 from __future__ import annotations
@@ -90,7 +90,8 @@ def test_moe_experts_load_into_stacked_weights(tmp_path):
 def test_registry_lists_supported_architectures():
     expected = {"gpt2": "GPT2LMHeadModel", "qwen3-moe": "Qwen3MoeForCausalLM",
                 "qwen2-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM",
-                "gemma": "GemmaForCausalLM"}
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3": "Gemma3ForCausalLM"}
     for arch, class_name in expected.items():
         assert get_model_class(tiny_hf_config(arch)).__name__ == class_name   # by model_type
     import transformers
@@ -101,7 +102,8 @@ def test_registry_lists_supported_architectures():
 def test_shipped_configs_have_the_real_parameter_counts():
     """Built on the meta device: the counts of the published checkpoints."""
     expected = {"gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "qwen3-30b-a3b": 30_532_122_624,
-                "mixtral-8x7b": 46_702_792_704, "phi-3-mini": 3_821_079_552, "gemma-2b": 2_506_172_416}
+                "mixtral-8x7b": 46_702_792_704, "phi-3-mini": 3_821_079_552, "gemma-2b": 2_506_172_416,
+                "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952}
     for name, count in expected.items():
         config = resolve_model(name, load_format="dummy").hf_config
         with torch.device("meta"):

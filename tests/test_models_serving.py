@@ -1,6 +1,6 @@
-"""Serving a tiny GPT-2 folder and a tiny MoE folder (random weights, byte-level tokenizer written by the
-test) through the OpenAI-compatible server, called with the official `openai` SDK: the greedy answers
-equal the offline `LLM` API's for the same engine."""
+"""Serving tiny GPT-2, MoE and Gemma-2 folders (random weights, byte-level tokenizer written by the test)
+through the OpenAI-compatible server, called with the official `openai` SDK: the greedy answers equal the
+offline `LLM` API's for the same engine."""
 from __future__ import annotations
 
 import openai
@@ -32,7 +32,7 @@ def write_byte_tokenizer(folder) -> int:
     return len(vocab)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3-moe", "gemma2"])
 def test_serve_tiny_folder_with_openai_sdk(arch, tmp_path):
     vocab = write_byte_tokenizer(tmp_path)
     make_tiny_hf_checkpoint(tmp_path, arch, vocab_size=vocab, eos_token_id=vocab - 1)

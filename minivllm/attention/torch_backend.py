@@ -4,6 +4,10 @@ are tested against. Loops over sequences (never over tokens); clarity over speed
 An fp8 cache (float8_e4m3fn) stores `x / scale` saturated to e4m3's range, and reads back `stored * scale`,
 with one scale per layer for keys and one for values (ARCHITECTURE.md, "FP8 KV cache"); other caches
 hold the values as they are and ignore the scales.
+
+Per-layer options (Gemma-2): `sliding_window` W lets the query at position p see keys at positions
+p - W < k <= p only; `logits_soft_cap` c turns each scaled score s into c * tanh(s / c) before the mask.
+None (the default) means full causal attention and raw scores.
 """
 from __future__ import annotations
 
@@ -54,10 +58,26 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int, scale: float,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """One sequence in fp32: q [H, q, D] at positions first_position.., k/v [H, s, D] at positions 0..s-1."""
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale                    # [H, q, s]
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    q_pos = torch.arange(first_position, first_position + q.shape[1], device=q.device)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    mask = k_pos[None, :] > q_pos[:, None]
+    if sliding_window is not None:
+        mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+    scores.masked_fill_(mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               query_start_loc: list[int], seq_lens: list[int],
                               block_tables: torch.Tensor, scale: float,
-                              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                              k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
+                              logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged context, computed in fp32."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -73,13 +93,9 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         v = dequantize_kv(gather_context(v_cache, block_tables[i], seq_len), v_scale)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)              # [H, s, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale                # [H, q, s]
         # Query row r sits at position seq_len - q_len + r and sees positions <= itself.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] > q_pos[:, None]
-        scores.masked_fill_(mask, float("-inf"))
-        out[start:end] = torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1).to(query.dtype)
+        o = attention_reference(q, k, v, seq_len - q_len, scale, sliding_window, logits_soft_cap)
+        out[start:end] = o.transpose(0, 1).to(query.dtype)
     return out
 
 
@@ -87,8 +103,10 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
         write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0):
+    def attend(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0,
+               sliding_window=None, logits_soft_cap=None):
         query_start_loc = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
         return paged_attention_reference(query, k_cache, v_cache, query_start_loc, seq_lens,
-                                         metadata.block_tables, scale, k_scale, v_scale)
+                                         metadata.block_tables, scale, k_scale, v_scale,
+                                         sliding_window, logits_soft_cap)

@@ -20,6 +20,7 @@ from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.tokenizer import load_tokenizer
 from minivllm.models.loader import resolve_model
+from minivllm.models.registry import applies_sliding_window
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
@@ -81,8 +82,8 @@ class LLMEngine:
 
         model_max_len = getattr(hf, "max_position_embeddings", None) or 2048
         window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True):
-            # Sliding-window attention is not implemented: stay inside one window, where it is exact.
+        if window and getattr(hf, "use_sliding_window", True) and not applies_sliding_window(hf):
+            # A model that does not apply its window (Mistral here) stays inside one, where it is exact.
             model_max_len = min(model_max_len, window)
         self.max_model_len = config.max_model_len or model_max_len
         if self.max_model_len > model_max_len:

@@ -12,6 +12,9 @@ Design:
 - fp8 caches (float8_e4m3fn) are loaded at one byte per element and widened to the query's dtype in
   registers (exact: every e4m3 value is a bf16 value); the per-layer scales are folded into the
   softmax scale (keys) and the output (values), so dequantizing costs no extra multiply per element.
+- Per-layer options, compiled in only when used (constexpr flags): a sliding window starts the key
+  loop at seq_len - W (split-K partitions wholly before it write an empty partial result), and a
+  logit soft cap maps each score s to c * tanh(s / c) before the softmax.
 - CUDA-graph safe: no host syncs, and the grids depend only on shapes (batch, kv heads and a split
   count derived from `block_tables.shape[1]`, the most blocks any sequence can own); programs whose
   partition starts past their sequence's length exit at once.
@@ -31,6 +34,13 @@ PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this 
 
 
 @triton.jit
+def _tanh(x):
+    # From exp2, which every Triton backend and the interpreter have: tanh(x) = 1 - 2 / (e^2x + 1),
+    # saturating to +-1 (exp2 overflows to inf or underflows to 0) instead of producing NaN.
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)   # 2 * log2(e)
+
+
+@triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Triton 3.6's interpreter multiplies bf16 blocks as their raw uint16 bits; when interpreting,
     # multiply in fp32 instead (UPCAST is never set for compiled kernels).
@@ -44,13 +54,14 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-        qk_scale, v_scale, num_queries_per_kv, head_dim,
+        qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         partial_stride_seq, partial_stride_head,
         PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,6 +74,8 @@ def _decode_partition_kernel(
     else:
         start = 0
         end = seq_len
+    if USE_WINDOW:   # the query (position seq_len - 1) sees the last `sliding_window` keys only
+        start = tl.maximum(start, seq_len - sliding_window)
 
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * num_queries_per_kv + group
@@ -85,7 +98,10 @@ def _decode_partition_kernel(
             + kv_head * cache_stride_h
         k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
                     mask=valid[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
-        scores = _dot(q, k, DOT_PRECISION, UPCAST) * qk_scale                     # [G, N]
+        scores = _dot(q, k, DOT_PRECISION, UPCAST)                                # [G, N]
+        if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
+            scores = _tanh(scores * softcap_scale)
+        scores = scores * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.math.exp2(scores - m_new[:, None])
@@ -103,8 +119,12 @@ def _decode_partition_kernel(
         base = seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split
         tl.store(partial_max_ptr + base, m_i, mask=head_mask)
         tl.store(partial_sum_ptr + base, l_i, mask=head_mask)
+        if USE_WINDOW:   # a partition wholly before the window saw no key: zeros, weight 0
+            l_i_safe = tl.where(l_i > 0, l_i, 1.0)
+        else:
+            l_i_safe = l_i
         tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :],
-                 acc / l_i[:, None], mask=out_mask)
+                 acc / l_i_safe[:, None], mask=out_mask)
     else:
         # An empty context (padding row) yields zeros, as the reference does.
         denominator = tl.where(l_i > 0, l_i, 1.0)
@@ -164,6 +184,14 @@ def choose_decode_partition_size(batch: int, num_kv_heads: int, max_context: int
     return None if partition >= max_context else partition
 
 
+def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap_scale) for the kernels: without a cap, scores are dot * qk_scale in log2 units
+    (softcap_scale unused); with cap c, tanh(dot * softcap_scale) * qk_scale = c * tanh(s / c) * log2(e)."""
+    if logits_soft_cap is None:
+        return scale * LOG2_E * k_scale, 1.0
+    return logits_soft_cap * LOG2_E, scale * k_scale / logits_soft_cap
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # Plain fp32 caches ask for exact fp32 products (tf32 would miss the reference by ~1e-3).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -185,12 +213,14 @@ def _decode_config(block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            partition_size: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None picks it from the shapes (`choose_decode_partition_size`), and a value of at least
     `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
-    read as stored * k_scale (keys) and stored * v_scale (values)."""
+    read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
+    its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -226,16 +256,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_sum = torch.empty_like(partial_max)
     else:  # unused by the kernel; any tensor satisfies the signature
         partial_out = partial_max = partial_sum = out
+    qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_max, partial_sum,
-        scale * LOG2_E * k_scale, v_scale, num_queries_per_kv, head_dim,
+        qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads * num_splits, num_splits,
         PARTITION_SIZE=partition_size or 0, SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](

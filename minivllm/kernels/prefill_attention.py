@@ -18,6 +18,12 @@ key ranges start early, short ones fill the launch's tail). The tile shape comes
 table keyed on the host-side `max_query_len` (never autotuned: the launch is captured in CUDA graphs).
 An fp8 cache is read as in the decode kernel: tiles widened to the query's dtype in registers, the
 key scale folded into the softmax scale and the value scale applied to the output.
+
+Per-layer options, compiled in only when used (constexpr flags): a logit soft cap (scores s ->
+c * tanh(s / c), before the mask) and a sliding window W (row at position p sees keys p - W < k <= p).
+With a window the key loop starts at the tile's first visible key; tiles that straddle a row's
+window start are masked like the diagonal ones, and every tile inside all rows' windows and below
+the diagonal stays unmasked.
 """
 from __future__ import annotations
 
@@ -27,18 +33,19 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.decode_attention import LOG2_E, _dot, _dot_precision, _upcast_dot
+from minivllm.kernels.decode_attention import _dot, _dot_precision, _tanh, _upcast_dot, score_scales
 
 SEARCH_BLOCK = 64   # sequences whose query offsets a program scans per vector load
 
 
 @triton.jit
 def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-                    query_positions, dims, dim_mask, qk_scale,
+                    query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
                     cache_stride_block, cache_stride_row,
                     MASKED: tl.constexpr, EVEN_D: tl.constexpr, TRANS_K: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     positions = kv_start + tl.arange(0, BLOCK_N)
     valid = positions < kv_end
     if MASKED:
@@ -66,13 +73,23 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
     if TRANS_K:
         k = tl.trans(k)
     scores = _dot(q, k, DOT_PRECISION, UPCAST)                                     # [M, N]
+    if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
+        scores = _tanh(scores * softcap_scale)
     if MASKED:
         visible = (positions[None, :] <= query_positions[:, None]) & valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (positions[None, :] > query_positions[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
     # The softmax scale (times log2 e) is folded into one multiply-add per score.
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    if USE_WINDOW and MASKED:
+        # A row whose window starts past this tile has seen no key yet (m_new = -inf): subtract 0
+        # instead, so its p and alpha are 0 rather than NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0)
@@ -90,14 +107,16 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        qk_scale, v_scale, num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
+        qk_scale, v_scale, softcap_scale, sliding_window,
+        num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr,
         SEARCH_BLOCK: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
     # run from the highest number down, so the long rows at the end of a prompt start first and
     # the short ones fill the tail of the launch.
@@ -148,16 +167,33 @@ def _prefill_kernel(
     # the first tile (key 0 is visible to all rows) and no -inf - -inf NaN can arise.
     unmasked_end = (context_len + first_token + 1) // BLOCK_N * BLOCK_N
     kv_end = context_len + tl.minimum(first_token + BLOCK_Q, query_len)
-    for kv_start in range(0, unmasked_end, BLOCK_N):
+    unmasked_start = 0
+    if USE_WINDOW:
+        # Start at the tile holding the first row's oldest visible key; keys from the last row's
+        # oldest visible key on are inside every row's window, so unmasked tiles start at or after it.
+        # (A row that sees nothing in the first tiles is handled in _attention_tile.)
+        kv_lo = tl.maximum(context_len + first_token - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        all_rows_lo = tl.maximum(kv_end - sliding_window, 0)
+        unmasked_start = kv_lo + (all_rows_lo - kv_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        unmasked_start = tl.minimum(unmasked_start, unmasked_end)
+        for kv_start in range(kv_lo, unmasked_start, BLOCK_N):
+            acc, m_i, l_i = _attention_tile(
+                acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
+                query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
+                cache_stride_block, cache_stride_row, True, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N,
+                DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+    for kv_start in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attention_tile(
             acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-            query_positions, dims, dim_mask, qk_scale, cache_stride_block, cache_stride_row,
-            False, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST)
+            query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
+            cache_stride_block, cache_stride_row, False, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N,
+            DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
     for kv_start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attention_tile(
             acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-            query_positions, dims, dim_mask, qk_scale, cache_stride_block, cache_stride_row,
-            True, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST)
+            query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
+            cache_stride_block, cache_stride_row, True, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N,
+            DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
 
     # An empty context (a padding row with seq_len 0) yields zeros, as in the reference.
     out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -203,12 +239,15 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             max_query_len: int | None = None, block_m: int | None = None,
                             block_n: int | None = None,
                             config: PrefillConfig | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape (rows not covered by
     `query_start_loc` are left unwritten). `max_query_len` (a host-side hint, e.g. the metadata's)
     only picks the tile shape; `config` replaces that choice (benchmarks) and `block_m` (query rows
     x heads per tile) and `block_n` override its tile sizes, powers of two, for tests. The cache has
-    the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values)."""
+    the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values).
+    `sliding_window` W: a row at position p sees keys p - W < k <= p only; `logits_soft_cap` c:
+    scores s become c * tanh(s / c) (None: off)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -232,14 +271,17 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_d = triton.next_power_of_2(head_dim)
     # Tiles are numbered per KV head, heads varying fastest (see the kernel).
     grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
+    qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2_E * k_scale, v_scale, num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
+        qk_scale, v_scale, softcap_scale, sliding_window or 0,
+        num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first, SEARCH_BLOCK=SEARCH_BLOCK,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -5,6 +5,10 @@
 that the caches are empty and the layer falls back to plain causal attention within each sequence of
 the batch: only the runner's memory-profiling pass takes that path. Metadata comes from the forward
 context; this module never builds it.
+
+Per-layer options travel with the layer into the backend: `sliding_window` (keys older than the last W
+positions are masked; the cache still holds them) and `logits_soft_cap` (Gemma-2's tanh capping of
+the scores). Both default to None: plain causal attention.
 """
 from __future__ import annotations
 
@@ -14,14 +18,21 @@ from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata, get_forward_context
-from minivllm.attention.torch_backend import TorchAttentionBackend
+from minivllm.attention.torch_backend import TorchAttentionBackend, attention_reference
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -46,7 +57,8 @@ class Attention(nn.Module):
             self.backend.write_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping,
                                   self.k_scale, self.v_scale)
             out = self.backend.attend(query, self.k_cache, self.v_cache, meta, self.scale,
-                                      self.k_scale, self.v_scale)
+                                      self.k_scale, self.v_scale, sliding_window=self.sliding_window,
+                                      logits_soft_cap=self.logits_soft_cap)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _attend_without_cache(self, query, key, value, meta: AttentionMetadata) -> torch.Tensor:
@@ -58,8 +70,14 @@ class Attention(nn.Module):
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
         out = torch.empty_like(query)
+        plain = self.sliding_window is None and self.logits_soft_cap is None
         for start, end in zip(starts[:-1], starts[1:]):
             if end == start:
+                continue
+            if not plain:   # SDPA has no soft cap: the reference math (profiling sequences are short)
+                q, k, v = (x[start:end].transpose(0, 1).float() for x in (query, key, value))
+                out[start:end] = attention_reference(q, k, v, 0, self.scale, self.sliding_window,
+                                                     self.logits_soft_cap).transpose(0, 1).to(out.dtype)
                 continue
             # SDPA wants [heads, tokens, dim].
             out[start:end] = F.scaled_dot_product_attention(

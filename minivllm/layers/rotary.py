@@ -70,8 +70,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_parameters_of(hf_config) -> tuple[float, dict]:
-    """(rope_theta, scaling dict or {}) from a transformers 4.x or 5.x config."""
+    """(rope_theta, scaling dict or {}) from a transformers 4.x or 5.x config. Where 5.x keeps one dict per
+    layer type (Gemma-3), this is the full-attention layers' one."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     legacy_scaling = getattr(hf_config, "rope_scaling", None)
     if legacy_scaling and not params:
         params = dict(legacy_scaling)

@@ -3,8 +3,7 @@
   * `(1 + w)` RMSNorm computed in fp32 (layers/layernorm.py's GemmaRMSNorm);
   * token embeddings scaled by sqrt(hidden_size) (rounded to the model dtype first, as HF does);
   * tied embeddings and an explicit head_dim (256 on the released models).
-Gemma-2's soft-capping, sandwich norms and alternating sliding-window layers are not implemented: its
-architecture name is not registered, so it is rejected with the list of supported ones.
+Gemma-2 (soft-capping, sandwich norms, alternating sliding-window layers) builds on this in gemma2.py.
 """
 from __future__ import annotations
 

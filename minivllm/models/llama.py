@@ -113,14 +113,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, make_mlp=None):
-        """`make_mlp(hf_config, layer_idx)`, if given, builds each layer's MLP (e.g. an MoE block)."""
+    def __init__(self, hf_config, make_mlp=None, make_layer=None):
+        """`make_mlp(hf_config, layer_idx)`, if given, builds each layer's MLP (e.g. an MoE block);
+        `make_layer(hf_config, rotary_emb, layer_idx)` each whole decoder layer (Gemma-2)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin table shared by all layers (128k positions x 128 dims is 64 MB in fp32).
         rope_theta, rope_scaling = rope_parameters_of(hf_config)
         rotary_emb = get_rope(_head_dim(hf_config), hf_config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
+            make_layer(hf_config, rotary_emb, i) if make_layer else
             LlamaDecoderLayer(hf_config, rotary_emb, make_mlp(hf_config, i) if make_mlp else None)
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
@@ -145,11 +147,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     make_mlp = None   # subclasses with another MLP (MoE, Gemma) set a method (hf_config, layer_idx) -> module
+    make_layer = None  # ... or another decoder layer: (hf_config, rotary_emb, layer_idx) -> module (Gemma-2)
 
     def __init__(self, hf_config):
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.make_mlp)
+        self.model = LlamaModel(hf_config, self.make_mlp, self.make_layer)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

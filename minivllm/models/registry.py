@@ -1,8 +1,8 @@
 """HF architecture name (config.json's `architectures`) -> model class.
 
 The Llama family is one class whose variants are config options (models/llama.py); the MoE models
-reuse its decoder with a different MLP, Gemma with its norms, MLP and embedding swapped, Phi-3 as is
-(fused checkpoint tensors); GPT-2 has its own file. Classes are imported when first
+reuse its decoder with a different MLP, Gemma with its norms, MLP and embedding swapped (Gemma-2/3 also
+with their own decoder layer), Phi-3 as is (fused checkpoint tensors); GPT-2 has its own file. Classes are imported when first
 asked for, so loading one family does not import the others.
 """
 from __future__ import annotations
@@ -23,11 +23,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM"}
+                "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -49,3 +52,12 @@ def get_model_class(hf_config) -> type[nn.Module]:
         return _load(_MODEL_TYPES[model_type])
     raise ValueError(f"unsupported model architecture {architectures or model_type!r}; "
                      f"supported: {supported_architectures()}")
+
+
+def applies_sliding_window(hf_config) -> bool:
+    """Whether the model masks keys outside its `sliding_window` itself (so the context need not stop
+    at one window); False for unsupported architectures, which fail later with the list above."""
+    try:
+        return bool(getattr(get_model_class(hf_config), "applies_sliding_window", False))
+    except ValueError:
+        return False
