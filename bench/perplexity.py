@@ -51,10 +51,11 @@ def main(argv=None) -> None:
     results, token_ids = {}, None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # where LLM() runs the model
     command = "python " + shlex.join(["bench/perplexity.py", *(sys.argv[1:] if argv is None else argv)])
     setup = {"text": args.text, "max_tokens": args.max_tokens, "window": args.window, "stride": args.stride,
              "dtype": args.dtype}
-    record = {**run_metadata(torch.device("cpu")), **setup, "command": command}
+    record = {**run_metadata(device), **setup, "command": command}
     if args.append:
         record = json.loads((out / args.name).read_text())
         for key, value in setup.items():
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
         if model and config.is_file():   # an offline-quantized folder: record how (group size, act-order, ...)
             result["quantization_config"] = json.loads(config.read_text()).get("quantization_config")
         if args.append:
-            result["run"] = {**run_metadata(torch.device("cpu")), "command": command}
+            result["run"] = {**run_metadata(device), "command": command}
         baseline = next(iter(results.values()), result)
         result["vs_baseline_percent"] = round(100 * (result["perplexity"] / baseline["perplexity"] - 1), 3)
         results[name] = result
