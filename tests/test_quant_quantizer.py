@@ -153,6 +153,9 @@ def test_quantized_folder_serves_through_the_openai_sdk(tiny_model, tmp_path):
 def test_smoothquant_keeps_the_function_and_balances_input_and_weight_ranges(tiny_model, tmp_path):
     from minivllm.quantization.smoothquant import smooth_model
     folder, reference, calib = tiny_model
+    for bad in ({"calib": None}, {"alpha": 1.5}):
+        with pytest.raises(ValueError):
+            smooth_model(str(folder), str(tmp_path / "bad"), **{"calib": str(calib), **bad})
     smooth_model(str(folder), str(tmp_path), str(calib), alpha=0.5, num_samples=8, seq_len=64)
     smoothed = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
