@@ -110,20 +110,21 @@ case "${1:-A}" in
     timeout 300 python3 -m pytest -q -m gpu tests/test_quant_gguf.py 2>&1 | tee "$OUT/gpu_tests_G.log" | tail -3
     ;;
   P)
-    # plain formats first (partial results survive a timeout), then the offline-quantized folders appended
+    # each row is appended as soon as its folder exists, so a timeout loses only the rows after it
     Q=/tmp/quality; T=.carry/p; mkdir -p $Q
     PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
       --dtype bfloat16 --name quant_quality_gpu.json --out $OUT"
+    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
+    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2$3" 2>&1 | grep ppl; }
     timeout 150 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
-    timeout 60 python3 -m minivllm.cli quantize --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
-    timeout 90 python3 -m minivllm.cli quantize --method smoothquant --calib $T/calib.txt --out $Q/sq 2>&1 | tail -1
-    timeout 150 python3 -m minivllm.cli quantize --method gptq --no-sym --desc-act --group-size 32 --calib $T/calib.txt \
-      --out $Q/gptq32 2>&1 | tail -1
-    timeout 120 python3 -m minivllm.cli quantize --method awq --group-size 32 --calib $T/calib.txt --out $Q/awq32 2>&1 | tail -1
-    V=""
-    [ -f $Q/sq/tokenizer.json ] && V="$V --variant fp8-smoothquant=$Q/sq:fp8 --variant int8-smoothquant=$Q/sq:int8"
-    for m in rtn32 gptq32 awq32; do [ -f $Q/$m/tokenizer.json ] && V="$V --variant int4-${m%32}-g32=$Q/$m"; done
-    [ -n "$V" ] && timeout 150 $PPL --append $V 2>&1 | grep ppl
+    timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
+    add int4-rtn-g32 rtn32
+    timeout 100 $QUANTIZE --method smoothquant --out $Q/sq 2>&1 | tail -1
+    add int8-smoothquant sq :int8; add fp8-smoothquant sq :fp8
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
+    add int4-gptq-g32 gptq32
+    timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
+    add int4-awq-g32 awq32
     ;;
   K)
     python3 bench/soak.py --model llama-3-8b --load-format dummy --clients 256 --duration-s 300 --max-model-len 2048 \
