@@ -23,6 +23,11 @@
 #   G: GGUF kept quantized (quantization="gguf"): the default model's Q4_1 linears through the Triton GEMM
 #      against the dequantized model, fp32 on the GPU (tests/test_quant_gguf.py); needs the model file (run
 #      after A/B carried both halves, as V). ~1 min.
+#   P: quantization quality on the GPU (bf16, the real fp8/int8/int4 kernels): bench/perplexity.py over 100k
+#      tokens of bf16, GGUF Q4_1, fp8, int8, then (quantized here on the host's CPUs) SmoothQuant + fp8/int8
+#      and int4 rtn / gptq act-order / awq, asymmetric group 32 -> quant_quality_gpu.json, rows appended as
+#      they finish. Needs the model file (after A/B, as V) and .carry/p/{heldout,calib}.txt made here (no apt
+#      there): `bible mat1:1-rev22:21 > .carry/p/heldout.txt; bible gen1:1-gen50:26 > .carry/p/calib.txt`. ~9 min.
 #   K: soak: 256 streaming clients for 5 minutes against dummy Llama-3-8B with a 1024-block pool (constant
 #      preemption, 20% mid-stream disconnects): soak_h100.json (5xx, crashes, leaked blocks, RSS, greedy probes)
 #   L: the dashboard's cost: W1-shaped load through the server with and without a /dashboard/events
@@ -113,6 +118,23 @@ case "${1:-A}" in
     ;;
   G)
     timeout 300 python3 -m pytest -q -m gpu tests/test_quant_gguf.py 2>&1 | tee "$OUT/gpu_tests_G.log" | tail -3
+    ;;
+  P)
+    # each row is appended as soon as its folder exists, so a timeout loses only the rows after it
+    Q=/tmp/quality; T=.carry/p; mkdir -p $Q
+    PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
+      --dtype bfloat16 --name quant_quality_gpu.json --out $OUT"
+    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
+    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2$3" 2>&1 | grep ppl; }
+    timeout 150 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
+    timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
+    add int4-rtn-g32 rtn32
+    timeout 100 $QUANTIZE --method smoothquant --out $Q/sq 2>&1 | tail -1
+    add int8-smoothquant sq :int8; add fp8-smoothquant sq :fp8
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
+    add int4-gptq-g32 gptq32
+    timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
+    add int4-awq-g32 awq32
     ;;
   K)
     python3 bench/soak.py --model llama-3-8b --load-format dummy --clients 256 --duration-s 300 --max-model-len 2048 \

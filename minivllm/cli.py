@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_quantization_commands(sub) -> None:
     quantize = sub.add_parser("quantize", help="quantize a checkpoint offline into a GPTQ- or AWQ-format folder")
     quantize.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default model when omitted)")
-    quantize.add_argument("--method", required=True, choices=["rtn", "gptq", "awq"])
+    quantize.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "smoothquant"],
+                          help="smoothquant writes an unquantized, smoothed folder to serve with --quantization int8/fp8")
     quantize.add_argument("--bits", type=int, default=4, choices=[4, 8])
     quantize.add_argument("--group-size", type=int, default=128, help="inputs per scale (-1: one per output channel)")
     quantize.add_argument("--calib", default=None, help="calibration text file (gptq, awq)")
@@ -189,6 +190,7 @@ def add_quantization_commands(sub) -> None:
     quantize.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
                           help="symmetric (default for rtn/gptq) or with zero points (awq)")
     quantize.add_argument("--desc-act", action="store_true", help="gptq: quantize columns in activation order")
+    quantize.add_argument("--alpha", type=float, default=0.5, help="smoothquant: migration strength")
     quantize.add_argument("--out", required=True, help="output folder")
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a text through the engine's prompt logprobs")
@@ -201,6 +203,10 @@ def add_quantization_commands(sub) -> None:
 
 
 def _run_quantization_command(args: argparse.Namespace) -> None:
+    if args.command == "quantize" and args.method == "smoothquant":
+        from minivllm.quantization.smoothquant import smooth_model
+        print(f"wrote {smooth_model(args.model, args.out, args.calib, args.alpha, args.num_samples, args.seq_len)}")
+        return
     if args.command == "quantize":
         from minivllm.quantization.quantizer import quantize_model
         folder = quantize_model(args.model, args.method, args.out, args.bits, args.group_size, args.calib,

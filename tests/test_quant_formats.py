@@ -203,5 +203,8 @@ def test_cli_quantization_flags():
     args = build_parser().parse_args(["quantize", "m", "--method", "gptq", "--calib", "c.txt", "--out", "o",
                                       "--desc-act", "--group-size", "64"])
     assert (args.method, args.bits, args.group_size, args.desc_act, args.sym) == ("gptq", 4, 64, True, None)
+    args = build_parser().parse_args(["quantize", "--method", "smoothquant", "--alpha", "0.3", "--calib", "c.txt",
+                                      "--out", "o"])
+    assert (args.model, args.method, args.alpha) == (None, "smoothquant", 0.3)
     args = build_parser().parse_args(["eval-ppl", "m", "--text", "t.txt", "--quantization", "int8"])
     assert (args.window, args.stride, engine_config_from_args(args).quantization) == (1024, 512, "int8")

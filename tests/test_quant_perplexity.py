@@ -19,6 +19,8 @@ def test_sliding_windows_score_every_token_once():
     assert all(first - start >= 256 - 192 for start, _, first in windows[1:])   # context kept from overlap
     with pytest.raises(ValueError):
         sliding_windows(10, 4, 8)
+    disjoint = sliding_windows(100, 25, 25)   # no overlap: each window's first token has no context
+    assert [p for _, end, first in disjoint for p in range(first, end)] == [p for p in range(100) if p % 25]
 
 
 def test_perplexity_matches_transformers(tmp_path):

@@ -148,3 +148,25 @@ def test_quantized_folder_serves_through_the_openai_sdk(tiny_model, tmp_path):
         assert reply.choices[0].text == expected[0].outputs[0].text
     finally:
         thread.stop()
+
+
+def test_smoothquant_keeps_the_function_and_balances_input_and_weight_ranges(tiny_model, tmp_path):
+    from minivllm.quantization.smoothquant import smooth_model
+    folder, reference, calib = tiny_model
+    for bad in ({"calib": None}, {"alpha": 1.5}):
+        with pytest.raises(ValueError):
+            smooth_model(str(folder), str(tmp_path / "bad"), **{"calib": str(calib), **bad})
+    smooth_model(str(folder), str(tmp_path), str(calib), alpha=0.5, num_samples=8, seq_len=64)
+    smoothed = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    windows = calibration_windows(calib.read_text(), tokenizer, 8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(smoothed(windows[:2]).logits, reference(windows[:2]).logits, rtol=1e-4, atol=1e-4)
+    # alpha 0.5: each input channel's max |x| over the calibration text now equals its weight column's max
+    # (not checked for gate/up: down_proj's smoothing later rescales up_proj's rows)
+    stats = collect_input_stats(smoothed, windows)
+    for index, layer in enumerate(smoothed.model.layers):
+        for site, linears in (("q_proj", ("q_proj", "k_proj", "v_proj")), ("down_proj", ("down_proj",))):
+            parent = layer.self_attn if site == "q_proj" else layer.mlp
+            w_amax = torch.stack([getattr(parent, n).weight.abs().amax(0) for n in linears]).amax(0)
+            torch.testing.assert_close(stats[(index, site)][2], w_amax, rtol=1e-4, atol=1e-6)

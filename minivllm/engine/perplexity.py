@@ -2,7 +2,8 @@
 
 The text is scored in windows of `window` tokens starting every `stride` tokens; each window scores
 only the tokens the previous one did not (all of them in the first window), so every token after
-the first is scored once, with at least `window - stride` tokens of context (except near the start).
+the first is scored once, with at least `window - stride` tokens of context (except near the start);
+with stride == window (no overlap) each window's first token, which has no context, is skipped.
 perplexity = exp(mean negative log-likelihood of the scored tokens).
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int
     start = 0
     while scored_until < num_tokens:
         end = min(start + window, num_tokens)
-        windows.append((start, end, scored_until))
+        # a window's first token has no context in it (stride == window: it stays unscored)
+        windows.append((start, end, max(scored_until, start + 1)))
         scored_until = end
         start += stride
         if end == num_tokens:

@@ -34,7 +34,8 @@ def calibration_windows(text: str, tokenizer, num_samples: int, seq_len: int) ->
 
 @torch.no_grad()
 def collect_input_stats(hf_model, windows: torch.Tensor, batch_size: int = 8) -> dict:
-    """{(layer, projection): (H [K, K], mean |x| [K])} for q_proj, o_proj, gate_proj and down_proj inputs."""
+    """{(layer, projection): (H [K, K], mean |x| [K], max |x| [K])} for q_proj, o_proj, gate_proj and
+    down_proj inputs."""
     sums, hooks = {}, []
     for i, layer in enumerate(hf_model.model.layers):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
@@ -42,8 +43,9 @@ def collect_input_stats(hf_model, windows: torch.Tensor, batch_size: int = 8) ->
 
             def hook(module, args, key=key):
                 x = args[0].reshape(-1, args[0].shape[-1]).float()
-                H, absum, count = sums.get(key, (0.0, 0.0, 0))
-                sums[key] = (H + x.t() @ x, absum + x.abs().sum(0), count + x.shape[0])
+                H, absum, amax, count = sums.get(key, (0.0, 0.0, 0.0, 0))
+                amax = torch.maximum(torch.as_tensor(amax), x.abs().amax(0))
+                sums[key] = (H + x.t() @ x, absum + x.abs().sum(0), amax, count + x.shape[0])
             hooks.append(layer.get_submodule(name).register_forward_pre_hook(hook))
     try:
         for start in range(0, len(windows), batch_size):
@@ -51,25 +53,31 @@ def collect_input_stats(hf_model, windows: torch.Tensor, batch_size: int = 8) ->
     finally:
         for handle in hooks:
             handle.remove()
-    return {key: (H / count, absum / count) for key, (H, absum, count) in sums.items()}
+    return {key: (H / count, absum / count, amax) for key, (H, absum, amax, count) in sums.items()}
 
 
 @torch.no_grad()
-def apply_awq_scales(layer, stats: dict, index: int, bits: int, group_size: int) -> None:
-    """Scale each group of linears sharing an input by AWQ's search, folding 1/s into the op before."""
+def fold_input_scales(layer, stats: dict, index: int, choose) -> None:
+    """Multiply the input columns of each group of linears sharing an input by s = choose(weights,
+    stats of that input), dividing the op that feeds the input by s (the function is unchanged)."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = [((attn.q_proj, attn.k_proj, attn.v_proj), "q_proj", layer.input_layernorm.weight),
               ((mlp.gate_proj, mlp.up_proj), "gate_proj", layer.post_attention_layernorm.weight),
               ((mlp.down_proj,), "down_proj", mlp.up_proj.weight)]
     for linears, site, previous in groups:
-        H, x_abs_mean = stats[(index, site)]
-        s = awq_search_scale([m.weight.float() for m in linears], H, x_abs_mean, bits, group_size)
+        s = choose([m.weight.float() for m in linears], stats[(index, site)])
         for m in linears:
             m.weight.mul_(s.to(m.weight.dtype))
         if previous.dim() == 1:
             previous.div_(s.to(previous.dtype))
         else:   # up_proj's output rows feed down_proj's inputs
             previous.div_(s.to(previous.dtype).unsqueeze(1))
+
+
+def apply_awq_scales(layer, stats: dict, index: int, bits: int, group_size: int) -> None:
+    """AWQ: the scales from its search over the output error of the rounded weights."""
+    fold_input_scales(layer, stats, index, lambda weights, stat: awq_search_scale(weights, stat[0], stat[1], bits,
+                                                                                     group_size))
 
 
 def gptq_format_tensors(codes, scales, zeros, g_idx, bits: int) -> dict:

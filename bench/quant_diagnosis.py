@@ -1,0 +1,81 @@
+"""Where W8A8's perplexity loss comes from: weights vs activations, per layer type, first/last layers.
+
+    python bench/quant_diagnosis.py --text heldout.txt --max-tokens 4096 --kinds int8 fp8
+
+Loads the default model unquantized (fp32) and swaps each linear layer's method for one that rounds the
+weights per output channel and/or the inputs per token through `w8a8.quantize_rows` (the served code's
+rounding) and multiplies in fp32; perplexity through the engine's prompt logprobs, 512-token windows
+every 448 tokens. Prints one line per configuration, relative to the unquantized model.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from minivllm.engine.llm import LLM  # noqa: E402
+from minivllm.engine.perplexity import perplexity  # noqa: E402
+from minivllm.layers.linear import LinearBase  # noqa: E402
+from minivllm.quantization.w8a8 import FP8, quantize_rows  # noqa: E402
+
+
+def fake_quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
+    codes, scale = quantize_rows(x, FP8 if kind == "fp8" else torch.int8)
+    return (codes.float() * scale).to(x.dtype)
+
+
+class FakeW8A8Method:
+    """Weights rounded per output channel (once) and/or activations per token, product in full precision."""
+
+    def __init__(self, weight_kind: str | None, activation_kind: str | None):
+        self.weight_kind, self.activation_kind, self.weight = weight_kind, activation_kind, None
+
+    def apply(self, layer, x, bias):
+        if self.weight is None:
+            self.weight = fake_quantize(layer.weight.data, self.weight_kind) if self.weight_kind else layer.weight.data
+        if self.activation_kind:
+            x = fake_quantize(x.reshape(-1, x.shape[-1]), self.activation_kind).reshape(x.shape)
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--kinds", nargs="+", default=["int8", "fp8"])
+    args = parser.parse_args()
+    llm = LLM(None, dtype="float32", kv_cache_memory=1 << 29, enable_prefix_caching=False)
+    text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:args.max_tokens]
+    layers = [(n, m) for n, m in llm.llm_engine.runner.model.named_modules() if isinstance(m, LinearBase)]
+    original = {n: m.quant_method for n, m in layers}
+    baseline = None
+
+    def run(name, weight_kind=None, activation_kind=None, selected=lambda n: True):
+        nonlocal baseline
+        for n, m in layers:
+            m.quant_method = FakeW8A8Method(weight_kind, activation_kind) if selected(n) else original[n]
+        started = time.time()
+        ppl = perplexity(llm, ids, 512, 448)["perplexity"]
+        baseline = baseline or ppl
+        print(f"{name:42s} {ppl:8.4f} {100 * (ppl / baseline - 1):+7.2f}%  ({time.time() - started:.0f} s)", flush=True)
+
+    run("fp32")
+    edge = ("0", "1", "28", "29")
+    for kind in args.kinds:
+        run(f"{kind} W8A8", kind, kind)
+        run(f"{kind} weight only", kind, None)
+        run(f"{kind} activation only", None, kind)
+        for site in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            run(f"{kind} W8A8 only {site}", kind, kind, lambda n, s=site: s in n)
+        run(f"{kind} W8A8 layers 0,1,28,29 only", kind, kind, lambda n: n.split(".")[2] in edge)
+        run(f"{kind} W8A8 except layers 0,1,28,29", kind, kind, lambda n: n.split(".")[2] not in edge)
+
+
+if __name__ == "__main__":
+    main()
