@@ -26,6 +26,19 @@ CONFIGS_DIR = REPO_ROOT / "minivllm" / "models" / "configs"
 
 
 # ---- run metadata ----------------------------------------------------------------------------------------
+def add_engine_bench_args(parser) -> None:
+    """--out, --device and --model of the benches that run one engine on a dummy config or the default model;
+    resolve the model afterwards with `engine_bench_model`."""
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default=None, help="dummy config name (default llama-3-8b; 'default' = the "
+                                                      "default model's real weights, the CPU default)")
+
+
+def engine_bench_model(args) -> str:
+    return args.model or ("llama-3-8b" if args.device == "cuda" else "default")
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
+from bench.common import add_engine_bench_args, device_slug, engine_bench_model, print_table, run_metadata, write_json  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 100, "items": {
     "type": "object",
@@ -36,15 +36,12 @@ SCHEMA = {"type": "array", "minItems": 100, "items": {
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default=None, help="dummy config name (default llama-3-8b; 'default' = the "
-                                                      "default model's real weights, the CPU default)")
+    add_engine_bench_args(parser)
     parser.add_argument("--quick", action="store_true", help="4 x 32 -> 16, one repeat (the smoke test)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)
-    args.model = args.model or ("llama-3-8b" if args.device == "cuda" else "default")
+    args.model = engine_bench_model(args)
     args.num_requests, args.input_len, args.output_len = (4, 32, 16) if args.quick else (64, 512, 256)
     args.repeats = 1 if args.quick else args.repeats
     return args

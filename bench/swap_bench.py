@@ -21,15 +21,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
+from bench.common import add_engine_bench_args, device_slug, engine_bench_model, print_table, run_metadata, write_json  # noqa: E402
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default=None, help="dummy config name (default llama-3-8b; 'default' = the "
-                                                      "default model's real weights, the CPU default)")
+    add_engine_bench_args(parser)
     parser.add_argument("--quick", action="store_true", help="6 x 64 -> 16, one repeat (the smoke test)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each mode")
     parser.add_argument("--seqs-fit", type=int, default=None, help="prompts the KV pool holds at once (default: a "
@@ -37,7 +34,7 @@ def parse_args(argv):
     parser.add_argument("--swap-space", type=float, default=24, help="GiB of pinned CPU memory")
     parser.add_argument("--swap-min-tokens", type=int, default=None, help="override the cost rule's threshold")
     args = parser.parse_args(argv)
-    args.model = args.model or ("llama-3-8b" if args.device == "cuda" else "default")
+    args.model = engine_bench_model(args)
     args.num_requests, args.input_len, args.output_len = (6, 64, 16) if args.quick else (32, 4096, 256)
     args.seqs_fit = args.seqs_fit or max(2, args.num_requests // 3)
     if args.quick:

@@ -18,6 +18,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def norm_layer_input(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+    """A decoder layer's input norm: (normed input, residual stream). The first layer has no residual yet;
+    later ones add the previous layer's output to it inside the norm (fused on CUDA)."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    return norm(hidden_states, residual)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

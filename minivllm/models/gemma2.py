@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.layers.attention import Attention
-from minivllm.layers.layernorm import GemmaRMSNorm
+from minivllm.layers.layernorm import GemmaRMSNorm, norm_layer_input
 from minivllm.models.gemma import GemmaForCausalLM, GemmaMLP
 from minivllm.models.llama import LlamaDecoderLayer
 
@@ -48,11 +48,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, positions, hidden_states, residual):
         """Same contract as the Llama layer: (output, residual stream before it), summed by the next norm."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual

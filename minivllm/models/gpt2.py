@@ -16,7 +16,7 @@ from torch import nn
 from minivllm.layers.activation import NewGELU
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.layernorm import LayerNorm
+from minivllm.layers.layernorm import LayerNorm, norm_layer_input
 from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 # Checkpoint weights stored as Conv1D [in, out].
@@ -67,11 +67,7 @@ class GPT2Block(nn.Module):
 
     def forward(self, hidden_states, residual):
         """Same (output, residual) convention as the Llama decoder layer."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.ln_1(hidden_states)
-        else:
-            hidden_states, residual = self.ln_1(hidden_states, residual)
+        hidden_states, residual = norm_layer_input(self.ln_1, hidden_states, residual)
         hidden_states = self.attn(hidden_states)
         hidden_states, residual = self.ln_2(hidden_states, residual)
         return self.mlp(hidden_states), residual

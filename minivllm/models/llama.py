@@ -22,7 +22,7 @@ from torch import nn
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.layernorm import RMSNorm, norm_layer_input
 from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
                                     RowParallelLinear)
 from minivllm.layers.rotary import get_rope, rope_parameters_of
@@ -102,11 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, residual):
         """Returns (this layer's output, residual stream before it); the next norm adds the two."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
