@@ -38,6 +38,11 @@
 #   N: Gemma-2/3: the GPU tests of the sliding-window / soft-cap kernels and of the Gemma families (the engine on
 #      CUDA against transformers), then bench/models_bench.py on dummy gemma-2-9b and gemma-3-1b (W1 + single
 #      stream vs floor) -> gemma2/models_<gpu>.json (a subfolder, so stage M's file is not overwritten). ~5 min.
+#   X: kernel diagnosis: the quant kernels' GPU tests, the int4 GEMM tile sweep (int4_sweep_<gpu>.json) and the
+#      GEMM table timed from CUDA graphs (quant_<gpu>.json, no engine rows). ~7 min.
+#   Y: speculative decoding traced step by step on the real model at batch 1, no speculation vs n-gram
+#      (spec_decode_<gpu>.json under $OUT/trace: host launch, host wait, device time per step kind); needs the
+#      model file (after A/B, as V). ~2 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +149,18 @@ case "${1:-A}" in
   L)
     python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 2 --tag h100 --out "$OUT" \
       > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
+    ;;
+  X)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
+      | tee "$OUT/gpu_tests_X.log" | tail -3
+    timeout 270 python3 bench/quant_bench.py --sweep-int4 --out "$OUT" > "$OUT/int4_sweep.log" 2>&1
+    grep "int4 sweep" "$OUT/int4_sweep.log"
+    timeout 150 python3 bench/quant_bench.py --skip-engine --out "$OUT" > "$OUT/quant_gemm.log" 2>&1
+    grep -v "^ " "$OUT/quant_gemm.log" | tail -82
+    ;;
+  Y)
+    timeout 240 python3 bench/spec_decode.py --parts real --trace --draft-layers "" --out "$OUT/trace" \
+      > "$OUT/spec_trace.log" 2>&1; tail -5 "$OUT/spec_trace.log"
     ;;
   W)
     python3 -m pytest -q -m gpu tests/test_swap.py 2>&1 | tee "$OUT/gpu_tests_W.log" | tail -3

@@ -143,8 +143,10 @@ class StepTracer:
         result = PendingModelOutput.result
 
         def traced_launch(scheduler_output, *args):
+            decode_only = all(n == 1 for n in scheduler_output.num_scheduled_tokens)
             record = {"tokens": scheduler_output.total_num_scheduled_tokens, "seqs": len(scheduler_output.seqs),
-                      "decode_only": all(n == 1 for n in scheduler_output.num_scheduled_tokens), "wait_ms": 0.0}
+                      "kind": "verify" if scheduler_output.spec_token_ids else "decode" if decode_only else "prefill",
+                      "wait_ms": 0.0}
             tracer.current = record
             if tracer.cuda:
                 record["start"] = torch.cuda.Event(enable_timing=True)
@@ -169,9 +171,21 @@ class StepTracer:
                 record["wait_ms"] = 1e3 * (time.perf_counter() - t0)
             return result(pending)
 
+        step = engine.step
+
+        def traced_step():
+            # The whole engine step (scheduling, proposing, reading back, outputs), charged to the step it launched.
+            count, t0 = len(tracer.steps), time.perf_counter()
+            outputs = step()
+            if len(tracer.steps) > count:
+                tracer.steps[-1]["engine_step_ms"] = 1e3 * (time.perf_counter() - t0)
+            return outputs
+
         runner.execute_async = traced_launch
+        engine.step = traced_step
         PendingModelOutput.result = traced_result
-        restores += [lambda: delattr(runner, "execute_async"), lambda: setattr(PendingModelOutput, "result", result)]
+        restores += [lambda: delattr(runner, "execute_async"), lambda: delattr(engine, "step"),
+                     lambda: setattr(PendingModelOutput, "result", result)]
         self._restores = restores
 
     def close(self) -> None:
@@ -181,13 +195,13 @@ class StepTracer:
     def summary(self) -> dict:
         if self.cuda:
             torch.cuda.synchronize()
-        rows = {"prefill": [], "decode": []}
+        rows = {"prefill": [], "decode": [], "verify": []}
         for i, step in enumerate(self.steps):
             row = {k: v for k, v in step.items() if k in ("tokens", "seqs") or k.endswith("_ms")}
             if self.cuda:
                 row["device_ms"] = step["start"].elapsed_time(step["end"])
                 row["idle_before_ms"] = (self.steps[i - 1]["end"].elapsed_time(step["start"]) if i else 0.0)
-            rows["decode" if step["decode_only"] else "prefill"].append(row)
+            rows[step["kind"]].append(row)
         out = {"prefill_rows": rows["prefill"]}
         for kind, items in rows.items():
             if not items:

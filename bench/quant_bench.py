@@ -83,11 +83,80 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dic
             weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
             for M in GEMM_M if not quick else (1, 16):
                 x = torch.randn(M, K, device=device, dtype=dtype)
-                seconds = time_median(lambda: layer(x), device, warmup=3, repeats=10 if quick else 30)
+                eager = time_median(lambda: layer(x), device, warmup=3, repeats=10 if quick else 30)
+                seconds = graph_time(lambda: layer(x), device) if device.type == "cuda" else eager
                 moved = weight_bytes + M * (K + N) * x.element_size()
                 rows.append({"layer": name, "K": K, "N": N, "M": M, "format": fmt, "us": 1e6 * seconds,
-                             "bytes_per_s": moved / seconds, "flops_per_s": 2 * M * K * N / seconds})
+                             "eager_us": 1e6 * eager, "bytes_per_s": moved / seconds,
+                             "flops_per_s": 2 * M * K * N / seconds})
             del layer
+    return rows
+
+
+def graph_time(fn, device: torch.device, inner: int = 10) -> float:
+    """Seconds per call of `fn` replayed from a CUDA graph: the device's time, as the engine's graphs run
+    it. Timed eagerly, a call of a few small kernels measures the host launching them."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    seconds = time_median(graph.replay, device, warmup=2, repeats=20) / inner
+    del graph
+    return seconds
+
+
+def int4_sweep(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Tile shapes of the int4 GEMM (group 128) at decode-sized M on the 8B layer shapes, and the
+    dequantize + cuBLAS path, each timed from a CUDA graph: picks int4_gemm's defaults."""
+    from itertools import product
+
+    from minivllm.kernels.int4_gemm import GemmConfig, choose_split_k, dequantize, weight_only_gemm
+    rows = []
+    layers = (("tiny", 256, 384),) if quick else LAYERS_8B
+    ms = (1, 16) if quick else (1, 8, 16, 64, 128, 256)
+    for name, K, N in layers:
+        generator = torch.Generator(device=device).manual_seed(0)
+        qweight = torch.randint(-2**31, 2**31 - 1, (K // 8, N), device=device, dtype=torch.int32, generator=generator)
+        scales = torch.full((K // 128, N), 0.001, device=device, dtype=dtype)
+        zeros = torch.full((K // 128, N), 8.0, device=device, dtype=dtype)
+        weight_bytes = qweight.numel() * 4 + 2 * scales.numel() * scales.element_size()
+        for M in ms:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            candidates = [("dequant+cublas", None, None)]
+            block_ms = (1,) if M == 1 else (16,) if M <= 16 else (16, 64)
+            for bm, bn, bk, warps, stages in product(block_ms, (32, 64, 128), (64, 128, 256), (4, 8), (2, 4)):
+                if bm > 16 and bk == 256 and bn == 128:
+                    continue
+                config = GemmConfig(bm, bn, bk, warps, stages)
+                sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+                auto = choose_split_k(M, N, K, bn, bk, sms)
+                for split in sorted({auto, 2 * auto}):
+                    candidates.append((f"{config}/split{split}", config, split))
+            best = None
+            for label, config, split in candidates:
+                if config is None:
+                    fn = (lambda: x @ dequantize(qweight, scales, zeros, 128, 4, K, dtype))
+                else:
+                    fn = (lambda: weight_only_gemm(x, qweight, scales, zeros, 128, 4, split_k=split, config=config))
+                try:
+                    seconds = graph_time(fn, device, inner=5)
+                except Exception as e:   # a tile that does not fit (shared memory): skip it
+                    print(f"  {name} M={M} {label}: {type(e).__name__}", flush=True)
+                    continue
+                row = {"layer": name, "K": K, "N": N, "M": M, "candidate": label, "us": 1e6 * seconds,
+                       "bytes_per_s": (weight_bytes + M * (K + N) * 2) / seconds}
+                rows.append(row)
+                if best is None or row["us"] < best["us"]:
+                    best = row
+            dq = next(r for r in rows if r["layer"] == name and r["M"] == M and r["candidate"] == "dequant+cublas")
+            print(f"int4 sweep {name:<12} M={M:>4}: best {best['candidate']} {best['us']:.1f} us "
+                  f"({best['bytes_per_s'] / 1e12:.2f} TB/s); dequant+cublas {dq['us']:.1f} us", flush=True)
     return rows
 
 
@@ -118,6 +187,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--quick", action="store_true", help="tiny workloads (CPU smoke test)")
+    parser.add_argument("--sweep-int4", action="store_true", help="only the int4 GEMM tile sweep (CUDA)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.model = args.model or ("llama-3-8b" if device.type == "cuda" else "tiny-llama")
@@ -130,6 +200,10 @@ def main(argv=None) -> dict:
         result["ceilings"] = {"copy_bandwidth_bytes_per_s": measure_copy_bandwidth(device),
                               "bf16_matmul_flops_per_s": measure_matmul_rate(device, torch.bfloat16)}
     print(f"{meta['device']} {meta['commit']} model={args.model}")
+    if args.sweep_int4:
+        result["int4_sweep"] = int4_sweep(device, dtype, args.quick)
+        write_json(args.out / f"int4_sweep_{device_slug(meta['device'])}.json", result)
+        return result
     if not args.skip_gemm:
         try:
             result["gemm"] = gemm_rows(device, dtype, args.quick)

@@ -89,12 +89,19 @@ def run_real(args) -> dict:
         llm.chat(chats[0][1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)   # warm-up
         if llm.llm_engine.spec is not None:
             llm.llm_engine.spec.reset_stats()
+        tracer = None
+        if args.trace and not name.startswith("draft"):
+            from bench.profile_step import StepTracer
+            tracer = StepTracer(llm.llm_engine)
         outputs, started = [], time.perf_counter()
         for _, chat in chats:   # batch 1: one request at a time
             outputs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)
         elapsed = time.perf_counter() - started
         spec = llm.llm_engine.spec
         results[name] = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
+        if tracer is not None:   # per step kind: host launch, host wait, device time, device idle
+            tracer.close()
+            results[name]["step_trace"] = {k: v for k, v in tracer.summary().items() if k != "prefill_rows"}
         if reference is None:
             reference = outputs
         else:
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="real,load,verify")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
+    parser.add_argument("--trace", action="store_true",
+                        help="real part: trace each step (bench/profile_step.py's StepTracer) without and with n-gram")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]

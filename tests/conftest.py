@@ -2,10 +2,16 @@
 supported architecture (the reference the model tests compare against)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Before any kernel module is imported: Triton decides at decoration time whether a function is
+    # interpreted, and a kernel calling a helper decorated the other way fails.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
 from minivllm.layers.attention import Attention

@@ -11,7 +11,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from minivllm.kernels import int4_gemm  # noqa: E402,F401  (applies the interpreter fix first)
-from minivllm.kernels.int4_gemm import weight_only_gemm, weight_only_gemm_reference  # noqa: E402
+from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, dequantize, weight_only_gemm,  # noqa: E402
+                                        weight_only_gemm_reference)
+from minivllm.kernels.quant_rows import FP8, quantize_rows_reference, quantize_rows_triton  # noqa: E402
+from minivllm.quantization.packing import dequantize as dequantize_reference  # noqa: E402
 from minivllm.quantization.packing import pack_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,6 +41,47 @@ def test_weight_only_gemm_matches_reference(M, K, N, group_size, bits, split_k, 
     assert ours.dtype == dtype and ours.shape == (M, N)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(ours.float(), reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("config", [GemmConfig(1, 32, 64, 4, 2), GemmConfig(1, 16, 128, 2, 2),
+                                    GemmConfig(16, 32, 32, 4, 2), GemmConfig(32, 16, 64, 4, 3)])
+@pytest.mark.parametrize("M,group_size", [(1, 64), (3, 128), (18, 32)])
+def test_weight_only_gemm_tile_configs(config, M, group_size):
+    """Every tile shape the sweep may pick: one-row and MMA tiles, a step inside one group (its scales
+    loaded once) or spanning several, split-K, a ragged last group."""
+    qweight, scales, zeros = random_weights(200, 40, group_size, 4, torch.float32, seed=M)
+    x = torch.randn(M, 200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    reference = weight_only_gemm_reference(x, qweight, scales, zeros, group_size, 4)
+    for split_k in (1, 2):
+        ours = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config)
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("K,N,group_size,bits", [(200, 40, 64, 4), (136, 72, 32, 4), (96, 24, 32, 8)])
+def test_dequantize_kernel_and_large_m_path(K, N, group_size, bits):
+    """From DEQUANTIZE_FROM_M rows the GEMM expands W once (the kernel) and multiplies: same values."""
+    qweight, scales, zeros = random_weights(K, N, group_size, bits, torch.float32)
+    ours = dequantize(qweight, scales, zeros, group_size, bits, K, torch.float32)
+    assert torch.equal(ours.cpu(), dequantize_reference(qweight, scales, zeros, group_size, bits, K).cpu())
+    x = torch.randn(DEQUANTIZE_FROM_M, K, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    reference = weight_only_gemm_reference(x, qweight, scales, zeros, group_size, bits)
+    torch.testing.assert_close(weight_only_gemm(x, qweight, scales, zeros, group_size, bits), reference,
+                               rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [FP8, torch.int8])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_is_exact(dtype, x_dtype):
+    """W8A8's per-token activation quantization in one kernel: the reference's codes and scales bit for bit
+    (int8 ties round to even, fp8 saturates at 448, an all-zero row gets the floor scale)."""
+    x = (torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 3).to(x_dtype)
+    x[1] = 0
+    x[2, :6] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5])   # int8 ties at scale 1
+    x[3, 0] = 1e4
+    codes, scales = quantize_rows_triton(x.to(DEVICE), dtype)
+    ref_codes, ref_scales = quantize_rows_reference(x, dtype)
+    view = (lambda t: t.view(torch.uint8)) if dtype == FP8 else (lambda t: t)
+    assert torch.equal(view(codes.cpu()), view(ref_codes)) and torch.equal(scales.cpu(), ref_scales)
 
 
 @pytest.mark.gpu

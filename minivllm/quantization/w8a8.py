@@ -11,20 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, quantize_rows,  # noqa: F401
+                                         quantize_rows_reference)
 from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max   # 448
-INT8_MAX = 127.0
-
-
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row scaled to the 8-bit range: (codes [R, C] in `dtype`, scales [R, 1] fp32)."""
-    qmax = FP8_MAX if dtype == FP8 else INT8_MAX
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
-    scaled = x.float() / scale
-    codes = scaled.clamp(-qmax, qmax).to(FP8) if dtype == FP8 else scaled.round().clamp(-qmax, qmax).to(torch.int8)
-    return codes, scale
 
 
 def w8a8_reference(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
@@ -109,7 +98,7 @@ class W8A8LinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.config.serialized:
-            codes, scale = quantize_rows(layer.weight.data, self.dtype)
+            codes, scale = quantize_rows_reference(layer.weight.data, self.dtype)
             replace_param(layer, "weight", codes)
             layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
 

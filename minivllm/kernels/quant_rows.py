@@ -1,0 +1,70 @@
+"""Per-row 8-bit quantization (W8A8's dynamic per-token activation scales), one Triton program per row.
+
+codes[r] = round(clamp(x[r] / s[r], -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in fp32, into float8_e4m3fn
+(QMAX 448) or int8 (QMAX 127, round half to even). The unfused reference, `quantize_rows_reference`, took
+nine kernels per linear layer; at batch 1 that was about 2.5 ms of a 7 ms Llama-3-8B decode step.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.kv_write import _round_to_e4m3_grid
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max   # 448
+INT8_MAX = 127.0
+
+
+def quantize_rows_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row scaled to the 8-bit range: (codes [R, C] in `dtype`, scales [R, 1] fp32)."""
+    qmax = FP8_MAX if dtype == FP8 else INT8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    scaled = x.float() / scale
+    codes = scaled.clamp(-qmax, qmax).to(FP8) if dtype == FP8 else scaled.round().clamp(-qmax, qmax).to(torch.int8)
+    return codes, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
+                          QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < C
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+    v = tl.math.div_rn(x, scale)   # IEEE division, as torch's: the codes match the reference exactly
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if IS_FP8:
+        if EMULATED_CAST:   # the interpreter's fp8 cast is exact only on the grid (see kv_write.py)
+            v = _round_to_e4m3_grid(v)
+    else:
+        v = (v + 12582912.0) - 12582912.0   # round half to even in fp32 (1.5 * 2^23), as torch.round
+    tl.store(codes_ptr + row * stride_c + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)
+    tl.store(scales_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C]: the kernel on CUDA, the reference elsewhere."""
+    if x.is_cuda and x.shape[0]:
+        return quantize_rows_triton(x, dtype)
+    return quantize_rows_reference(x, dtype)
+
+
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference` in one kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    codes = torch.empty(rows, cols, dtype=dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(cols)
+    _quantize_rows_kernel[(rows,)](
+        x, codes, scales, cols, x.stride(0), codes.stride(0),
+        QMAX=FP8_MAX if dtype == FP8 else INT8_MAX, IS_FP8=dtype == FP8, EMULATED_CAST=interpreted,
+        BLOCK=block, num_warps=max(1, min(16, block // 1024)))
+    return codes, scales
