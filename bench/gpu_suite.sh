@@ -38,6 +38,11 @@
 #   N: Gemma-2/3: the GPU tests of the sliding-window / soft-cap kernels and of the Gemma families (the engine on
 #      CUDA against transformers), then bench/models_bench.py on dummy gemma-2-9b and gemma-3-1b (W1 + single
 #      stream vs floor) -> gemma2/models_<gpu>.json (a subfolder, so stage M's file is not overwritten). ~5 min.
+#   R: (carrying .carry/a) the quantized kernels' GPU tests, then bench/quant_bench.py on dummy Llama-3-8B for
+#      bf16, fp8, int4 and fp8kv (GEMM table + engine rows, quant_<gpu>.json). ~7 min. Then S2 (.carry/b).
+#   S2: speculative decoding, real model (no speculation vs n-gram, batch 1) and under load (W1 and 256 x 512
+#      -> 256): spec_decode_<gpu>.json (the verify-cost and draft-layers parts as measured before). ~5 min.
+#   Z: Llama-3-70B dummy, int4 and fp8 weights on one GPU: W1 + batch-1 decode (quant_70b_<gpu>.json). ~4 min.
 #   X: kernel diagnosis: the quant kernels' GPU tests, the int4 GEMM tile sweep (int4_sweep_<gpu>.json) and the
 #      GEMM table timed from CUDA graphs (quant_<gpu>.json, no engine rows). ~7 min.
 #   Y: speculative decoding traced step by step on the real model at batch 1, no speculation vs n-gram
@@ -149,6 +154,21 @@ case "${1:-A}" in
   L)
     python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 2 --tag h100 --out "$OUT" \
       > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
+    ;;
+  R)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
+      | tee "$OUT/gpu_tests_R.log" | tail -3
+    timeout 420 python3 bench/quant_bench.py --formats bf16,fp8,int4,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant_bench.log" | grep -v "M=" | tail -12
+    ;;
+  S2)
+    timeout 500 python3 bench/spec_decode.py --parts real,load --draft-layers "" --out "$OUT" > "$OUT/spec_decode.log" 2>&1
+    tail -8 "$OUT/spec_decode.log"
+    ;;
+  Z)
+    timeout 400 python3 bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm \
+      --gpu-memory-utilization 0.95 --out "$OUT" > "$OUT/quant_70b.log" 2>&1
+    grep -v "^ " "$OUT/quant_70b.log" | tail -6
     ;;
   X)
     timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \

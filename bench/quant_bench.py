@@ -135,7 +135,7 @@ def int4_sweep(device: torch.device, dtype: torch.dtype, quick: bool) -> list[di
                     continue
                 config = GemmConfig(bm, bn, bk, warps, stages)
                 sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-                auto = choose_split_k(M, N, K, bn, bk, sms)
+                auto = choose_split_k(M, N, K, bm, bn, bk, sms)
                 for split in sorted({auto, 2 * auto}):
                     candidates.append((f"{config}/split{split}", config, split))
             best = None

@@ -102,6 +102,7 @@ def run_real(args) -> dict:
         if tracer is not None:   # per step kind: host launch, host wait, device time, device idle
             tracer.close()
             results[name]["step_trace"] = {k: v for k, v in tracer.summary().items() if k != "prefill_rows"}
+            del tracer   # it holds the engine: the next config's engine needs its memory
         if reference is None:
             reference = outputs
         else:
@@ -110,6 +111,7 @@ def run_real(args) -> dict:
         print(f"  {name}: {results[name]['tokens_per_s']:.1f} tok/s, x{results[name]['speedup_vs_off']:.2f}")
         del llm
         gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"model": "SmolLM2-135M-Instruct", "batch": 1, "max_tokens": args.max_tokens,
             "prompts": [kind for kind, _ in chats], "configs": configs, "results": results}
 

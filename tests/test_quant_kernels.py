@@ -89,8 +89,13 @@ def test_quantize_rows_kernel_is_exact(dtype, x_dtype):
 @pytest.mark.parametrize("M", [1, 16, 64, 256])
 @pytest.mark.parametrize("K,N", [(4096, 6144), (4096, 28672), (14336, 4096)])
 def test_weight_only_gemm_8b_shapes_bf16(M, K, N):
+    """The tuned dispatch and every candidate tile it may choose."""
+    from minivllm.kernels.int4_gemm import candidates
     qweight, scales, zeros = random_weights(K, N, 128, 4, torch.bfloat16)
     x = torch.randn(M, K, device=DEVICE).to(torch.bfloat16)
-    ours = weight_only_gemm(x, qweight, scales, zeros, 128, 4)
     reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, 128, 4)
-    torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+    results = [weight_only_gemm(x, qweight, scales, zeros, 128, 4)]
+    results += [weight_only_gemm(x, qweight, scales, zeros, 128, 4, split_k=c[1], config=c[0])
+                for c in candidates(M, N, K, x.device) if c is not None and M < 128]
+    for ours in results:
+        torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())

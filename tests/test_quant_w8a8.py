@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from tests.conftest import PagedRun, make_tiny_hf_checkpoint
 from minivllm.models.loader import load_model, resolve_model
-from minivllm.quantization.w8a8 import FP8, quantize_rows, w8a8_cuda, w8a8_reference
+from minivllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_library, w8a8_triton
+from minivllm.quantization.w8a8 import FP8, quantize_rows, w8a8_reference
 
 SEQUENCES = [[3, 5, 7, 11, 13, 17], [19, 23, 29]]
 
@@ -76,10 +77,32 @@ def test_serialized_fp8_checkpoint_loads_per_shard_scales(tmp_path):
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("M", [1, 16, 64, 300])
 def test_w8a8_cuda_matches_reference(dtype, M):
+    """The tuned dispatch, the library GEMM and every Triton candidate, on the 8B qkv shape."""
+    from minivllm.kernels.w8a8_gemm import candidates
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     x_codes, x_scale = quantize_rows(x, dtype)
     w_codes, w_scale = quantize_rows(w, dtype)
-    ours = w8a8_cuda(x_codes, x_scale, w_codes, w_scale.view(-1), torch.bfloat16)
+    args = (x_codes, x_scale, w_codes, w_scale.view(-1), torch.bfloat16)
+    reference = w8a8_reference(*args[:4], torch.float32)
+    results = [w8a8_gemm(*args), w8a8_library(*args)]
+    if M <= 64:
+        results += [w8a8_triton(*args, c) for c in candidates(M, 6144, 4096, x.device) if c is not None]
+    for ours in results:
+        torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [FP8, torch.int8])
+@pytest.mark.parametrize("M,K,N,config", [(1, 200, 72, W8A8Config(16, 32, 64, 4, 2, 1)),
+                                          (5, 200, 72, W8A8Config(16, 32, 64, 4, 2, 3)),
+                                          (33, 136, 40, W8A8Config(32, 16, 32, 4, 2, 2))])
+def test_w8a8_triton_kernel_matches_reference(dtype, M, K, N, config):
+    """The split-K Triton GEMM (interpreter on CPU) on odd shapes: ragged K tiles and splits, N and M tails."""
+    generator = torch.Generator().manual_seed(M)
+    x_codes, x_scale = quantize_rows(torch.randn(M, K, generator=generator), dtype)
+    w_codes, w_scale = quantize_rows(torch.randn(N, K, generator=generator) * 0.02, dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = [t.to(device) for t in (x_codes, x_scale, w_codes, w_scale.view(-1))]
+    ours = w8a8_triton(*args, torch.float32, config)
     reference = w8a8_reference(x_codes, x_scale, w_codes, w_scale.view(-1), torch.float32)
-    torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+    torch.testing.assert_close(ours.cpu(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())

@@ -16,7 +16,7 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import EXPLORE_EVERY, SpeculationController
+from minivllm.spec_decode.controller import EXPLORE_EVERY, EXPLORE_SEQS, SpeculationController
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from tests.conftest import make_tiny_hf_checkpoint
@@ -190,6 +190,31 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
     for num_tokens in (2, 3, 5) * 20:
         controller.observe_step(num_tokens, 0.011, speculative=True)   # and cheap verification: on again
     assert controller.choose_k([seq]) == 4
+
+
+def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
+    """At a large batch an unmeasured verify size is priced from the plain steps around it (here a prefill
+    of 8,192 tokens), so k stays 0 without a whole-batch try; the periodic try speculates with a few
+    sequences only, in turn."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    seqs = []
+    for i in range(256):
+        seq = SequenceGroup(f"r{i}", None, [5, 6, 5, 6, 5], SamplingParams(max_tokens=100)).seqs[0]
+        seq.append_token(6)
+        seq.num_computed_tokens = 5
+        seqs.append(seq)
+    controller.observe_step(256, 0.028, speculative=False)     # decode step of the batch
+    controller.observe_step(8192, 0.600, speculative=False)    # a prefill step
+    ks = [controller.choose_k(seqs) for _ in range(EXPLORE_EVERY)]
+    assert ks[:-1] == [0] * (EXPLORE_EVERY - 1) and ks[-1] == 4
+    tried = []
+    for _ in range(3):   # each try: EXPLORE_SEQS sequences, the next ones each time
+        controller._exploring = True
+        assert controller.propose(seqs, 4) == EXPLORE_SEQS
+        tried.append([i for i, s in enumerate(seqs) if s.spec_token_ids])
+    assert tried == [list(range(j * EXPLORE_SEQS, (j + 1) * EXPLORE_SEQS)) for j in range(3)]
+    assert controller.choose_k(seqs) == 0 and controller.propose(seqs, 0) == 0
 
 
 def test_ngram_without_matches_lowers_the_proposal_rate():

@@ -6,10 +6,11 @@ splits each word into its pf codes with shifts (a [BLOCK_K / pf, pf, BLOCK_N] vi
 [BLOCK_K, BLOCK_N]), forms (code - zero) * scale in fp32 in registers and feeds tl.dot (bf16 MMA on
 Hopper): the weights cross HBM at `bits` per value, never expanded in memory. When the group size is a
 multiple of BLOCK_K a step lies inside one group, and its scales and zeros are one row of N values
-instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 15/16 padding): the
-products are summed over K in fp32. For small M the tile grid alone is too small to fill the GPU, so a
-split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that are summed
-after (deterministic, no atomics).
+instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 15/16 padding): products
+accumulate elementwise in a [BLOCK_K, BLOCK_N] fp32 tile, reduced over K once at the end (a reduction
+per step cost more than the loads it waited on). For small M the tile grid alone is too small to fill
+the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
+are summed after (deterministic, no atomics). The tile and split are timed per shape (kernels/tuning.py).
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (dequantize in fp32, then matmul).
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels import tuning
 from minivllm.quantization.packing import weight_only_gemm_reference  # noqa: F401  (the reference)
 
 
@@ -66,16 +68,24 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
     mask_n = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & (offs_k[None, :] < k_end), other=0.0)
-        w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
-                         stride_sg, BITS, BLOCK_K, GROUP_PER_TILE)
-        if BLOCK_M == 1:
-            acc += tl.sum(tl.reshape(x.to(tl.float32), (BLOCK_K, 1)) * w, axis=0)[None, :]
-        else:
+    if BLOCK_M == 1:
+        # One row: products summed elementwise over the K steps, reduced across K once at the end.
+        partial = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
+            w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
+                             stride_sg, BITS, BLOCK_K, GROUP_PER_TILE)
+            partial += x[:, None] * w
+        acc = tl.sum(partial, axis=0)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=mask_m[:, None] & (offs_k[None, :] < k_end), other=0.0)
+            w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
+                             stride_sg, BITS, BLOCK_K, GROUP_PER_TILE)
             acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -103,11 +113,7 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-# Tile shapes by M; chosen from the H100 sweep in bench/quant_bench.py --sweep-int4.
-SMALL_M = GemmConfig(16, 64, 128, 4, 3)
-ONE_ROW = GemmConfig(1, 64, 128, 4, 3)
-LARGE_M = GemmConfig(64, 128, 64, 4, 3)
-DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS
+DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS (compute-bound; H100 sweep)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -116,19 +122,33 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_split_k(M: int, N: int, K: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """Split K only for small M, until the grid has about two programs per SM."""
-    if M > 16:
-        return 1
-    tiles = triton.cdiv(N, block_n)
-    split = 1
-    while tiles * split < 2 * num_sms and K // (split * 2) >= 2 * block_k:
-        split *= 2
-    return split
+def choose_split_k(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, num_sms: int,
+                   fill: int = 2) -> int:
+    """K split until the grid has about `fill` programs per SM (each keeping two K steps at least)."""
+    programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return max(1, min(K // (2 * block_k), triton.cdiv(fill * num_sms, programs)))
 
 
 def default_config(M: int) -> GemmConfig:
-    return ONE_ROW if M == 1 else SMALL_M if M <= 16 else LARGE_M
+    return GemmConfig(1, 128, 64, 4, 4) if M == 1 else GemmConfig(16, 128, 64, 4, 4) if M <= 16 \
+        else GemmConfig(64, 32, 128, 4, 4)
+
+
+def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmConfig, int] | None]:
+    """(tile, split) pairs to time for M rows (None: dequantize + cuBLAS); tiles from the H100 sweep."""
+    one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
+               GemmConfig(1, 256, 64, 8, 4), GemmConfig(1, 128, 128, 8, 3)]
+    small = [GemmConfig(16, 128, 64, 4, 4), GemmConfig(16, 128, 64, 4, 2), GemmConfig(16, 64, 128, 4, 4),
+             GemmConfig(16, 256, 64, 8, 3)]
+    medium = [GemmConfig(64, 32, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 64, 128, 4, 4),
+              GemmConfig(32, 64, 128, 4, 4)]
+    tiles = one_row if M == 1 else small + one_row[:1] if M <= 4 else small if M <= 16 else medium
+    out: list[tuple[GemmConfig, int] | None] = [None]
+    for tile in tiles:
+        for fill in ((2, 4) if M <= 16 else (1, 2)):
+            out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, _num_sms(device),
+                                             fill)))
+    return list(dict.fromkeys(out))
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
@@ -145,20 +165,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
-def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype."""
+def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig, split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
-    x = x.contiguous()
-    if config is None and M >= DEQUANTIZE_FROM_M:
-        return x @ dequantize(qweight, scales, zeros, group_size, bits, K, x.dtype)
-    block_m, block_n, block_k, warps, stages = config or default_config(M)
+    block_m, block_n, block_k, warps, stages = config
     if x.element_size() == 4 and block_m > 1:   # fp32 tiles at these sizes overflow the H100's shared memory
         block_k //= 2
-    if split_k is None:
-        split_k = choose_split_k(M, N, K, block_n, block_k, _num_sms(x.device))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     if split_k == 1:
@@ -172,3 +184,32 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
         num_warps=warps, num_stages=stages)
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, bits: int = 4, split_k: int | None = None,
+                     config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
+    otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    x = x.contiguous()
+    args = (x, qweight, scales, zeros, group_size, bits)
+    fixed = config is not None or split_k is not None
+    if not fixed and M >= DEQUANTIZE_FROM_M:
+        return x @ dequantize(qweight, scales, zeros, group_size, bits, K, x.dtype)
+    if fixed or not x.is_cuda:
+        config = config or default_config(M)
+        if split_k is None:
+            split_k = choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, _num_sms(x.device))
+        return _triton_gemm(*args, config, split_k)
+
+    def run(choice):
+        if choice is None:
+            return x @ dequantize(qweight, scales, zeros, group_size, bits, K, x.dtype)
+        return _triton_gemm(*args, *choice)
+    bucket = 1 << max(0, M - 1).bit_length()
+    default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], _num_sms(x.device)))
+    choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
+                         candidates(bucket, N, K, x.device), run, default)
+    return run(choice)

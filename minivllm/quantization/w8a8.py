@@ -2,9 +2,10 @@
 dynamic per-token activation scales computed in each forward.
 
 y[m, n] = sum_k xq[m, k] wq[n, k] * sx[m] * sw[n], with xq = quant(x / sx), sx = max|x[m]| / QMAX.
-On CUDA the 8-bit product runs in hardware (fp8: torch._scaled_mm with row-wise scales on Hopper;
-int8: torch._int_mm, int32 accumulation); elsewhere `w8a8_reference` emulates it: the same 8-bit
-values (fp8 rounding through real torch.float8_e4m3fn casts), products summed in fp32.
+On CUDA the activations are quantized by one Triton kernel (kernels/quant_rows.py) and the 8-bit product
+runs on the tensor cores (kernels/w8a8_gemm.py: a split-K Triton GEMM at decode sizes, torch._scaled_mm /
+torch._int_mm above); elsewhere `w8a8_reference` emulates it: the same 8-bit values (fp8 rounding through
+real torch.float8_e4m3fn casts), products summed in fp32.
 """
 from __future__ import annotations
 
@@ -13,24 +14,8 @@ from torch import nn
 
 from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, quantize_rows,  # noqa: F401
                                          quantize_rows_reference)
+from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_reference
 from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
-
-
-def w8a8_reference(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
-    return ((x_codes.float() @ w_codes.float().t()) * x_scale * w_scale.view(1, -1)).to(out_dtype)
-
-
-def w8a8_cuda(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
-    if x_codes.dtype == FP8:
-        # row-wise scaled fp8 GEMM produces bf16; other dtypes are cast after
-        out = torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(),
-                               out_dtype=torch.bfloat16)
-        return out.to(out_dtype)
-    M = x_codes.shape[0]
-    if M <= 16:   # _int_mm needs more than 16 rows
-        x_codes = torch.cat([x_codes, x_codes.new_zeros(17 - M, x_codes.shape[1])])
-    acc = torch._int_mm(x_codes, w_codes.t())[:M]
-    return (acc.float() * x_scale * w_scale.view(1, -1)).to(out_dtype)
 
 
 class W8A8Config(QuantizationConfig):
@@ -105,7 +90,7 @@ class W8A8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x_codes, x_scale = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
-        gemm = w8a8_cuda if x.is_cuda else w8a8_reference
+        gemm = w8a8_gemm if x.is_cuda else w8a8_reference
         out = gemm(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if bias is not None:
             out = out + bias

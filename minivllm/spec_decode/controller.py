@@ -11,12 +11,16 @@ its tries in which the proposer had anything to propose (n-gram lookups often fi
 a prior from all sequences. Costs are the median of the last few steps in each power-of-two bucket of
 scheduled tokens, kept separately for plain steps and for verify steps: a verify
 step also gives up the overlap of host work with the previous step (async scheduling), so its cost
-includes that. A bucket never measured is assumed to cost what the plain step of the same batch does,
-so each is tried once and then judged on its measured cost: at high load a verify step costs nearly
-(1 + k) decode steps and k falls to 0 by itself. While k stays 0, speculation is tried again after
-`EXPLORE_EVERY` plain steps, so a workload that turns repetitive is noticed; each try that does not
-switch speculation back on doubles that wait (up to `MAX_EXPLORE_EVERY`), so a proposer that never
-pays (a draft too weak for the target) costs almost nothing.
+includes that. A bucket never measured is estimated from the plain steps (prefill chunks included) by
+linear interpolation in the token count between the measured buckets around it (a step's cost is about
+affine in its tokens), or, with none above it, assumed to cost the plain step below: at batch 1 a
+verify step is then tried once and judged on its measured cost, while at high load, where verifying
+B * (1 + k) tokens costs like a prefill of that size, k stays 0 without trying. While k stays 0,
+speculation is tried again after `EXPLORE_EVERY` plain steps, so a workload that turns repetitive is
+noticed, but only by `EXPLORE_SEQS` sequences (in turn): a try costs a few tokens, not a verify step of
+the whole batch (at 256 x 512 -> 256 on an H100, whole-batch tries cost 4.6% of throughput). Each try
+that does not switch speculation back on doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer
+that never pays (a draft too weak for the target) costs almost nothing.
 
 The n-gram proposer runs here (it needs only token ids). A device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
@@ -36,6 +40,7 @@ _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each s
 _COST_WINDOW = 8         # recent step times kept per bucket (their median is the cost: compiles are outliers)
 EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried again ...
 MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
+EXPLORE_SEQS = 4          # sequences that speculate in such a try
 
 
 @dataclass
@@ -64,6 +69,7 @@ class SpeculationController:
         self._spec_cost: dict[int, deque] = {}               # ... and verify steps
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
+        self._exploring, self._explore_offset = False, 0
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_k)
@@ -95,6 +101,23 @@ class SpeculationController:
         known = [b for b in table if b <= bucket]
         return statistics.median(table[max(known)]) if known else None
 
+    def _estimated_verify_cost(self, num_tokens: int) -> float | None:
+        """A verify step's measured cost, or the plain steps' cost interpolated at `num_tokens`."""
+        bucket = _bucket(num_tokens)
+        if bucket in self._spec_cost:
+            return statistics.median(self._spec_cost[bucket])
+        below = [b for b in self._plain_cost if b <= bucket]
+        above = [b for b in self._plain_cost if b > bucket]
+        if not below:
+            return None
+        low = max(below)
+        low_cost = statistics.median(self._plain_cost[low])
+        if not above:
+            return low_cost
+        high = min(above)
+        high_cost = statistics.median(self._plain_cost[high])
+        return low_cost + (high_cost - low_cost) * (num_tokens - low) / (high - low)
+
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
         decoding = [s for s in running if s.num_computed_tokens >= s.num_total_tokens - 1]
@@ -107,11 +130,10 @@ class SpeculationController:
         caps = [self._cap(s) for s in decoding]
         plain_cost = self.step_cost(len(running), speculative=False) or 1.0
         best_k, best_rate = 0, len(decoding) / plain_cost
+        self._exploring = False
         for k in range(1, self.max_k + 1):
             num_tokens = len(running) + sum(min(k, c) for c in caps)
-            cost = self.step_cost(num_tokens, speculative=True)
-            if cost is None or _bucket(num_tokens) not in self._spec_cost:
-                cost = max(cost or 0.0, plain_cost)   # optimistic until this size has been measured
+            cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
             expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
             if expected / cost > best_rate * 1.02:  # longer drafts must earn a clear gain
                 best_k, best_rate = k, expected / cost
@@ -122,16 +144,22 @@ class SpeculationController:
         if self._plain_steps >= self._explore_every:
             self._plain_steps = 0
             self._explore_every = min(2 * self._explore_every, MAX_EXPLORE_EVERY)
+            self._exploring = True
             return self.max_k
         return 0
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
         count = 0
+        trying = None
+        if self._exploring and len(running) > EXPLORE_SEQS:   # a try: a few sequences, in turn
+            start = self._explore_offset % len(running)
+            trying = {id(s) for s in (running[start:] + running[:start])[:EXPLORE_SEQS]}
+            self._explore_offset += EXPLORE_SEQS
         for seq in running:
             seq.spec_token_ids = []
             if (k == 0 or seq.num_pending_tokens or seq.num_computed_tokens != seq.num_tokens - 1
-                    or seq.num_pending_forks):
+                    or seq.num_pending_forks or (trying is not None and id(seq) not in trying)):
                 continue
             cap = min(k, self._cap(seq))
             if self.ngram is not None:

@@ -1,0 +1,130 @@
+"""8-bit GEMM with per-row scales (W8A8): y[m, n] = sum_k xq[m, k] wq[n, k] * sx[m] * sw[n].
+
+Codes are float8_e4m3fn (products accumulated in fp32) or int8 (accumulated exactly in int32). Large M goes
+to the library GEMMs (torch._scaled_mm with row-wise scales, torch._int_mm), which are compute-bound
+there. At decode sizes those launch too few tiles and read the weights at about 1 TB/s on an H100 (the
+8B layer shapes; bench/results/quant_h100.json), so for M <= 64 a Triton kernel splits K across programs:
+each multiplies a BLOCK_M x BLOCK_K tile of codes by a BLOCK_K x BLOCK_N tile of weight codes on the
+tensor cores and writes an fp32 partial; the partials are summed and scaled after. The configuration
+(tile, split) is timed per shape against the library path (kernels/tuning.py).
+Reference: `w8a8_reference` (the same codes as floats, products summed in fp32).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels import tuning
+
+FP8 = torch.float8_e4m3fn
+TRITON_MAX_M = 64
+
+
+def w8a8_reference(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
+    return ((x_codes.float() @ w_codes.float().t()) * x_scale * w_scale.view(1, -1)).to(out_dtype)
+
+
+def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
+    """torch._scaled_mm (fp8, Hopper) or torch._int_mm (int8)."""
+    if x_codes.dtype == FP8:
+        # row-wise scaled fp8 GEMM produces bf16; other dtypes are cast after
+        out = torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(),
+                               out_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    M = x_codes.shape[0]
+    if M <= 16:   # _int_mm needs more than 16 rows
+        x_codes = torch.cat([x_codes, x_codes.new_zeros(17 - M, x_codes.shape[1])])
+    acc = torch._int_mm(x_codes, w_codes.t())[:M]
+    return (acc.float() * x_scale * w_scale.view(1, -1)).to(out_dtype)
+
+
+@triton.jit
+def _w8a8_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      IS_INT: tl.constexpr, WIDEN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
+    ZERO: tl.constexpr = 0 if IS_INT else 0.0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=ZERO)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
+                    other=ZERO)
+        if WIDEN:   # the interpreter has no 8-bit products: the same sums over widened codes
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32)).to(acc.dtype)
+        elif IS_INT:
+            acc += tl.dot(x, w, out_dtype=tl.int32)
+        else:
+            acc += tl.dot(x, w, out_dtype=tl.float32)
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(tl.float32), mask=mask_m[:, None] & mask_n[None, :])
+
+
+class W8A8Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Config | None]:
+    """Tiles for M rows (None: the library GEMM), each with split-K filling the GPU about 2x and 4x."""
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    tiles = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (128, 256, 8, 3)]
+    out: list[W8A8Config | None] = [None]
+    for block_n, block_k, warps, stages in tiles:
+        programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        for fill in (2, 4):
+            split = max(1, min(K // (2 * block_k), triton.cdiv(fill * _num_sms(device), programs)))
+            out.append(W8A8Config(block_m, block_n, block_k, warps, stages, split))
+    return list(dict.fromkeys(out))
+
+
+def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Config) -> torch.Tensor:
+    M, K = x_codes.shape
+    N = w_codes.shape[0]
+    block_m, block_n, block_k, warps, stages, split_k = config
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    partials = torch.empty(split_k, M, N, device=x_codes.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
+    _w8a8_gemm_kernel[grid](
+        x_codes, w_codes, partials, M, N, K, k_per_split, x_codes.stride(0), w_codes.stride(0),
+        partials.stride(0), partials.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IS_INT=x_codes.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=warps, num_stages=stages)
+    acc = partials[0] if split_k == 1 else partials.sum(0)
+    return (acc * x_scale * w_scale.view(1, -1)).to(out_dtype)
+
+
+def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
+    """x_codes [M, K], x_scale [M, 1] fp32, w_codes [N, K], w_scale [N] -> [M, N] in out_dtype (CUDA)."""
+    M, K = x_codes.shape
+    N = w_codes.shape[0]
+    if M > TRITON_MAX_M:
+        return w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype)
+    bucket = 1 << max(0, M - 1).bit_length()
+    args = (x_codes, x_scale, w_codes, w_scale, out_dtype)
+    config = tuning.pick(("w8a8", x_codes.dtype, bucket, N, K), candidates(bucket, N, K, x_codes.device),
+                         lambda c: w8a8_library(*args) if c is None else w8a8_triton(*args, c), default=None)
+    return w8a8_library(*args) if config is None else w8a8_triton(*args, config)
