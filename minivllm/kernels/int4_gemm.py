@@ -10,7 +10,7 @@ instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 1
 accumulate elementwise in a [BLOCK_K, BLOCK_N] fp32 tile, reduced over K once at the end (a reduction
 per step cost more than the loads it waited on). For small M the tile grid alone is too small to fill
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
-are summed after (deterministic, no atomics). The tile and split are timed per shape (kernels/tuning.py).
+are summed after in one kernel (kernels/split_k.py; deterministic, no atomics). The tile and split are timed per shape (kernels/tuning.py).
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (dequantize in fp32, then matmul).
@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
+from minivllm.kernels.split_k import sum_partials
 from minivllm.quantization.packing import weight_only_gemm_reference  # noqa: F401  (the reference)
 
 
@@ -183,7 +184,7 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
         num_warps=warps, num_stages=stages)
-    return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
+    return out[0] if split_k == 1 else sum_partials(out, x.dtype)
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -5,7 +5,9 @@ to the library GEMMs (torch._scaled_mm with row-wise scales, torch._int_mm), whi
 there. At decode sizes those launch too few tiles and read the weights at about 1 TB/s on an H100 (the
 8B layer shapes; bench/results/quant_h100.json), so for M <= 64 a Triton kernel splits K across programs:
 each multiplies a BLOCK_M x BLOCK_K tile of codes by a BLOCK_K x BLOCK_N tile of weight codes on the
-tensor cores and writes an fp32 partial; the partials are summed and scaled after. The configuration
+tensor cores and writes its partial already scaled; one more kernel sums the partials (kernels/split_k.py).
+At batch 1 every kernel counts: the first version scaled and cast after the sum in four torch ops, which
+cost more than the GEMM on the small layers. The configuration
 (tile, split) is timed per shape against the library path (kernels/tuning.py).
 Reference: `w8a8_reference` (the same codes as floats, products summed in fp32).
 """
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
+from minivllm.kernels.split_k import sum_partials
 
 FP8 = torch.float8_e4m3fn
 TRITON_MAX_M = 64
@@ -43,7 +46,8 @@ def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _w8a8_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om,
+def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                      stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -70,8 +74,12 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, st
             acc += tl.dot(x, w, out_dtype=tl.int32)
         else:
             acc += tl.dot(x, w, out_dtype=tl.float32)
+    # Scaled here (the scales factor out of the sum over K); one split stores y, several store partials.
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(tl.float32), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 class W8A8Config(NamedTuple):
@@ -106,15 +114,14 @@ def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Confi
     block_m, block_n, block_k, warps, stages, split_k = config
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
-    partials = torch.empty(split_k, M, N, device=x_codes.device, dtype=torch.float32)
+    out = torch.empty(split_k, M, N, device=x_codes.device, dtype=out_dtype if split_k == 1 else torch.float32)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
     _w8a8_gemm_kernel[grid](
-        x_codes, w_codes, partials, M, N, K, k_per_split, x_codes.stride(0), w_codes.stride(0),
-        partials.stride(0), partials.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x_codes, w_codes, x_scale, w_scale, out, M, N, K, k_per_split, x_codes.stride(0), w_codes.stride(0),
+        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IS_INT=x_codes.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)
-    acc = partials[0] if split_k == 1 else partials.sum(0)
-    return (acc * x_scale * w_scale.view(1, -1)).to(out_dtype)
+    return out[0] if split_k == 1 else sum_partials(out, out_dtype)
 
 
 def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
