@@ -116,7 +116,7 @@ def int4_sweep(device: torch.device, dtype: torch.dtype, quick: bool) -> list[di
     dequantize + cuBLAS path, each timed from a CUDA graph: picks int4_gemm's defaults."""
     from itertools import product
 
-    from minivllm.kernels.int4_gemm import GemmConfig, choose_split_k, dequantize, weight_only_gemm
+    from minivllm.kernels.int4_gemm import GemmConfig, choose_split_k, dequantize_triton, weight_only_gemm
     rows = []
     layers = (("tiny", 256, 384),) if quick else LAYERS_8B
     ms = (1, 16) if quick else (1, 8, 16, 64, 128, 256)
@@ -141,7 +141,7 @@ def int4_sweep(device: torch.device, dtype: torch.dtype, quick: bool) -> list[di
             best = None
             for label, config, split in candidates:
                 if config is None:
-                    fn = (lambda: x @ dequantize(qweight, scales, zeros, 128, 4, K, dtype))
+                    fn = (lambda: x @ dequantize_triton(qweight, scales, zeros, 128, 4, K, dtype))
                 else:
                     fn = (lambda: weight_only_gemm(x, qweight, scales, zeros, 128, 4, split_k=split, config=config))
                 try:

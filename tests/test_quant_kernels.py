@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from minivllm.kernels import int4_gemm  # noqa: E402,F401  (applies the interpreter fix first)
-from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, dequantize, weight_only_gemm,  # noqa: E402
-                                        weight_only_gemm_reference)
+from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, dequantize_triton,  # noqa: E402
+                                        weight_only_gemm, weight_only_gemm_reference)
 from minivllm.kernels.quant_rows import FP8, quantize_rows_reference, quantize_rows_triton  # noqa: E402
 from minivllm.quantization.packing import dequantize as dequantize_reference  # noqa: E402
 from minivllm.quantization.packing import pack_rows  # noqa: E402
@@ -61,7 +61,7 @@ def test_weight_only_gemm_tile_configs(config, M, group_size):
 def test_dequantize_kernel_and_large_m_path(K, N, group_size, bits):
     """From DEQUANTIZE_FROM_M rows the GEMM expands W once (the kernel) and multiplies: same values."""
     qweight, scales, zeros = random_weights(K, N, group_size, bits, torch.float32)
-    ours = dequantize(qweight, scales, zeros, group_size, bits, K, torch.float32)
+    ours = dequantize_triton(qweight, scales, zeros, group_size, bits, K, torch.float32)
     assert torch.equal(ours.cpu(), dequantize_reference(qweight, scales, zeros, group_size, bits, K).cpu())
     x = torch.randn(DEQUANTIZE_FROM_M, K, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     reference = weight_only_gemm_reference(x, qweight, scales, zeros, group_size, bits)

@@ -1,6 +1,6 @@
 """Mixed-precision GEMM for weight-only integer formats: y = x @ dequant(W), W packed in int32 words.
 
-Layout (see quantization/packing.py): qweight [K / pf, N] packed along K, scales and zeros [G, N].
+Layout (quantization/packing.py packs it): qweight [K / pf, N] packed along K, scales and zeros [G, N].
 Each program owns a BLOCK_M x BLOCK_N tile of y. Per BLOCK_K step it loads the tile's packed words once,
 splits each word into its pf codes with shifts (a [BLOCK_K / pf, pf, BLOCK_N] view reshaped to
 [BLOCK_K, BLOCK_N]), forms (code - zero) * scale in fp32 in registers and feeds tl.dot (bf16 MMA on
@@ -12,8 +12,9 @@ per step cost more than the loads it waited on). For small M the tile grid alone
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
 are summed after in one kernel (kernels/split_k.py; deterministic, no atomics). The tile and split are timed per shape (kernels/tuning.py).
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
-`dequantize` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
-The reference is `weight_only_gemm_reference` (dequantize in fp32, then matmul).
+`dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
+The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the
+layout's unpacking.
 """
 from __future__ import annotations
 
@@ -25,7 +26,41 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.split_k import sum_partials
-from minivllm.quantization.packing import weight_only_gemm_reference  # noqa: F401  (the reference)
+
+
+# ---- the layout and the plain-PyTorch reference ------------------------------------------------------------
+def pack_factor(bits: int) -> int:
+    if bits not in (2, 4, 8):
+        raise ValueError(f"unsupported bit width {bits} (2, 4 or 8)")
+    return 32 // bits
+
+
+def field_shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(pack_factor(bits), dtype=torch.int32, device=device) * bits
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """int32 [R / pf, N] -> codes int32 [rows, N] (field i of word row j is row j * pf + i)."""
+    fields = (packed.unsqueeze(1) >> field_shifts(bits, packed.device).view(1, -1, 1)) & ((1 << bits) - 1)
+    return fields.reshape(-1, packed.shape[1])[:rows]
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               bits: int, in_features: int) -> torch.Tensor:
+    """W [K, N] in fp32 from our layout."""
+    codes = unpack_rows(qweight, bits, in_features).float()
+    group = torch.arange(in_features, device=qweight.device) // group_size
+    return (codes - zeros.float()[group]) * scales.float()[group]
+
+
+def weight_only_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                               zeros: torch.Tensor, group_size: int, bits: int = 4) -> torch.Tensor:
+    """x [M, K] @ dequantized W [K, N]: weights formed in fp32, then the product in x's dtype."""
+    w = dequantize(qweight, scales, zeros, group_size, bits, x.shape[-1])
+    return x @ w.to(x.dtype)
+
+
+# ---- the Triton kernels -------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -152,9 +187,9 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmC
     return list(dict.fromkeys(out))
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
-               in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """W [K, N] in `dtype` (the reference's fp32 values, rounded once)."""
+def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
+                      in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """W [K, N] in `dtype` in one kernel (the reference `dequantize`'s fp32 values, rounded once)."""
     N = qweight.shape[1]
     out = torch.empty(in_features, N, device=qweight.device, dtype=dtype)
     block_k = 64 if group_size % 64 == 0 else 32
@@ -198,7 +233,7 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     args = (x, qweight, scales, zeros, group_size, bits)
     fixed = config is not None or split_k is not None
     if not fixed and M >= DEQUANTIZE_FROM_M:
-        return x @ dequantize(qweight, scales, zeros, group_size, bits, K, x.dtype)
+        return x @ dequantize_triton(qweight, scales, zeros, group_size, bits, K, x.dtype)
     if fixed or not x.is_cuda:
         config = config or default_config(M)
         if split_k is None:
@@ -207,7 +242,7 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
     def run(choice):
         if choice is None:
-            return x @ dequantize(qweight, scales, zeros, group_size, bits, K, x.dtype)
+            return x @ dequantize_triton(qweight, scales, zeros, group_size, bits, K, x.dtype)
         return _triton_gemm(*args, *choice)
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], _num_sms(x.device)))
