@@ -6,11 +6,15 @@ in fp32 and rounded to the input dtype, then the product is rounded again. Owns 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 
-from minivllm.layers.activation import silu_and_mul as silu_and_mul_reference  # noqa: E402  (the layer's torch path)
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The plain-PyTorch path (the layer's everywhere but CUDA)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @triton.jit

@@ -12,7 +12,11 @@ import triton
 import triton.language as tl
 
 
-from minivllm.layers.layernorm import rms_norm as rms_norm_reference  # noqa: E402  (the layer's torch path)
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain-PyTorch path (the layer's everywhere but CUDA): normalised in fp32, rounded, then scaled."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

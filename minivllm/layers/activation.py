@@ -5,12 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.activation import silu_and_mul_reference
 from minivllm.layers.fusion import fusions_enabled
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):
@@ -24,7 +20,7 @@ class SiluAndMul(nn.Module):
         if self.use_triton and x.is_cuda:
             from minivllm.kernels.activation import silu_and_mul as triton_silu_and_mul
             return triton_silu_and_mul(x)
-        return silu_and_mul(x)
+        return silu_and_mul_reference(x)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

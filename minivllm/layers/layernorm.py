@@ -8,14 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.rmsnorm import rms_norm_reference
 from minivllm.layers.fusion import fusions_enabled
 from minivllm.layers.linear import default_weight_loader
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 def norm_layer_input(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor | None):
@@ -43,9 +38,9 @@ class RMSNorm(nn.Module):
                 return triton_rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm_reference(x, self.weight, self.eps)
         x = x + residual
-        return rms_norm(x, self.weight, self.eps), x
+        return rms_norm_reference(x, self.weight, self.eps), x
 
 
 class LayerNorm(nn.Module):
