@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (device_slug, measure_copy_bandwidth, measure_matmul_rate, run_metadata,  # noqa: E402
                           time_median, write_json)
 from bench.throughput import Workload, free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
+from minivllm.kernels.tuning import device_seconds  # noqa: E402
 
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
 KV_CACHE_DTYPE = {"fp8kv": "fp8"}   # engine-only formats: bf16 weights, another KV cache dtype
@@ -84,7 +85,9 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dic
             for M in GEMM_M if not quick else (1, 16):
                 x = torch.randn(M, K, device=device, dtype=dtype)
                 eager = time_median(lambda: layer(x), device, warmup=3, repeats=10 if quick else 30)
-                seconds = graph_time(lambda: layer(x), device) if device.type == "cuda" else eager
+                # From a CUDA graph: the device's time, as the engine's graphs run it (timed eagerly, a call
+                # of a few small kernels measures the host launching them).
+                seconds = device_seconds(lambda: layer(x), calls=10, repeats=20) if device.type == "cuda" else eager
                 moved = weight_bytes + M * (K + N) * x.element_size()
                 rows.append({"layer": name, "K": K, "N": N, "M": M, "format": fmt, "us": 1e6 * seconds,
                              "eager_us": 1e6 * eager, "bytes_per_s": moved / seconds,
@@ -93,30 +96,13 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dic
     return rows
 
 
-def graph_time(fn, device: torch.device, inner: int = 10) -> float:
-    """Seconds per call of `fn` replayed from a CUDA graph: the device's time, as the engine's graphs run
-    it. Timed eagerly, a call of a few small kernels measures the host launching them."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    seconds = time_median(graph.replay, device, warmup=2, repeats=20) / inner
-    del graph
-    return seconds
-
-
 def int4_sweep(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
     """Tile shapes of the int4 GEMM (group 128) at decode-sized M on the 8B layer shapes, and the
     dequantize + cuBLAS path, each timed from a CUDA graph: picks int4_gemm's defaults."""
     from itertools import product
 
-    from minivllm.kernels.int4_gemm import GemmConfig, choose_split_k, dequantize_triton, weight_only_gemm
+    from minivllm.kernels.int4_gemm import GemmConfig, dequantize_triton, weight_only_gemm
+    from minivllm.kernels.split_k import choose_split_k
     rows = []
     layers = (("tiny", 256, 384),) if quick else LAYERS_8B
     ms = (1, 16) if quick else (1, 8, 16, 64, 128, 256)
@@ -145,7 +131,7 @@ def int4_sweep(device: torch.device, dtype: torch.dtype, quick: bool) -> list[di
                 else:
                     fn = (lambda: weight_only_gemm(x, qweight, scales, zeros, 128, 4, split_k=split, config=config))
                 try:
-                    seconds = graph_time(fn, device, inner=5)
+                    seconds = device_seconds(fn, calls=5, repeats=20)
                 except Exception as e:   # a tile that does not fit (shared memory): skip it
                     print(f"  {name} M={M} {label}: {type(e).__name__}", flush=True)
                     continue

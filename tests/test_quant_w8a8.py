@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import PagedRun, make_tiny_hf_checkpoint
 from minivllm.models.loader import load_model, resolve_model
-from minivllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_library, w8a8_triton
+from minivllm.kernels.w8a8_gemm import W8A8Tile, w8a8_gemm, w8a8_library, w8a8_triton
 from minivllm.quantization.w8a8 import FP8, quantize_rows, w8a8_reference
 
 SEQUENCES = [[3, 5, 7, 11, 13, 17], [19, 23, 29]]
@@ -93,9 +93,9 @@ def test_w8a8_cuda_matches_reference(dtype, M):
 
 
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
-@pytest.mark.parametrize("M,K,N,config", [(1, 200, 72, W8A8Config(16, 32, 64, 4, 2, 1)),
-                                          (5, 200, 72, W8A8Config(16, 32, 64, 4, 2, 3)),
-                                          (33, 136, 40, W8A8Config(32, 16, 32, 4, 2, 2))])
+@pytest.mark.parametrize("M,K,N,config", [(1, 200, 72, W8A8Tile(16, 32, 64, 4, 2, 1)),
+                                          (5, 200, 72, W8A8Tile(16, 32, 64, 4, 2, 3)),
+                                          (33, 136, 40, W8A8Tile(32, 16, 32, 4, 2, 2))])
 def test_w8a8_triton_kernel_matches_reference(dtype, M, K, N, config):
     """The split-K Triton GEMM (interpreter on CPU) on odd shapes: ragged K tiles and splits, N and M tails."""
     generator = torch.Generator().manual_seed(M)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.split_k import sum_partials
+from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
 
 
 # ---- the layout and the plain-PyTorch reference ------------------------------------------------------------
@@ -95,21 +95,13 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
                              stride_xm, stride_qk, stride_sg, stride_os, stride_om,
                              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_PER_TILE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     if BLOCK_M == 1:
         # One row: products summed elementwise over the K steps, reduced across K once at the end.
         partial = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + tl.program_id(0) * stride_xm + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
             w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
                              stride_sg, BITS, BLOCK_K, GROUP_PER_TILE)
             partial += x[:, None] * w
@@ -123,7 +115,7 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
             w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
                              stride_sg, BITS, BLOCK_K, GROUP_PER_TILE)
             acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -152,19 +144,6 @@ class GemmConfig(NamedTuple):
 DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS (compute-bound; H100 sweep)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_split_k(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, num_sms: int,
-                   fill: int = 2) -> int:
-    """K split until the grid has about `fill` programs per SM (each keeping two K steps at least)."""
-    programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    return max(1, min(K // (2 * block_k), triton.cdiv(fill * num_sms, programs)))
-
-
 def default_config(M: int) -> GemmConfig:
     return GemmConfig(1, 128, 64, 4, 4) if M == 1 else GemmConfig(16, 128, 64, 4, 4) if M <= 16 \
         else GemmConfig(64, 32, 128, 4, 4)
@@ -182,7 +161,7 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmC
     out: list[tuple[GemmConfig, int] | None] = [None]
     for tile in tiles:
         for fill in ((2, 4) if M <= 16 else (1, 2)):
-            out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, _num_sms(device),
+            out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
                                              fill)))
     return list(dict.fromkeys(out))
 
@@ -207,19 +186,15 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
     block_m, block_n, block_k, warps, stages = config
     if x.element_size() == 4 and block_m > 1:   # fp32 tiles at these sizes overflow the H100's shared memory
         block_k //= 2
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
-    if split_k == 1:
-        out = torch.empty(1, M, N, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+    k_per_split, split_k = k_slices(K, split_k, block_k)
+    out = partials_buffer(split_k, M, N, x.device, x.dtype)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
     _weight_only_gemm_kernel[grid](
         x, qweight, scales, zeros, out, M, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
         num_warps=warps, num_stages=stages)
-    return out[0] if split_k == 1 else sum_partials(out, x.dtype)
+    return sum_partials(out, x.dtype)
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -237,7 +212,7 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if fixed or not x.is_cuda:
         config = config or default_config(M)
         if split_k is None:
-            split_k = choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, _num_sms(x.device))
+            split_k = choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, num_sms(x.device))
         return _triton_gemm(*args, config, split_k)
 
     def run(choice):
@@ -245,7 +220,7 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
             return x @ dequantize_triton(qweight, scales, zeros, group_size, bits, K, x.dtype)
         return _triton_gemm(*args, *choice)
     bucket = 1 << max(0, M - 1).bit_length()
-    default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], _num_sms(x.device)))
+    default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
                          candidates(bucket, N, K, x.device), run, default)
     return run(choice)

@@ -17,7 +17,7 @@ FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 @triton.jit
-def _round_to_e4m3_grid(x):
+def round_to_e4m3_grid(x):
     # Round to nearest even on e4m3's grid in fp32 arithmetic (3 mantissa bits; subnormal step 2^-9):
     # adding 1.5 * 2^23 ulp leaves `ulp` as fp32's last place, so the add itself rounds. Done on |x|
     # so that negative values rounding to zero keep their sign (-0, as the hardware cast gives).
@@ -36,7 +36,7 @@ def _quantize(x, scale, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, EMULATED_
         if EMULATED_CAST:
             # Triton 3.6's interpreter casts to fp8 by rounding half up and loses the carry into the
             # exponent (1.97 becomes 1.0); given a value already on the grid, its cast is exact.
-            x = _round_to_e4m3_grid(x)
+            x = round_to_e4m3_grid(x)
     return x
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.kv_write import _round_to_e4m3_grid
+from minivllm.kernels.kv_write import round_to_e4m3_grid
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -41,7 +41,7 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if IS_FP8:
         if EMULATED_CAST:   # the interpreter's fp8 cast is exact only on the grid (see kv_write.py)
-            v = _round_to_e4m3_grid(v)
+            v = round_to_e4m3_grid(v)
     else:
         v = (v + 12582912.0) - 12582912.0   # round half to even in fp32 (1.5 * 2^23), as torch.round
     tl.store(codes_ptr + row * stride_c + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)

@@ -1,11 +1,38 @@
-"""The last step of a split-K GEMM: out[m, n] = sum over s of partials[s, m, n], cast to the output dtype,
-in one kernel (torch's sum then cast took two, each a few microseconds at decode sizes).
-Reference: `partials.sum(0).to(dtype)`."""
+"""Split-K, shared by the quantized GEMMs: how many K slices, each program's tile and K range, and the
+last step, out[m, n] = sum over s of partials[s, m, n] cast to the output dtype, in one kernel (torch's
+sum then cast took two, each a few microseconds at decode sizes). Reference: `partials.sum(0).to(dtype)`.
+"""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def choose_split_k(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, sms: int,
+                   fill: int = 2) -> int:
+    """K split until the grid has about `fill` programs per SM (each keeping two K steps at least)."""
+    programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return max(1, min(K // (2 * block_k), triton.cdiv(fill * sms, programs)))
+
+
+def k_slices(K: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(K per slice, a whole number of BLOCK_K steps; the number of slices that leaves)."""
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    return k_per_split, triton.cdiv(K, k_per_split)
+
+
+@triton.jit
+def split_k_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows, columns (with masks) and K range, for a grid (M tiles, N tiles, slices)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_per_split
+    return offs_m, offs_n, offs_m < M, offs_n < N, k_start, tl.minimum(k_start + k_per_split, K)
 
 
 @triton.jit
@@ -18,9 +45,16 @@ def _sum_partials_kernel(partials_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOC
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def partials_buffer(split_k: int, rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[S, M, N]: y itself in `dtype` for one slice, fp32 partials for several."""
+    return torch.empty(split_k, rows, cols, device=device, dtype=dtype if split_k == 1 else torch.float32)
+
+
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """partials [S, M, N] fp32 (contiguous) -> [M, N] in `dtype`."""
+    """A `partials_buffer` after the GEMM -> [M, N] in `dtype`."""
     split, rows, cols = partials.shape
+    if split == 1:
+        return partials[0]
     out = torch.empty(rows, cols, device=partials.device, dtype=dtype)
     numel = rows * cols
     block = 1024

@@ -19,7 +19,8 @@ Config = TypeVar("Config")
 _chosen: dict[Hashable, object] = {}
 
 
-def _device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -> float:
+def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -> float:
+    """Median seconds per call of `fn`, `calls` of them captured in one CUDA graph and replayed `repeats` times."""
     fn()   # compiles
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -51,7 +52,7 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[[Config], ob
     timings = []
     for candidate in candidates:
         try:
-            timings.append((_device_seconds(lambda: run(candidate)), candidate))
+            timings.append((device_seconds(lambda: run(candidate)), candidate))
         except Exception as e:   # a tile that does not fit this GPU (shared memory, registers): not a candidate
             logger.debug("tuning %s: %s failed: %s", key, candidate, e)
     best = min(timings, key=lambda t: t[0])[1] if timings else default

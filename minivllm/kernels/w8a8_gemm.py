@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.split_k import sum_partials
+from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
 
 FP8 = torch.float8_e4m3fn
 TRITON_MAX_M = 64
@@ -50,15 +50,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, 
                       stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -78,11 +70,11 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, 
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-class W8A8Config(NamedTuple):
+class W8A8Tile(NamedTuple):
     block_m: int
     block_n: int
     block_k: int
@@ -91,37 +83,31 @@ class W8A8Config(NamedTuple):
     split_k: int
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Config | None]:
+def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | None]:
     """Tiles for M rows (None: the library GEMM), each with split-K filling the GPU about 2x and 4x."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     tiles = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (128, 256, 8, 3)]
-    out: list[W8A8Config | None] = [None]
+    out: list[W8A8Tile | None] = [None]
     for block_n, block_k, warps, stages in tiles:
-        programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         for fill in (2, 4):
-            split = max(1, min(K // (2 * block_k), triton.cdiv(fill * _num_sms(device), programs)))
-            out.append(W8A8Config(block_m, block_n, block_k, warps, stages, split))
+            split = choose_split_k(M, N, K, block_m, block_n, block_k, num_sms(device), fill)
+            out.append(W8A8Tile(block_m, block_n, block_k, warps, stages, split))
     return list(dict.fromkeys(out))
 
 
-def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Config) -> torch.Tensor:
+def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
     M, K = x_codes.shape
     N = w_codes.shape[0]
     block_m, block_n, block_k, warps, stages, split_k = config
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
-    out = torch.empty(split_k, M, N, device=x_codes.device, dtype=out_dtype if split_k == 1 else torch.float32)
+    k_per_split, split_k = k_slices(K, split_k, block_k)
+    out = partials_buffer(split_k, M, N, x_codes.device, out_dtype)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
     _w8a8_gemm_kernel[grid](
         x_codes, w_codes, x_scale, w_scale, out, M, N, K, k_per_split, x_codes.stride(0), w_codes.stride(0),
         out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IS_INT=x_codes.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)
-    return out[0] if split_k == 1 else sum_partials(out, out_dtype)
+    return sum_partials(out, out_dtype)
 
 
 def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
