@@ -130,8 +130,8 @@ def run_load(args) -> list[dict]:
         engine = llm.llm_engine
         controller, vocab = engine.spec, engine.vocab_size
         warm_up(llm, workload, vocab)
-        # Alternating runs, medians: throughput drifts by a few % between runs of one engine (the first of
-        # three off runs was 3.5% faster than the third at 256 x 512 -> 256), so one off/on pair can't judge 3%.
+        # Alternating runs, medians: throughput drifts by a few % between runs of one engine (of off / on /
+        # off at 256 x 512 -> 256, the first was 3.6% faster than the third), so one pair can't judge 3%.
         row = {"workload": str(workload), "order": list(LOAD_ORDER), "off_runs": [], "on_runs": []}
         for i, mode in enumerate(LOAD_ORDER):
             engine.spec = None if mode == "off" else controller
