@@ -18,6 +18,7 @@ layout's unpacking.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -72,8 +73,10 @@ def _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, 
     packed = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
                      mask=(offs_w[:, None] * PACK < k_end) & mask_n[None, :], other=0)
     shifts = tl.arange(0, PACK) * BITS
-    codes = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-    codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0])).to(tl.float32)
+    # A field OR'd into 2^23's mantissa reads as 2^23 + code, exactly: one logic op and a subtraction instead
+    # of an int-to-float conversion (a quarter-rate instruction, and it bounded the kernel).
+    codes = ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)) | 0x4B000000
+    codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0])).to(tl.float32, bitcast=True) - 8388608.0
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if GROUP_PER_TILE:
         group = k0 // group_size
@@ -120,6 +123,77 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
 
 
 @triton.jit
+def _mantissa_field(moved, MASK: tl.constexpr, ASM: tl.constexpr):
+    """The bits of `moved` under MASK in 1.0's mantissa, as a float: (moved & MASK) | 0x3F800000 in one
+    LOP3 (the compiler emits two logic ops for two immediates); plain ops under the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, 1065353216, 0xEA;", "=r,r", [moved],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return ((moved & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_pair(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """Word fields 2j and 2j + 1 (SHIFT = 15 - 8j moves them to bits 15-18 and 19-22) as the floats
+    1 + code / 256 and 1 + code / 16: exact, one logic op per weight and a shift per two."""
+    if SHIFT > 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> -SHIFT   # arithmetic shift: the bits it drags in are masked off
+    return _mantissa_field(moved, 0x00078000, ASM), _mantissa_field(moved, 0x00780000, ASM)
+
+
+@triton.jit
+def _x_pair(x_row, offs_w, j: tl.constexpr, k_end):
+    """x at fields 2j (times 16, matching `_nibble_pair`'s 1 + q / 256) and 2j + 1 of the word rows."""
+    k_low = offs_w * 8 + 2 * j
+    low = tl.load(x_row + k_low, mask=k_low < k_end, other=0.0).to(tl.float32)
+    high = tl.load(x_row + k_low + 1, mask=k_low + 1 < k_end, other=0.0).to(tl.float32)
+    return 16.0 * low, high
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, group_size, k_per_split,
+                      stride_xm, stride_qk, stride_sg, stride_os, stride_om,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
+
+    Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
+    FMA; the zero point and the scale are applied once per group and word row. With f = 1 + q / 16 for odd
+    fields and f = 1 + q / 256 (times 16 x) for even ones, every product is x q / 16 plus a term
+    independent of q; starting the group's sum at minus those terms leaves acc = sum x q / 16, and
+    y += 16 s acc - s z sum x."""
+    _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    x_row = x_ptr + tl.program_id(0) * stride_xm
+    total = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
+                        mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
+        offset = tl.zeros((WORDS,), dtype=tl.float32)   # the q-independent part of each word row's products
+        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        for j in tl.static_range(4):
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end)
+            offset += x_low + x_high
+            x_sum += x_low / 16.0 + x_high
+        acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32) - offset[:, None]
+        for j in tl.static_range(4):   # the same loads again: the compiler reuses them
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end)
+            f_low, f_high = _nibble_pair(words, 15 - 8 * j, ASM)
+            acc += x_low[:, None] * f_low
+            acc += x_high[:, None] * f_high
+        group = k0 // group_size
+        scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        total += (16.0 * scale)[None, :] * acc - (scale * zero)[None, :] * x_sum[:, None]
+    y = tl.sum(total, axis=0)
+    tl.store(out_ptr + tl.program_id(2) * stride_os + tl.program_id(0) * stride_om + offs_n,
+             y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, group_size, stride_qk, stride_sg,
                        stride_ok, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_PER_TILE: tl.constexpr):
@@ -141,6 +215,14 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
+class GemvConfig(NamedTuple):
+    """A tile of `_int4_gemv_kernel` (4-bit, BLOCK_K dividing the group size; a program per row of x)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
 DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS (compute-bound; H100 sweep)
 
 
@@ -149,7 +231,17 @@ def default_config(M: int) -> GemmConfig:
         else GemmConfig(64, 32, 128, 4, 4)
 
 
-def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmConfig, int] | None]:
+GEMV_TILES = (GemvConfig(256, 128, 4, 3), GemvConfig(128, 128, 4, 3), GemvConfig(512, 64, 8, 3),
+              GemvConfig(256, 64, 4, 4), GemvConfig(512, 128, 8, 2), GemvConfig(128, 64, 4, 4))
+GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
+
+
+def gemv_tiles(M: int, group_size: int, bits: int) -> list[GemvConfig]:
+    return [t for t in GEMV_TILES if group_size % t.block_k == 0] if bits == 4 and M <= GEMV_MAX_M else []
+
+
+def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128,
+               bits: int = 4) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
     """(tile, split) pairs to time for M rows (None: dequantize + cuBLAS); tiles from the H100 sweep."""
     one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
                GemmConfig(1, 256, 64, 8, 4), GemmConfig(1, 128, 128, 8, 3)]
@@ -158,11 +250,14 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmC
     medium = [GemmConfig(64, 32, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 64, 128, 4, 4),
               GemmConfig(32, 64, 128, 4, 4)]
     tiles = one_row if M == 1 else small + one_row[:1] if M <= 4 else small if M <= 16 else medium
-    out: list[tuple[GemmConfig, int] | None] = [None]
+    out: list[tuple[GemmConfig | GemvConfig, int] | None] = [None]
     for tile in tiles:
         for fill in ((2, 4) if M <= 16 else (1, 2)):
             out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
                                              fill)))
+    for tile in gemv_tiles(M, group_size, bits):
+        for fill in (2, 4, 8):
+            out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
     return list(dict.fromkeys(out))
 
 
@@ -180,9 +275,12 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return out
 
 
-def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig, split_k: int) -> torch.Tensor:
+def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig,
+                 split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
+    if isinstance(config, GemvConfig):
+        return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages = config
     if x.element_size() == 4 and block_m > 1:   # fp32 tiles at these sizes overflow the H100's shared memory
         block_k //= 2
@@ -194,6 +292,21 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
         num_warps=warps, num_stages=stages)
+    return sum_partials(out, x.dtype)
+
+
+def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split_k: int) -> torch.Tensor:
+    M, K = x.shape
+    N = qweight.shape[1]
+    if bits != 4 or group_size % config.block_k:
+        raise ValueError(f"{config} needs 4-bit codes and a group size ({group_size}) it divides")
+    k_per_split, split_k = k_slices(K, split_k, config.block_k)
+    out = partials_buffer(split_k, M, N, x.device, x.dtype)
+    _int4_gemv_kernel[(M, triton.cdiv(N, config.block_n), split_k)](
+        x, qweight, scales, zeros, out, N, K, group_size, k_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, x.dtype)
 
 
@@ -222,5 +335,5 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
-                         candidates(bucket, N, K, x.device), run, default)
+                         candidates(bucket, N, K, x.device, group_size, bits), run, default)
     return run(choice)
