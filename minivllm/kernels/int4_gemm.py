@@ -73,10 +73,8 @@ def _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, 
     packed = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
                      mask=(offs_w[:, None] * PACK < k_end) & mask_n[None, :], other=0)
     shifts = tl.arange(0, PACK) * BITS
-    # A field OR'd into 2^23's mantissa reads as 2^23 + code, exactly: one logic op and a subtraction instead
-    # of an int-to-float conversion (a quarter-rate instruction, and it bounded the kernel).
-    codes = ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)) | 0x4B000000
-    codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0])).to(tl.float32, bitcast=True) - 8388608.0
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0])).to(tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if GROUP_PER_TILE:
         group = k0 // group_size
@@ -231,8 +229,9 @@ def default_config(M: int) -> GemmConfig:
         else GemmConfig(64, 32, 128, 4, 4)
 
 
-GEMV_TILES = (GemvConfig(256, 128, 4, 3), GemvConfig(128, 128, 4, 3), GemvConfig(512, 64, 8, 3),
-              GemvConfig(256, 64, 4, 4), GemvConfig(512, 128, 8, 2), GemvConfig(128, 64, 4, 4))
+# the five best of 18 tiles summed over the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py)
+GEMV_TILES = (GemvConfig(128, 128, 4, 3), GemvConfig(256, 128, 4, 3), GemvConfig(512, 32, 2, 3),
+              GemvConfig(512, 64, 2, 3), GemvConfig(1024, 64, 4, 3))
 GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
 
 
