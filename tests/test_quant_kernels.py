@@ -57,13 +57,15 @@ def test_weight_only_gemm_tile_configs(config, M, group_size):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
-@pytest.mark.parametrize("config", [GemvConfig(32, 64, 4, 2), GemvConfig(16, 32, 1, 2), GemvConfig(64, 128, 2, 3)])
+@pytest.mark.parametrize("config", [GemvConfig(32, 64, 4, 2), GemvConfig(16, 32, 1, 2, fused_sum=True),
+                                    GemvConfig(64, 128, 2, 3, fused_sum=True)])
 @pytest.mark.parametrize("M,K,N,group_size", [(1, 200, 72, 64), (3, 392, 40, 128), (2, 136, 24, 32),
                                               (1, 256, 40, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_int4_gemv_matches_reference(config, M, K, N, group_size, dtype):
     """The one-row-per-program int4 kernel (codes read through a float's mantissa, scales applied per group):
-    ragged K inside a word and a group, N beyond the tile, split-K; a tile wider than the group is refused."""
+    ragged K inside a word and a group, N beyond the tile, split-K summed by a second kernel or by each tile's
+    last slice (twice: the tickets are reset, the sum is deterministic); a tile wider than the group is refused."""
     qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=M)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
     reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4)
@@ -77,6 +79,8 @@ def test_int4_gemv_matches_reference(config, M, K, N, group_size, dtype):
         assert ours.dtype == dtype and ours.shape == (M, N)
         torch.testing.assert_close(ours.float(), reference, rtol=tolerance,
                                    atol=tolerance * reference.abs().max().item())
+        again = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config)
+        assert torch.equal(again, ours)
 
 
 @pytest.mark.parametrize("K,N,group_size,bits", [(200, 40, 64, 4), (136, 72, 32, 4), (96, 24, 32, 8)])

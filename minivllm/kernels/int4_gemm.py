@@ -152,9 +152,9 @@ def _x_pair(x_row, offs_w, j: tl.constexpr, k_end):
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, group_size, k_per_split,
-                      stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K, group_size,
+                      k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr):
     """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
 
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
@@ -187,8 +187,22 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, 
         zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         total += (16.0 * scale)[None, :] * acc - (scale * zero)[None, :] * x_sum[:, None]
     y = tl.sum(total, axis=0)
-    tl.store(out_ptr + tl.program_id(2) * stride_os + tl.program_id(0) * stride_om + offs_n,
-             y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    row = tl.program_id(0)
+    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
+             mask=mask_n)
+    if FUSED_SUM:
+        # The K slices of a tile meet here instead of in a second kernel: the last to take a ticket sums the
+        # fp32 partials in slice order (deterministic) into y and resets the ticket for the next call.
+        tl.debug_barrier()   # every thread's partial is stored before the ticket releases them
+        ticket_ptr = tickets_ptr + row * tl.num_programs(1) + tl.program_id(1)
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(2) - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for split in range(0, tl.num_programs(2)):   # read from L2: other SMs wrote them
+                acc += tl.load(out_ptr + split * stride_os + row * stride_om + offs_n, mask=mask_n, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(y_ptr + row * N + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(ticket_ptr, 0)
 
 
 @triton.jit
@@ -214,11 +228,13 @@ class GemmConfig(NamedTuple):
 
 
 class GemvConfig(NamedTuple):
-    """A tile of `_int4_gemv_kernel` (4-bit, BLOCK_K dividing the group size; a program per row of x)."""
+    """A tile of `_int4_gemv_kernel` (4-bit, BLOCK_K dividing the group size; a program per row of x);
+    fused_sum: split-K partials summed by the tile's last slice, not by a second kernel."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    fused_sum: bool = False
 
 
 DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS (compute-bound; H100 sweep)
@@ -229,9 +245,10 @@ def default_config(M: int) -> GemmConfig:
         else GemmConfig(64, 32, 128, 4, 4)
 
 
-# the five best of 18 tiles summed over the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py)
-GEMV_TILES = (GemvConfig(128, 128, 4, 3), GemvConfig(256, 128, 4, 3), GemvConfig(512, 32, 2, 3),
-              GemvConfig(512, 64, 2, 3), GemvConfig(1024, 64, 4, 3))
+# the five best of 18 tiles summed over the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py), each with
+# the split-K sum fused, and the best three with it in a second kernel
+_BEST_GEMV = ((128, 128, 4, 3), (256, 128, 4, 3), (512, 64, 2, 3), (512, 32, 2, 3), (1024, 64, 4, 3))
+GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True) for t in _BEST_GEMV) + tuple(GemvConfig(*t) for t in _BEST_GEMV[:3])
 GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
 
 
@@ -294,19 +311,36 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
     return sum_partials(out, x.dtype)
 
 
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _gemv_tickets(device: torch.device, count: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per output tile, kept zero by the kernels that use it (None: not available
+    while a CUDA graph is being captured, as its memory would belong to the graph)."""
+    tickets = _tickets.get(device)
+    if tickets is None or tickets.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        tickets = _tickets[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return tickets
+
+
 def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
     if bits != 4 or group_size % config.block_k:
         raise ValueError(f"{config} needs 4-bit codes and a group size ({group_size}) it divides")
     k_per_split, split_k = k_slices(K, split_k, config.block_k)
+    grid = (M, triton.cdiv(N, config.block_n), split_k)
     out = partials_buffer(split_k, M, N, x.device, x.dtype)
-    _int4_gemv_kernel[(M, triton.cdiv(N, config.block_n), split_k)](
-        x, qweight, scales, zeros, out, N, K, group_size, k_per_split,
+    tickets = _gemv_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
+    y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _int4_gemv_kernel[grid](
+        x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return sum_partials(out, x.dtype)
+        FUSED_SUM=tickets is not None, num_warps=config.num_warps, num_stages=config.num_stages)
+    return sum_partials(out, x.dtype) if tickets is None else y
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
