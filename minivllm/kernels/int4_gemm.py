@@ -10,7 +10,12 @@ instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 1
 accumulate elementwise in a [BLOCK_K, BLOCK_N] fp32 tile, reduced over K once at the end (a reduction
 per step cost more than the loads it waited on). For small M the tile grid alone is too small to fill
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
-are summed after in one kernel (kernels/split_k.py; deterministic, no atomics). The tile and split are timed per shape (kernels/tuning.py).
+are summed after in one kernel (kernels/split_k.py; deterministic). The tile and split are timed per shape
+(kernels/tuning.py). For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen
+on the H100 at M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the
+per-weight zero and scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the
+mantissa of 1.0 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per
+group, and may sum its split-K partials in the tile's last program instead of a second kernel.
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the
