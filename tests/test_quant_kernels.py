@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from minivllm.kernels import int4_gemm  # noqa: E402,F401  (applies the interpreter fix first)
-from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, dequantize_triton,  # noqa: E402
+from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, GemvConfig, dequantize_triton,  # noqa: E402
                                         weight_only_gemm, weight_only_gemm_reference)
 from minivllm.kernels.quant_rows import FP8, quantize_rows_reference, quantize_rows_triton  # noqa: E402
 from minivllm.quantization.packing import dequantize as dequantize_reference  # noqa: E402
@@ -57,6 +57,32 @@ def test_weight_only_gemm_tile_configs(config, M, group_size):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("config", [GemvConfig(32, 64, 4, 2), GemvConfig(16, 32, 1, 2, fused_sum=True),
+                                    GemvConfig(64, 128, 2, 3, fused_sum=True)])
+@pytest.mark.parametrize("M,K,N,group_size", [(1, 200, 72, 64), (3, 392, 40, 128), (2, 136, 24, 32),
+                                              (1, 256, 40, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_gemv_matches_reference(config, M, K, N, group_size, dtype):
+    """The one-row-per-program int4 kernel (codes read through a float's mantissa, scales applied per group):
+    ragged K inside a word and a group, N beyond the tile, split-K summed by a second kernel or by each tile's
+    last slice (twice: the tickets are reset, the sum is deterministic); a tile wider than the group is refused."""
+    qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4)
+    if group_size % config.block_k:
+        with pytest.raises(ValueError):
+            weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=1, config=config)
+        return
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-3
+    for split_k in (1, 3):
+        ours = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config)
+        assert ours.dtype == dtype and ours.shape == (M, N)
+        torch.testing.assert_close(ours.float(), reference, rtol=tolerance,
+                                   atol=tolerance * reference.abs().max().item())
+        again = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config)
+        assert torch.equal(again, ours)
+
+
 @pytest.mark.parametrize("K,N,group_size,bits", [(200, 40, 64, 4), (136, 72, 32, 4), (96, 24, 32, 8)])
 def test_dequantize_kernel_and_large_m_path(K, N, group_size, bits):
     """From DEQUANTIZE_FROM_M rows the GEMM expands W once (the kernel) and multiplies: same values."""
@@ -96,6 +122,6 @@ def test_weight_only_gemm_8b_shapes_bf16(M, K, N):
     reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, 128, 4)
     results = [weight_only_gemm(x, qweight, scales, zeros, 128, 4)]
     results += [weight_only_gemm(x, qweight, scales, zeros, 128, 4, split_k=c[1], config=c[0])
-                for c in candidates(M, N, K, x.device) if c is not None and M < 128]
+                for c in candidates(M, N, K, x.device, 128, 4) if c is not None and M < 128]
     for ours in results:
         torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())

@@ -10,7 +10,12 @@ instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 1
 accumulate elementwise in a [BLOCK_K, BLOCK_N] fp32 tile, reduced over K once at the end (a reduction
 per step cost more than the loads it waited on). For small M the tile grid alone is too small to fill
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
-are summed after in one kernel (kernels/split_k.py; deterministic, no atomics). The tile and split are timed per shape (kernels/tuning.py).
+are summed after in one kernel (kernels/split_k.py; deterministic). The tile and split are timed per shape
+(kernels/tuning.py). For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen
+on the H100 at M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the
+per-weight zero and scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the
+mantissa of 1.0 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per
+group, and may sum its split-K partials in the tile's last program instead of a second kernel.
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the
@@ -18,6 +23,7 @@ layout's unpacking.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -120,6 +126,91 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
 
 
 @triton.jit
+def _mantissa_field(moved, MASK: tl.constexpr, ASM: tl.constexpr):
+    """The bits of `moved` under MASK in 1.0's mantissa, as a float: (moved & MASK) | 0x3F800000 in one
+    LOP3 (the compiler emits two logic ops for two immediates); plain ops under the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, 1065353216, 0xEA;", "=r,r", [moved],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return ((moved & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_pair(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """Word fields 2j and 2j + 1 (SHIFT = 15 - 8j moves them to bits 15-18 and 19-22) as the floats
+    1 + code / 256 and 1 + code / 16: exact, one logic op per weight and a shift per two."""
+    if SHIFT > 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> -SHIFT   # arithmetic shift: the bits it drags in are masked off
+    return _mantissa_field(moved, 0x00078000, ASM), _mantissa_field(moved, 0x00780000, ASM)
+
+
+@triton.jit
+def _x_pair(x_row, offs_w, j: tl.constexpr, k_end):
+    """x at fields 2j (times 16, matching `_nibble_pair`'s 1 + q / 256) and 2j + 1 of the word rows."""
+    k_low = offs_w * 8 + 2 * j
+    low = tl.load(x_row + k_low, mask=k_low < k_end, other=0.0).to(tl.float32)
+    high = tl.load(x_row + k_low + 1, mask=k_low + 1 < k_end, other=0.0).to(tl.float32)
+    return 16.0 * low, high
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K, group_size,
+                      k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr):
+    """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
+
+    Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
+    FMA; the zero point and the scale are applied once per group and word row. With f = 1 + q / 16 for odd
+    fields and f = 1 + q / 256 (times 16 x) for even ones, every product is x q / 16 plus a term
+    independent of q; starting the group's sum at minus those terms leaves acc = sum x q / 16, and
+    y += 16 s acc - s z sum x."""
+    _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    x_row = x_ptr + tl.program_id(0) * stride_xm
+    total = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
+                        mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
+        offset = tl.zeros((WORDS,), dtype=tl.float32)   # the q-independent part of each word row's products
+        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        for j in tl.static_range(4):
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end)
+            offset += x_low + x_high
+            x_sum += x_low / 16.0 + x_high
+        acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32) - offset[:, None]
+        for j in tl.static_range(4):   # the same loads again: the compiler reuses them
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end)
+            f_low, f_high = _nibble_pair(words, 15 - 8 * j, ASM)
+            acc += x_low[:, None] * f_low
+            acc += x_high[:, None] * f_high
+        group = k0 // group_size
+        scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        total += (16.0 * scale)[None, :] * acc - (scale * zero)[None, :] * x_sum[:, None]
+    y = tl.sum(total, axis=0)
+    row = tl.program_id(0)
+    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
+             mask=mask_n)
+    if FUSED_SUM:
+        # The K slices of a tile meet here instead of in a second kernel: the last to take a ticket sums the
+        # fp32 partials in slice order (deterministic) into y and resets the ticket for the next call.
+        tl.debug_barrier()   # every thread's partial is stored before the ticket releases them
+        ticket_ptr = tickets_ptr + row * tl.num_programs(1) + tl.program_id(1)
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(2) - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for split in range(0, tl.num_programs(2)):   # read from L2: other SMs wrote them
+                acc += tl.load(out_ptr + split * stride_os + row * stride_om + offs_n, mask=mask_n, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(y_ptr + row * N + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(ticket_ptr, 0)
+
+
+@triton.jit
 def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, group_size, stride_qk, stride_sg,
                        stride_ok, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_PER_TILE: tl.constexpr):
@@ -141,6 +232,16 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
+class GemvConfig(NamedTuple):
+    """A tile of `_int4_gemv_kernel` (4-bit, BLOCK_K dividing the group size; a program per row of x);
+    fused_sum: split-K partials summed by the tile's last slice, not by a second kernel."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    fused_sum: bool = False
+
+
 DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS (compute-bound; H100 sweep)
 
 
@@ -149,7 +250,19 @@ def default_config(M: int) -> GemmConfig:
         else GemmConfig(64, 32, 128, 4, 4)
 
 
-def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmConfig, int] | None]:
+# the five best of 18 tiles summed over the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py), each with
+# the split-K sum fused, and the best three with it in a second kernel
+_BEST_GEMV = ((128, 128, 4, 3), (256, 128, 4, 3), (512, 64, 2, 3), (512, 32, 2, 3), (1024, 64, 4, 3))
+GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True) for t in _BEST_GEMV) + tuple(GemvConfig(*t) for t in _BEST_GEMV[:3])
+GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
+
+
+def gemv_tiles(M: int, group_size: int, bits: int) -> list[GemvConfig]:
+    return [t for t in GEMV_TILES if group_size % t.block_k == 0] if bits == 4 and M <= GEMV_MAX_M else []
+
+
+def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128,
+               bits: int = 4) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
     """(tile, split) pairs to time for M rows (None: dequantize + cuBLAS); tiles from the H100 sweep."""
     one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
                GemmConfig(1, 256, 64, 8, 4), GemmConfig(1, 128, 128, 8, 3)]
@@ -158,11 +271,14 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[tuple[GemmC
     medium = [GemmConfig(64, 32, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 64, 128, 4, 4),
               GemmConfig(32, 64, 128, 4, 4)]
     tiles = one_row if M == 1 else small + one_row[:1] if M <= 4 else small if M <= 16 else medium
-    out: list[tuple[GemmConfig, int] | None] = [None]
+    out: list[tuple[GemmConfig | GemvConfig, int] | None] = [None]
     for tile in tiles:
         for fill in ((2, 4) if M <= 16 else (1, 2)):
             out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
                                              fill)))
+    for tile in gemv_tiles(M, group_size, bits):
+        for fill in (2, 4, 8):
+            out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
     return list(dict.fromkeys(out))
 
 
@@ -180,9 +296,12 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return out
 
 
-def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig, split_k: int) -> torch.Tensor:
+def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig,
+                 split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
+    if isinstance(config, GemvConfig):
+        return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages = config
     if x.element_size() == 4 and block_m > 1:   # fp32 tiles at these sizes overflow the H100's shared memory
         block_k //= 2
@@ -195,6 +314,38 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
         num_warps=warps, num_stages=stages)
     return sum_partials(out, x.dtype)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _gemv_tickets(device: torch.device, count: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per output tile, kept zero by the kernels that use it (None: not available
+    while a CUDA graph is being captured, as its memory would belong to the graph)."""
+    tickets = _tickets.get(device)
+    if tickets is None or tickets.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        tickets = _tickets[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return tickets
+
+
+def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split_k: int) -> torch.Tensor:
+    M, K = x.shape
+    N = qweight.shape[1]
+    if bits != 4 or group_size % config.block_k:
+        raise ValueError(f"{config} needs 4-bit codes and a group size ({group_size}) it divides")
+    k_per_split, split_k = k_slices(K, split_k, config.block_k)
+    grid = (M, triton.cdiv(N, config.block_n), split_k)
+    out = partials_buffer(split_k, M, N, x.device, x.dtype)
+    tickets = _gemv_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
+    y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _int4_gemv_kernel[grid](
+        x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+        FUSED_SUM=tickets is not None, num_warps=config.num_warps, num_stages=config.num_stages)
+    return sum_partials(out, x.dtype) if tickets is None else y
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -222,5 +373,5 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
-                         candidates(bucket, N, K, x.device), run, default)
+                         candidates(bucket, N, K, x.device, group_size, bits), run, default)
     return run(choice)

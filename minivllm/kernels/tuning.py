@@ -38,7 +38,7 @@ def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
+        times.append(start.elapsed_time(end) / 1e3 / calls)   # elapsed_time is in milliseconds
     del graph
     return sorted(times)[len(times) // 2]
 
