@@ -72,8 +72,8 @@ def main():
     parser.add_argument("--out", type=Path)
     parser.add_argument("--old", type=Path, help="an older prefill_attention.py to time alongside")
     parser.add_argument("--configs", type=str, default=None,
-                        help="only these configs, fields as PrefillConfig's, e.g. '64,64,4,2;128,64,8,3,0,1,1'"
-                        " (then the best two with variants)")
+                        help="only these configs, fields as PrefillConfig's, e.g. "
+                        "'64,64,4,2;256,64,16,3,0,1,1,1' (then the best two with variants)")
     parser.add_argument("--shapes", type=str, default=None, help="only these shapes, e.g. '8x512,1x4096'")
     args = parser.parse_args()
     old = None

@@ -4,9 +4,9 @@ Reference: `minivllm.attention.torch_backend.paged_attention_reference`. Each se
 are its last `q_len` tokens; they attend causally to the cached prefix and to themselves. The prefix
 is read through the block table; the chunk's own keys either also through it (this step's K/V must
 already be written to the cache) or, when the caller passes this step's `key`/`value` and the tile
-table asks for it, from those contiguous tensors: then a fresh prompt is a plain varlen attention
-whose key rows need no page lookups. Each source is swept in its own tile loops, counted from its
-first key.
+table asks for it, from those contiguous tensors (by pointer, or as TMA tensor-descriptor tiles):
+then a fresh prompt is a plain varlen attention whose key rows need no page lookups. Each source
+is swept in its own tile loops, counted from its first key.
 
 FlashAttention-2 style: a program owns BLOCK_Q query tokens of one sequence times all query heads of
 one KV head (GQA heads are folded into the M dimension, so a K/V tile is loaded once per group and a
@@ -281,24 +281,26 @@ class PrefillConfig(NamedTuple):
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -> PrefillConfig:
-    """Measured on an H100 in bf16, 32 query / 8 KV heads, head_dim 128, 16-token pages
-    (bench/prefill_attention_sweep.py). Long prompts (1 x 4096): two warpgroups on 128 rows (32
-    tokens x 4 heads), 64-key tiles, 3 stages, this step's keys read from the contiguous K/V: 0.343
-    ms against 0.399 for the former 64 x 64 tiles through the pages (the same tiles from the
-    contiguous K/V 0.378, three stages 0.358; 128 x 64 x 3 stages through the pages 0.438). Short
-    prompts (8 x 512): 64 rows, 32-key tiles, K loaded key-major, through the pages (0.0885 ms; from
-    the contiguous K/V 0.103, 128 x 64 x 3 stages 0.099). A few queries per sequence (k + 1
-    verification, 64 x 4,096 context x 6): 32-row tiles with 128 keys and 3 stages stream K/V at 2.9
-    TB/s through the pages (0.372 ms; reading the 6 own keys contiguously adds a tile: 0.435).
-    Heaviest-first ordering gained 2-8%; Triton's warp specialization does not compile for this
-    kernel on Hopper (Triton 3.6). fp32 and wide heads take smaller tiles."""
+    """Measured on an H100 in bf16, 32 query / 8 KV heads, head_dim 128, 16-token pages, against
+    cuDNN's SDPA (bench/prefill_attention_sweep.py). Long prompts (1 x 4096): four warpgroups on
+    256 rows (64 tokens x 4 heads), 64-key tiles, 3 stages, this step's keys through TMA
+    descriptors: 0.321 ms (81% of SDPA's 0.259) against 0.401 for the former 64 x 64 tiles through
+    the pages; the same tiles through the pages 0.362, 128 rows on 8 warps 0.336-0.344 (either
+    source), 128 x 128 0.348. Short prompts (8 x 512): 64 rows, 32-key tiles, K loaded key-major,
+    through the pages: 0.089 ms (63%); nothing measured beat it (128 x 64 x 3 stages 0.099; the
+    TMA or contiguous-pointer chunk 0.10-0.15: small tiles gain nothing from it). A few queries
+    per sequence (k + 1 verification, 64 x 4,096 context x 6): 32-row tiles with 128 keys and 3
+    stages stream K/V at 2.9 TB/s through the pages (0.372 ms; reading the 6 own keys from the
+    contiguous K/V adds a tile: 0.435). Heaviest-first ordering gained 12-21% on the long prompt;
+    Triton's warp specialization does not compile for this kernel on Hopper (Triton 3.6). fp32
+    and wide heads take smaller tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
     if max_query_len is not None and max_query_len <= 16:
         return PrefillConfig(32, 128, 4, 3, contiguous_kv=False)
     if max_query_len is not None and max_query_len <= 1024:
         return PrefillConfig(64, 32, 4, 2, trans_k=True, contiguous_kv=False)
-    return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(256, 64, 16, 3, tma=True)
 
 
 def _descriptor_compatible(key: torch.Tensor, block_d: int) -> bool:
