@@ -155,6 +155,14 @@ def paged_queries(batch, context, query_len, num_heads, num_kv_heads, head_dim):
     return query, k_cache, v_cache, query_start_loc, seq_lens, block_tables
 
 
+def step_kv(k: torch.Tensor, v: torch.Tensor, query_len: int):
+    """This step's K/V as the attention layer hands them to the backend ([tokens, kv_heads, dim]):
+    the last `query_len` positions of the [batch, kv_heads, context, dim] contexts."""
+    def rows(x):
+        return x[:, :, -query_len:].transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+    return rows(k), rows(v)
+
+
 def recorder(rows, kind, shape, quick, measures):
     """record(impl, fn): times `fn` and appends a row with `measures(ms)`, or the error it raised
     (a baseline that does not run here is reported, not fatal)."""
@@ -181,12 +189,16 @@ def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, fl
     record = recorder(rows, "prefill", shape, quick,
                       lambda ms: {"flops": flops, "tflop_per_s": flops / ms / 1e9})
 
-    def ours():
-        return paged_prefill_attention(*inputs, scale, max_query_len=query_len)
+    k, v = contiguous_kv(k_cache, v_cache, block_tables, query_len)
+    key, value = step_kv(k, v, query_len)
+
+    def ours():   # as the layer calls it: this step's K/V given beside the cache
+        return paged_prefill_attention(*inputs, scale, max_query_len=query_len, key=key, value=value)
 
     record("minivllm triton (paged varlen)", ours)
     record("minivllm triton (paged varlen) graph", graphed(ours))
-    k, v = contiguous_kv(k_cache, v_cache, block_tables, query_len)
+    record("minivllm triton (paged varlen, chunk from cache)", lambda: paged_prefill_attention(
+        *inputs, scale, max_query_len=query_len))
     q = query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous()
     record("torch sdpa (causal, enable_gqa)", lambda: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=True))
@@ -216,12 +228,16 @@ def bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim,
         "flops": flops, "tflop_per_s": flops / ms / 1e9, "bytes": kv_bytes,
         "gb_per_s": kv_bytes / ms / 1e6})
 
+    k, v = contiguous_kv(k_cache, v_cache, block_tables, context)
+    key, value = step_kv(k, v, num_queries)
+
     def ours():
-        return paged_prefill_attention(*inputs, scale, max_query_len=num_queries)
+        return paged_prefill_attention(*inputs, scale, max_query_len=num_queries, key=key, value=value)
 
     record("minivllm triton (paged varlen)", ours)
     record("minivllm triton (paged varlen) graph", graphed(ours))
-    k, v = contiguous_kv(k_cache, v_cache, block_tables, context)
+    record("minivllm triton (paged varlen, chunk from cache)", lambda: paged_prefill_attention(
+        *inputs, scale, max_query_len=num_queries))
     q = query.view(batch, num_queries, num_heads, head_dim).transpose(1, 2).contiguous()
     record("torch sdpa (causal lower-right, enable_gqa)", lambda: F.scaled_dot_product_attention(
         q, k, v, attn_mask=causal_lower_right(num_queries, context), scale=scale, enable_gqa=True))

@@ -90,7 +90,7 @@ def run_both(backend, query, key, value, k_cache, v_cache, metadata, scale):
     returns (output, reference output) over the rows that belong to sequences."""
     reference_k, reference_v = k_cache.clone(), v_cache.clone()
     backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-    out = backend.attend(query, k_cache, v_cache, metadata, scale)
+    out = backend.attend(query, k_cache, v_cache, metadata, scale, key=key, value=value)
     reference = TorchAttentionBackend()
     reference.write_kv(key, value, reference_k, reference_v, metadata.slot_mapping)
     expected = reference.attend(query, reference_k, reference_v, metadata, scale)
@@ -167,11 +167,19 @@ PREFILL_CASES = [
     ([45, 70, 19], [1, 13, 1], 8, 128, torch.bfloat16, 16, 16),      # decodes around a prefix-hit chunk
     ([33, 100], [33, 21], 4, 128, torch.bfloat16, None, None),       # default tiles
     ([17, 50], [17, 9], 1, 128, torch.float16, 16, 32),
+    ([95, 41, 130], [37, 41, 3], 4, 64, torch.float32, 32, 32),      # odd prefixes and chunk lengths
 ]
 
 
+# How the chunk's own keys are read: through the pages, from this step's key/value tensors (the
+# prefix still through the pages), or from those through tensor descriptors.
+KEY_SOURCES = {"paged": None, "contiguous": None, "tma": PrefillConfig(16, 16, 4, 2, tma=True)}
+
+
+@pytest.mark.parametrize("key_source", KEY_SOURCES)
 @pytest.mark.parametrize("seq_lens,query_lens,group,head_dim,dtype,block_m,block_n", PREFILL_CASES)
-def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype, block_m, block_n):
+def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype, block_m, block_n,
+                                   key_source):
     query, key, value, k_cache, v_cache, metadata = make_batch(
         seq_lens, query_lens, 2, group, head_dim, dtype, num_padding_rows=3, seed=sum(query_lens))
     scale = head_dim ** -0.5
@@ -179,9 +187,10 @@ def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype,
     write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
     write_kv_reference(key, value, reference_k, reference_v, metadata.slot_mapping)
     assert torch.equal(k_cache, reference_k)
+    fresh = {} if key_source == "paged" else dict(key=key, value=value, config=KEY_SOURCES[key_source])
     out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                   metadata.seq_lens, metadata.block_tables, scale,
-                                  block_m=block_m, block_n=block_n)
+                                  block_m=block_m, block_n=block_n, **fresh)
     expected = paged_attention_reference(query, reference_k, reference_v,
                                          metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
                                          metadata.block_tables, scale)
@@ -195,6 +204,7 @@ def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype,
     (6, None), (40, None), (4096, None),
     (None, PrefillConfig(32, 16, 4, 2, trans_k=True, heavy_first=False)),
     (None, PrefillConfig(16, 32, 4, 2, trans_k=False, heavy_first=True)),
+    (None, PrefillConfig(64, 32, 4, 2, trans_k=True, tma=True)),
 ])
 def test_prefill_configs_on_verification_rows(max_query_len, config):
     query, key, value, k_cache, v_cache, metadata = make_batch(
@@ -202,7 +212,7 @@ def test_prefill_configs_on_verification_rows(max_query_len, config):
     write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
     out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                   metadata.seq_lens, metadata.block_tables, 128 ** -0.5,
-                                  max_query_len=max_query_len, config=config)
+                                  max_query_len=max_query_len, config=config, key=key, value=value)
     expected = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
                                          metadata.seq_lens_cpu, metadata.block_tables, 128 ** -0.5)
     rows = metadata.query_start_loc_cpu[-1]
@@ -234,10 +244,11 @@ WINDOW_SOFTCAP_PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("key_source", KEY_SOURCES)
 @pytest.mark.parametrize("seq_lens,query_lens,group,head_dim,dtype,window,soft_cap,block_m,block_n",
                          WINDOW_SOFTCAP_PREFILL_CASES)
 def test_prefill_window_and_soft_cap_match_reference(seq_lens, query_lens, group, head_dim, dtype, window,
-                                                     soft_cap, block_m, block_n):
+                                                     soft_cap, block_m, block_n, key_source):
     query, key, value, k_cache, v_cache, metadata = make_batch(
         seq_lens, query_lens, 2, group, head_dim, dtype, block_size=8, num_padding_rows=2, seed=sum(seq_lens))
     scale = head_dim ** -0.5
@@ -245,7 +256,9 @@ def test_prefill_window_and_soft_cap_match_reference(seq_lens, query_lens, group
     out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
                                   metadata.block_tables, scale, max_query_len=metadata.max_query_len,
                                   block_m=block_m, block_n=block_n, sliding_window=window,
-                                  logits_soft_cap=soft_cap)
+                                  logits_soft_cap=soft_cap,
+                                  **({} if key_source == "paged" else
+                                     dict(key=key, value=value, config=KEY_SOURCES[key_source])))
     expected = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
                                          metadata.seq_lens_cpu, metadata.block_tables, scale,
                                          sliding_window=window, logits_soft_cap=soft_cap)
@@ -434,6 +447,21 @@ def test_gpu_verification_replays_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([1100, 1900, 37], [1100, 300, 1]),    # long prompts: 128-row tiles, chunk keys from key/value
+    ([700, 1000, 1], [700, 91, 1]),        # short prompts and a prefix hit
+])
+def test_gpu_prefill_with_step_kv_matches_reference(seq_lens, query_lens):
+    # The engine's call: this step's K/V passed beside the cache they were just written to.
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        seq_lens, query_lens, 8, 4, 128, torch.bfloat16, num_padding_rows=5, seed=len(seq_lens))
+    out, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache, v_cache,
+                             metadata, 128 ** -0.5)
+    assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_decode_replays_in_a_cuda_graph():
     batch, max_len = 4, 2048   # 4 x 8 programs: split-K is on
     query, _, _, k_cache, v_cache, metadata = make_batch(
@@ -469,7 +497,7 @@ def test_gpu_window_and_soft_cap_realistic(partition_size):
         query = query * 8
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         out = TritonAttentionBackend(decode_partition_size=partition_size).attend(
-            query, k_cache, v_cache, metadata, scale, **options)
+            query, k_cache, v_cache, metadata, scale, **options, key=key, value=value)
         expected = TorchAttentionBackend().attend(query, k_cache, v_cache, metadata, scale, **options)
         rows = metadata.query_start_loc_cpu[-1]
         assert_close(out[:rows], expected[:rows], torch.bfloat16)

@@ -33,7 +33,8 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0, sliding_window: int | None = None,
-               logits_soft_cap: float | None = None) -> torch.Tensor:
+               logits_soft_cap: float | None = None, key: torch.Tensor | None = None,
+               value: torch.Tensor | None = None) -> torch.Tensor:
         # Decode-only with one row per sequence: row i is sequence i's query (query_start_loc = arange).
         if metadata.is_decode_only and query.shape[0] == metadata.num_seqs:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables,
@@ -45,4 +46,4 @@ class TritonAttentionBackend(AttentionBackend):
                                        metadata.seq_lens, metadata.block_tables, scale,
                                        max_query_len=metadata.max_query_len,
                                        k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-                                       logits_soft_cap=logits_soft_cap)
+                                       logits_soft_cap=logits_soft_cap, key=key, value=value)

@@ -1,8 +1,12 @@
 """Paged varlen attention for prefill, chunked prefill, prefix-cache hits and mixed batches.
 
 Reference: `minivllm.attention.torch_backend.paged_attention_reference`. Each sequence's query rows
-are its last `q_len` tokens; they attend causally to the cached prefix and to themselves, all read
-through the block table (this step's K/V must already be written to the cache).
+are its last `q_len` tokens; they attend causally to the cached prefix and to themselves. The prefix
+is read through the block table; the chunk's own keys either also through it (this step's K/V must
+already be written to the cache) or, when the caller passes this step's `key`/`value` and the tile
+table asks for it, from those contiguous tensors (by pointer, or as TMA tensor-descriptor tiles):
+then a fresh prompt is a plain varlen attention whose key rows need no page lookups. Each source
+is swept in its own tile loops, counted from its first key.
 
 FlashAttention-2 style: a program owns BLOCK_Q query tokens of one sequence times all query heads of
 one KV head (GQA heads are folded into the M dimension, so a K/V tile is loaded once per group and a
@@ -32,6 +36,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _tanh, _upcast_dot, score_scales
 
@@ -39,39 +44,50 @@ SEARCH_BLOCK = 64   # sequences whose query offsets a program scans per vector l
 
 
 @triton.jit
-def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-                    query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
-                    cache_stride_block, cache_stride_row,
-                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, TRANS_K: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attention_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, block_table,
+                    key_row_offset, key_stride_t,
+                    kv_start, kv_end, query_positions, dims, dim_mask, qk_scale, softcap_scale,
+                    sliding_window, cache_stride_block, cache_stride_row,
+                    MASKED: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
+                    EVEN_D: tl.constexpr,
+                    TRANS_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     positions = kv_start + tl.arange(0, BLOCK_N)
     valid = positions < kv_end
-    if MASKED:
-        pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
+    if TMA and not PAGED:
+        # Tensor-descriptor (TMA) tiles of this step's K/V, [N, D] at row p + key_row_offset. Rows
+        # past this sequence's keys hold other tokens (zeros past the tensor): masked below.
+        desc_row = kv_start + key_row_offset
+        k = tl.trans(k_desc.load([desc_row, desc_column]))                        # [D, N]
     else:
-        pages = tl.load(block_table + positions // BLOCK_SIZE)
-    rows = pages.to(tl.int64) * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row
-    v_ptrs = v_base + rows[:, None] + dims[None, :]                                # [N, D]
-    if TRANS_K:
-        k_ptrs = k_base + rows[:, None] + dims[None, :]                            # [N, D]
-        k_mask = valid[:, None] & dim_mask[None, :]
-        kd_mask = dim_mask[None, :]
-    else:
-        k_ptrs = k_base + rows[None, :] + dims[:, None]                            # [D, N]
-        k_mask = valid[None, :] & dim_mask[:, None]
-        kd_mask = dim_mask[:, None]
-    # Tiles below the diagonal hold only valid keys: their loads need no mask at all.
-    if MASKED:
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=kd_mask, other=0.0)
+        if PAGED:
+            if MASKED:
+                pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
+            else:
+                pages = tl.load(block_table + positions // BLOCK_SIZE)
+            rows = pages.to(tl.int64) * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row
+        else:   # this step's contiguous K/V: position p is row p + key_row_offset
+            rows = (positions + key_row_offset).to(tl.int64) * key_stride_t
+        v_ptrs = v_base + rows[:, None] + dims[None, :]                            # [N, D]
+        if TRANS_K:
+            k_ptrs = k_base + rows[:, None] + dims[None, :]                        # [N, D]
+            k_mask = valid[:, None] & dim_mask[None, :]
+            kd_mask = dim_mask[None, :]
+        else:
+            k_ptrs = k_base + rows[None, :] + dims[:, None]                        # [D, N]
+            k_mask = valid[None, :] & dim_mask[:, None]
+            kd_mask = dim_mask[:, None]
+        # Tiles below the diagonal hold only valid keys: their loads need no mask at all.
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=kd_mask, other=0.0)
+        if TRANS_K:
+            k = tl.trans(k)
     k = k.to(q.dtype)   # an fp8 cache widens here (exactly); a no-op otherwise
-    if TRANS_K:
-        k = tl.trans(k)
     scores = _dot(q, k, DOT_PRECISION, UPCAST)                                     # [M, N]
     if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
         scores = _tanh(scores * softcap_scale)
@@ -91,7 +107,11 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
     p = tl.math.exp2(scores * qk_scale - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
+    if TMA and not PAGED:
+        v = v_desc.load([desc_row, desc_column])
+        if MASKED:   # p is 0 there, but another token's row need not be finite
+            v = tl.where(valid[:, None], v, 0.0)
+    elif MASKED:
         v = tl.load(v_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0)
     elif EVEN_D:
         v = tl.load(v_ptrs)
@@ -102,19 +122,68 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, block_table,
+                 key_row_offset, key_stride_t,
+                 base, end, first_position, last_position, query_positions, dims, dim_mask,
+                 qk_scale, softcap_scale, sliding_window, cache_stride_block, cache_stride_row,
+                 PAGED: tl.constexpr, TMA: tl.constexpr, EVEN_D: tl.constexpr, TRANS_K: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Keys at positions [base, end) in BLOCK_N-key tiles counted from `base`, for query rows at
+    positions first_position..last_position. Tiles wholly at or before the first row's position
+    (and, with a window, inside every row's window) run without masks; the rest are masked.
+    Without a window the first tile holds a key every row sees (so no running max stays -inf);
+    with one, _attention_tile guards rows that have seen nothing yet."""
+    span = tl.maximum(tl.minimum(end, first_position + 1) - base, 0)
+    unmasked_hi = base + span // BLOCK_N * BLOCK_N
+    lo = base
+    unmasked_lo = base
+    if USE_WINDOW:
+        # From the tile holding the first row's oldest visible key; keys from the last row's oldest
+        # visible key on are inside every row's window.
+        lo = base + tl.maximum(first_position - sliding_window + 1 - base, 0) // BLOCK_N * BLOCK_N
+        all_rows_lo = tl.maximum(last_position - sliding_window + 1, lo)
+        unmasked_lo = lo + (all_rows_lo - lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        unmasked_lo = tl.minimum(unmasked_lo, unmasked_hi)
+        for kv_start in range(lo, unmasked_lo, BLOCK_N):
+            acc, m_i, l_i = _attention_tile(
+                acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, block_table,
+                key_row_offset, key_stride_t,
+                kv_start, end, query_positions, dims, dim_mask, qk_scale, softcap_scale,
+                sliding_window, cache_stride_block, cache_stride_row, True, PAGED, TMA, EVEN_D, TRANS_K,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+    for kv_start in range(unmasked_lo, unmasked_hi, BLOCK_N):
+        acc, m_i, l_i = _attention_tile(
+            acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, block_table,
+            key_row_offset, key_stride_t,
+            kv_start, end, query_positions, dims, dim_mask, qk_scale, softcap_scale,
+            sliding_window, cache_stride_block, cache_stride_row, False, PAGED, TMA, EVEN_D, TRANS_K,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+    # (With a window wholly past these keys, lo > unmasked_hi and only [lo, end) is left.)
+    for kv_start in range(tl.maximum(unmasked_hi, lo), end, BLOCK_N):
+        acc, m_i, l_i = _attention_tile(
+            acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, block_table,
+            key_row_offset, key_stride_t,
+            kv_start, end, query_positions, dims, dim_mask, qk_scale, softcap_scale,
+            sliding_window, cache_stride_block, cache_stride_row, True, PAGED, TMA, EVEN_D, TRANS_K,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+    return acc, m_i, l_i
+
+
 # Batch size and block-table width change every step; specialising on them would recompile mid-run.
 @triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
 def _prefill_kernel(
-        query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, k_desc, v_desc, out_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         qk_scale, v_scale, softcap_scale, sliding_window,
         num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
-        cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
-        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+        cache_stride_block, cache_stride_row, cache_stride_h, key_stride_t, key_stride_h,
+        block_table_stride, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-        SEARCH_BLOCK: tl.constexpr,
+        TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr, CONTIGUOUS_KV: tl.constexpr,
+        TMA: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
@@ -162,38 +231,32 @@ def _prefill_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     k_base = k_cache_ptr + kv_head * cache_stride_h
     v_base = v_cache_ptr + kv_head * cache_stride_h
-    # Keys before the tile's first query position are visible to every row: no mask needed.
-    # Both loops start at key 0 or continue from it, so every row's running max is finite after
-    # the first tile (key 0 is visible to all rows) and no -inf - -inf NaN can arise.
-    unmasked_end = (context_len + first_token + 1) // BLOCK_N * BLOCK_N
-    kv_end = context_len + tl.minimum(first_token + BLOCK_Q, query_len)
-    unmasked_start = 0
-    if USE_WINDOW:
-        # Start at the tile holding the first row's oldest visible key; keys from the last row's
-        # oldest visible key on are inside every row's window, so unmasked tiles start at or after it.
-        # (A row that sees nothing in the first tiles is handled in _attention_tile.)
-        kv_lo = tl.maximum(context_len + first_token - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
-        all_rows_lo = tl.maximum(kv_end - sliding_window, 0)
-        unmasked_start = kv_lo + (all_rows_lo - kv_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        unmasked_start = tl.minimum(unmasked_start, unmasked_end)
-        for kv_start in range(kv_lo, unmasked_start, BLOCK_N):
-            acc, m_i, l_i = _attention_tile(
-                acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-                query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
-                cache_stride_block, cache_stride_row, True, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N,
-                DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
-    for kv_start in range(unmasked_start, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attention_tile(
-            acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-            query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
-            cache_stride_block, cache_stride_row, False, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N,
-            DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
-    for kv_start in range(unmasked_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attention_tile(
-            acc, m_i, l_i, q, k_base, v_base, block_table, kv_start, kv_end,
-            query_positions, dims, dim_mask, qk_scale, softcap_scale, sliding_window,
-            cache_stride_block, cache_stride_row, True, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N,
-            DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+    # Positions of the tile's first and last query rows; a padding sequence with an empty context
+    # (seq_len 0, context_len -1) gets no keys at all.
+    first_position = context_len + first_token
+    last_position = context_len + tl.minimum(first_token + BLOCK_Q, query_len) - 1
+    chunk_start = tl.maximum(context_len, 0)
+    kv_end = tl.where(context_len < 0, 0, last_position + 1)
+    if CONTIGUOUS_KV:
+        # The cached prefix through the block table (every row sees all of it), then this step's
+        # keys from the contiguous K/V tensors: position p is row p - context_len + query_start.
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kv_head * head_dim, block_table, 0, 0,
+            0, chunk_start, first_position, last_position, query_positions, dims,
+            dim_mask, qk_scale, softcap_scale, sliding_window, cache_stride_block, cache_stride_row,
+            True, TMA, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, key_ptr + kv_head * key_stride_h, value_ptr + kv_head * key_stride_h,
+            k_desc, v_desc, kv_head * head_dim, block_table, query_start - context_len, key_stride_t,
+            chunk_start, kv_end, first_position, last_position, query_positions, dims,
+            dim_mask, qk_scale, softcap_scale, sliding_window, cache_stride_block, cache_stride_row,
+            False, TMA, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
+    else:
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kv_head * head_dim, block_table, 0, 0,
+            0, kv_end, first_position, last_position, query_positions, dims,
+            dim_mask, qk_scale, softcap_scale, sliding_window, cache_stride_block, cache_stride_row,
+            True, TMA, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
 
     # An empty context (a padding row with seq_len 0) yields zeros, as in the reference.
     out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -203,34 +266,49 @@ def _prefill_kernel(
 
 
 class PrefillConfig(NamedTuple):
-    """Launch shape: query rows x heads per tile, keys per tile, warps, pipeline stages, whether K/V
-    the K tile is loaded like V (keys x dims) and transposed, and whether the heaviest query tiles
-    run first."""
+    """Launch shape: query rows x heads per tile, keys per tile, warps, pipeline stages, whether
+    the K tile is loaded like V (keys x dims) and transposed, whether the heaviest query tiles run
+    first, whether this step's keys are read from the contiguous K/V tensors when given, and
+    whether those are loaded through tensor descriptors (TMA; where the layout allows)."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     trans_k: bool = False
     heavy_first: bool = True
+    contiguous_kv: bool = True
+    tma: bool = False
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -> PrefillConfig:
-    """Measured on an H100 in bf16, 32 query / 8 KV heads, head_dim 128, 16-token pages, sweeping
-    rows 16-128 x keys 32-128 x 4/8 warps x 2-4 stages (bench/prefill_attention_sweep.py): one
-    warpgroup on 64 rows (16 tokens x 4 heads) led both prompt shapes, with 32-key tiles and K
-    loaded key-major at 8 x 512 (0.087 ms; 64-key tiles 0.091) and 64-key tiles at 1 x 4096
-    (0.39 ms; 32-key 0.41-0.44, the classic 128 x 128 tile on 8 warps 0.40). For a few queries per
-    sequence (k + 1 verification, 64 x 4,096 context x 6) 32-row tiles with 128 keys and 3 stages
-    stream K/V at 2.9 TB/s (0.372 ms; the 64x64 tiles 0.381, 64x32 0.46). Two stages beat three
-    for 64-row tiles; heaviest-first ordering gained 2-5%; Triton's warp specialization does not
-    compile for this kernel on Hopper (Triton 3.6). fp32 and wide heads take smaller tiles."""
+    """Measured on an H100 in bf16, 32 query / 8 KV heads, head_dim 128, 16-token pages, against
+    cuDNN's SDPA (bench/prefill_attention_sweep.py). Long prompts (1 x 4096): four warpgroups on
+    256 rows (64 tokens x 4 heads), 64-key tiles, 3 stages, this step's keys through TMA
+    descriptors: 0.321 ms (81% of SDPA's 0.259) against 0.401 for the former 64 x 64 tiles through
+    the pages; the same tiles through the pages 0.362, 128 rows on 8 warps 0.336-0.344 (either
+    source), 128 x 128 0.348. Short prompts (8 x 512): 64 rows, 32-key tiles, K loaded key-major,
+    through the pages: 0.089 ms (63%); nothing measured beat it (128 x 64 x 3 stages 0.099; the
+    TMA or contiguous-pointer chunk 0.10-0.15: small tiles gain nothing from it). A few queries
+    per sequence (k + 1 verification, 64 x 4,096 context x 6): 32-row tiles with 128 keys and 3
+    stages stream K/V at 2.9 TB/s through the pages (0.372 ms; reading the 6 own keys from the
+    contiguous K/V adds a tile: 0.435). Heaviest-first ordering gained 12-21% on the long prompt;
+    Triton's warp specialization does not compile for this kernel on Hopper (Triton 3.6). fp32
+    and wide heads take smaller tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
     if max_query_len is not None and max_query_len <= 16:
-        return PrefillConfig(32, 128, 4, 3)
+        return PrefillConfig(32, 128, 4, 3, contiguous_kv=False)
     if max_query_len is not None and max_query_len <= 1024:
-        return PrefillConfig(64, 32, 4, 2, trans_k=True)
-    return PrefillConfig(64, 64, 4, 2)
+        return PrefillConfig(64, 32, 4, 2, trans_k=True, contiguous_kv=False)
+    return PrefillConfig(256, 64, 16, 3, tma=True)
+
+
+def _descriptor_compatible(key: torch.Tensor, block_d: int) -> bool:
+    """A TMA descriptor over [tokens, kv_heads * head_dim] needs heads packed, a power-of-two head
+    dim, and 16-byte aligned base and row stride."""
+    size = key.element_size()
+    return (key.shape[2] == block_d and key.stride(1) == key.shape[2]
+            and key.data_ptr() % 16 == 0 and key.stride(0) * size % 16 == 0)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -240,14 +318,17 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_n: int | None = None,
                             config: PrefillConfig | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, key: torch.Tensor | None = None,
+                            value: torch.Tensor | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape (rows not covered by
     `query_start_loc` are left unwritten). `max_query_len` (a host-side hint, e.g. the metadata's)
     only picks the tile shape; `config` replaces that choice (benchmarks) and `block_m` (query rows
     x heads per tile) and `block_n` override its tile sizes, powers of two, for tests. The cache has
     the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values).
     `sliding_window` W: a row at position p sees keys p - W < k <= p only; `logits_soft_cap` c:
-    scores s become c * tanh(s / c) (None: off)."""
+    scores s become c * tanh(s / c) (None: off). `key`/`value` [num_tokens, num_kv_heads, head_dim]:
+    this step's K/V as written into the cache; given (and the cache not fp8, whose rounding the
+    reference sees), the keys inside each query chunk are read from them instead of the pages."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -272,15 +353,28 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     # Tiles are numbered per KV head, heads varying fastest (see the kernel).
     grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
+    contiguous_kv = config.contiguous_kv and key is not None and k_cache.dtype == query.dtype
+    if contiguous_kv:
+        assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
+        if key.stride() != value.stride() or key.stride(2) != 1:
+            key, value = key.contiguous(), value.contiguous()
+    else:
+        key, value = k_cache, v_cache   # unused
+    k_desc = v_desc = None
+    if contiguous_kv and config.tma and all(_descriptor_compatible(x, block_d) for x in (key, value)):
+        k_desc, v_desc = (TensorDescriptor(x, [num_tokens, num_kv_heads * head_dim], [x.stride(0), 1],
+                                           [block_n, head_dim]) for x in (key, value))
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, key, value, k_desc, v_desc, out, block_tables, seq_lens, query_start_loc,
         qk_scale, v_scale, softcap_scale, sliding_window or 0,
         num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        key.stride(0) if contiguous_kv else 0, key.stride(1) if contiguous_kv else 0,
+        block_tables.stride(0), BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first, SEARCH_BLOCK=SEARCH_BLOCK,
+        TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first,
+        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, SEARCH_BLOCK=SEARCH_BLOCK,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)

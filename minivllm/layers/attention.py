@@ -58,7 +58,8 @@ class Attention(nn.Module):
                                   self.k_scale, self.v_scale)
             out = self.backend.attend(query, self.k_cache, self.v_cache, meta, self.scale,
                                       self.k_scale, self.v_scale, sliding_window=self.sliding_window,
-                                      logits_soft_cap=self.logits_soft_cap)
+                                      logits_soft_cap=self.logits_soft_cap,
+                                      key=key, value=value)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _attend_without_cache(self, query, key, value, meta: AttentionMetadata) -> torch.Tensor:
