@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_quantization_commands(sub) -> None:
-    quantize = sub.add_parser("quantize", help="quantize a checkpoint offline into a GPTQ- or AWQ-format folder")
+    quantize = sub.add_parser("quantize", help="quantize a checkpoint offline into a GPTQ-, AWQ- or W8A8 folder")
     quantize.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default model when omitted)")
     quantize.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "smoothquant"],
                           help="smoothquant writes an unquantized, smoothed folder to serve with --quantization int8/fp8")
@@ -191,6 +191,11 @@ def add_quantization_commands(sub) -> None:
                           help="symmetric (default for rtn/gptq) or with zero points (awq)")
     quantize.add_argument("--desc-act", action="store_true", help="gptq: quantize columns in activation order")
     quantize.add_argument("--alpha", type=float, default=0.5, help="smoothquant: migration strength")
+    quantize.add_argument("--w8a8", choices=["fp8", "int8"], default=None,
+                          help="rtn/gptq: write 8-bit weights with per-channel scales for dynamic per-token "
+                               "activations (compressed-tensors), instead of a weight-only folder")
+    quantize.add_argument("--smoothquant-alpha", type=float, default=None,
+                          help="rtn/gptq: apply SmoothQuant with this migration strength before rounding")
     quantize.add_argument("--out", required=True, help="output folder")
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a text through the engine's prompt logprobs")
@@ -210,7 +215,8 @@ def _run_quantization_command(args: argparse.Namespace) -> None:
     if args.command == "quantize":
         from minivllm.quantization.quantizer import quantize_model
         folder = quantize_model(args.model, args.method, args.out, args.bits, args.group_size, args.calib,
-                                args.num_samples, args.seq_len, args.sym, args.desc_act)
+                                args.num_samples, args.seq_len, args.sym, args.desc_act, args.w8a8,
+                                args.smoothquant_alpha)
         print(f"wrote {folder}")
         return
     import json

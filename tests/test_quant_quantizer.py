@@ -50,19 +50,28 @@ def tiny_model(tmp_path_factory):
     return folder, model.eval(), calib
 
 
-def loaded_linears(folder: Path) -> dict:
-    """{checkpoint-like name: dequantized W [N, K]} from our loader, packed layers split per shard."""
-    model = load_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"))
-    weights = {}
-    for name, module in model.named_modules():
-        if not hasattr(module, "qweight"):
-            continue
+def dequantized_weight(module) -> torch.Tensor | None:
+    """W [N, K] in fp32 of a loaded quantized linear (weight-only layout or W8A8 codes), else None."""
+    if hasattr(module, "qweight"):
         group_size, _ = module.quant_method.groups(module.input_size)
         w = dequantize(module.qweight, module.scales, module.zeros, group_size, module.quant_method.bits,
                        module.input_size)
         if module.perm is not None:
             w = w[torch.argsort(module.perm)]
-        w = w.t()
+        return w.t()
+    if hasattr(module, "weight_scale"):
+        return module.weight.float() * module.weight_scale.view(-1, 1)
+    return None
+
+
+def loaded_linears(folder: Path) -> dict:
+    """{checkpoint-like name: dequantized W [N, K]} from our loader, packed layers split per shard."""
+    model = load_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"))
+    weights = {}
+    for name, module in model.named_modules():
+        w = dequantized_weight(module)
+        if w is None:
+            continue
         shards = getattr(module, "shard_offsets", None)
         for shard, (start, size) in (shards or {None: (0, w.shape[0])}).items():
             part = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}.get(shard)
@@ -124,6 +133,83 @@ def test_quantizer_rejects_bad_options(tiny_model, tmp_path):
         quantize_model(str(folder), "gptq", str(tmp_path))
     with pytest.raises(ValueError, match="4-bit"):
         quantize_model(str(folder), "awq", str(tmp_path), bits=8, calib="x")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_w8a8_folder_loads_as_serialized_w8a8_within_a_step(tiny_model, tmp_path, kind):
+    from minivllm.quantization import get_quantization_config
+    from minivllm.quantization.w8a8 import W8A8LinearMethod
+    folder, reference, _ = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path), w8a8=kind)
+    config = get_quantization_config(resolve_model(str(tmp_path)).hf_config)
+    assert config.name == kind and config.serialized
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    methods = [m.quant_method for m in model.modules() if hasattr(m, "weight_scale")]
+    assert len(methods) == 2 * 2 * 2 and all(isinstance(m, W8A8LinearMethod) for m in methods)  # 2 layers
+    loaded = loaded_linears(tmp_path)
+    assert len(loaded) == 14
+    for name, w in loaded.items():
+        original = reference.get_parameter(name + ".weight")
+        step = original.abs().amax(dim=1, keepdim=True) / (448 if kind == "fp8" else 127)
+        if kind == "int8":   # round to nearest: half a step
+            assert ((w - original).abs() <= step * 0.5 + 1e-7).all(), name
+        else:                # e4m3 keeps 3 mantissa bits: within 2^-4 of each value (or of a subnormal step)
+            assert ((w - original).abs() <= torch.maximum(original.abs() / 16, step * 2 ** -9)).all(), name
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_w8a8_gptq_beats_rtn_on_calibration_error(tiny_model, tmp_path, kind):
+    folder, reference, calib = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path / "rtn"), w8a8=kind)
+    quantize_model(str(folder), "gptq", str(tmp_path / "gptq"), calib=str(calib), num_samples=8, seq_len=64,
+                   desc_act=True, w8a8=kind)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    stats = collect_input_stats(reference, calibration_windows(calib.read_text(), tokenizer, 8, 64))
+    rtn, gptq = loaded_linears(tmp_path / "rtn"), loaded_linears(tmp_path / "gptq")
+    site = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
+            "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+    for name in rtn:
+        layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
+        H = stats[(layer, site[proj])][0]
+        original = reference.get_parameter(name + ".weight")
+        assert output_error(gptq[name] - original, H) < output_error(rtn[name] - original, H), name
+
+
+def test_smoothed_w8a8_folder_keeps_the_function(tiny_model, tmp_path):
+    """SmoothQuant moves scale between a norm (or up_proj) and the next linears: the served int8 model must
+    still compute the reference's function, to within int8's rounding."""
+    from tests.conftest import PagedRun
+    folder, reference, calib = tiny_model
+    quantize_model(str(folder), "gptq", str(tmp_path), calib=str(calib), num_samples=8, seq_len=64,
+                   w8a8="int8", smooth_alpha=0.75)
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    ids = transformers.AutoTokenizer.from_pretrained(str(folder))(calib.read_text()[:400]).input_ids[:48]
+    ours = PagedRun(model, 1, len(ids)).step([ids])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() < 0.05
+
+
+def test_w8a8_options_and_checkpoints_are_checked(tiny_model, tmp_path):
+    from minivllm.quantization.compressed_tensors import CompressedTensorsConfig
+    from minivllm.quantization.quantizer import w8a8_quantization_config
+    folder, _, calib = tiny_model
+    with pytest.raises(ValueError, match="rtn or gptq"):
+        quantize_model(str(folder), "awq", str(tmp_path), calib=str(calib), w8a8="fp8")
+    with pytest.raises(ValueError, match="fp8 or int8"):
+        quantize_model(str(folder), "rtn", str(tmp_path), w8a8="int4")
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_model(str(folder), "rtn", str(tmp_path), w8a8="int8", smooth_alpha=0.5)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        quantize_model(str(folder), "rtn", str(tmp_path), calib=str(calib), smooth_alpha=1.5)
+    static = w8a8_quantization_config("int8", "rtn")
+    static["config_groups"]["group_0"]["input_activations"].update(dynamic=False, strategy="tensor")
+    with pytest.raises(ValueError, match="dynamic per"):
+        CompressedTensorsConfig.from_config(static)
+    weight_only = w8a8_quantization_config("fp8", "rtn")
+    del weight_only["config_groups"]["group_0"]["input_activations"]
+    with pytest.raises(ValueError, match="weight-only"):
+        CompressedTensorsConfig.from_config(weight_only)
 
 
 def test_quantized_folder_serves_through_the_openai_sdk(tiny_model, tmp_path):

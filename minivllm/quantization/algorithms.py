@@ -2,9 +2,11 @@
 
 * `quantize_rtn`: round-to-nearest per group of `group_size` inputs, symmetric (zero fixed at 2^(b-1),
   scale = 2 max|w| / (2^b - 1), GPTQ's convention) or asymmetric (min/max range, integer zero).
-* `gptq_quantize` (Frantar et al. 2022): quantize one input column at a time and move each column's
-  rounding error onto the columns not yet quantized, weighted by the inverse Hessian H = X^T X of the
-  calibration inputs; optional act-order (columns in order of decreasing H diagonal) with g_idx.
+* `gptq_loop` (Frantar et al. 2022): round one input column at a time and move each column's rounding
+  error onto the columns not yet rounded, weighted by the inverse Hessian H = X^T X of the calibration
+  inputs; optional act-order (columns in order of decreasing H diagonal). Two grids use it:
+  `gptq_quantize` (integer groups with scale and zero, and g_idx) and `gptq_quantize_rows` (W8A8: fp8 or
+  int8 codes under a per-channel scale).
 * `awq_search_scale` (Lin et al. 2023): per-input-channel scales s = mean|x|^alpha chosen from a grid to
   minimise the output error of the rounded, scaled weights; the caller multiplies W by s and divides the
   op that feeds these inputs (a norm weight, up_proj's rows) by s. The output error of W' vs W on the
@@ -58,13 +60,16 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> tor
 
 
 @torch.no_grad()
-def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
-                  desc_act: bool = False, damp_percent: float = 0.01, min_zero: int = 0):
-    """Same outputs as `quantize_rtn`; g_idx is a permuted grouping when desc_act."""
+def gptq_loop(w: torch.Tensor, H: torch.Tensor, round_column, desc_act: bool = False, damp_percent: float = 0.01,
+              block: int = 128) -> torch.Tensor:
+    """GPTQ's core: rounds the columns of w [N, K] one at a time, in H's activation order when desc_act,
+    moving each column's rounding error onto the columns not yet rounded. `round_column(j, upcoming)`
+    gets the input index j and the not-yet-rounded columns from j on (as updated so far, in this loop's
+    order) and returns column j's rounded values; it keeps whatever codes and scales it made. Returns
+    the permutation used (rounding order)."""
     W = w.float().clone()
     H = H.float().clone()
     N, K = W.shape
-    group_size = K if group_size <= 0 else group_size
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -72,29 +77,66 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
     W, H = W[:, perm], H[perm][:, perm]
     H += damp_percent * torch.diag(H).mean() * torch.eye(K)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    codes = torch.empty(N, K, dtype=torch.int32)
-    scales, zeros = [], []
-    block = min(group_size, 128) if 128 % min(group_size, 128) == 0 else 128
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
         W1 = W[:, i1:i2].clone()
         errors = torch.zeros_like(W1)
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:   # the group's range from its columns as updated so far
-                ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
-                scale, zero = group_params(ahead, bits, sym, min_zero)
-                scales.append(scale)
-                zeros.append(zero)
-            q = quantize_codes(W1[:, i:i + 1], scale, zero, bits)[:, 0]
-            codes[:, col] = q.int()
-            error = (W1[:, i] - (q - zero) * scale) / Hinv[col, col]
+            q = round_column(int(perm[col]), lambda i=i: torch.cat([W1[:, i:], W[:, i2:]], dim=1))
+            error = (W1[:, i] - q) / Hinv[col, col]
             W1[:, i:] -= error.unsqueeze(1) * Hinv[col, col:i2].unsqueeze(0)
             errors[:, i] = error
         W[:, i2:] -= errors @ Hinv[i1:i2, i2:]
-    inverse = torch.argsort(perm)
-    g_idx = (torch.arange(K) // group_size)[inverse]
-    return codes[:, inverse], torch.stack(scales), torch.stack(zeros), g_idx
+    return perm
+
+
+def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
+                  desc_act: bool = False, damp_percent: float = 0.01, min_zero: int = 0):
+    """Same outputs as `quantize_rtn`; g_idx is a permuted grouping when desc_act."""
+    N, K = w.shape
+    group_size = K if group_size <= 0 else group_size
+    codes = torch.empty(N, K, dtype=torch.int32)
+    scales, zeros = [], []
+    rounded = [0]   # columns rounded so far: a group starts every group_size of them
+
+    def round_column(j, upcoming):
+        if rounded[0] % group_size == 0:   # the group's range from its columns as updated so far
+            scale, zero = group_params(upcoming()[:, :group_size], bits, sym, min_zero)
+            scales.append(scale)
+            zeros.append(zero)
+        rounded[0] += 1
+        scale, zero = scales[-1], zeros[-1]
+        q = quantize_codes(upcoming()[:, :1], scale, zero, bits)[:, 0]
+        codes[:, j] = q.int()
+        return (q - zero) * scale
+
+    perm = gptq_loop(w, H, round_column, desc_act, damp_percent, block=min(group_size, 128)
+                     if 128 % min(group_size, 128) == 0 else 128)
+    g_idx = (torch.arange(K) // group_size)[torch.argsort(perm)]
+    return codes, torch.stack(scales), torch.stack(zeros), g_idx
+
+
+def gptq_quantize_rows(w: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, desc_act: bool = True,
+                       damp_percent: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8 weights by GPTQ: w [N, K] -> (codes [N, K] in `dtype` (float8_e4m3fn or int8), scale [N]).
+    Each output channel keeps the scale of round-to-nearest (max |w| over the 8-bit range); GPTQ only
+    chooses the rounding, so the folder is read like any per-channel W8A8 checkpoint."""
+    from minivllm.kernels.quant_rows import quantize_rows_reference
+    _, scale = quantize_rows_reference(w.float(), dtype)
+    scale = scale.view(-1)
+    codes = torch.empty(w.shape, dtype=dtype)
+
+    def round_column(j, upcoming):
+        column = upcoming()[:, 0] / scale
+        if dtype == torch.int8:
+            codes[:, j] = torch.round(column).clamp(-127, 127).to(dtype)
+        else:
+            codes[:, j] = column.clamp(-448.0, 448.0).to(dtype)
+        return codes[:, j].float() * scale
+
+    gptq_loop(w, H, round_column, desc_act, damp_percent)
+    return codes, scale
 
 
 def output_error(delta: torch.Tensor, H: torch.Tensor) -> float:

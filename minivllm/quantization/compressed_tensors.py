@@ -1,5 +1,9 @@
-"""compressed-tensors checkpoints (llm-compressor's `quant_method: "compressed-tensors"`), the
-`pack-quantized` format: integer weights with group (or channel) scales, symmetric.
+"""compressed-tensors checkpoints (llm-compressor's `quant_method: "compressed-tensors"`).
+
+W8A8 (`float-quantized` fp8 or `int-quantized` int8, per-channel weights, dynamic per-token activations:
+llm-compressor's FP8_DYNAMIC and W8A8 schemes) is handed to the fp8 / int8 W8A8 method: `weight` holds the
+8-bit codes and `weight_scale` [N, 1] the per-channel scales. Weight-only, the `pack-quantized` format:
+integer weights with group (or channel) scales, symmetric.
 
 Per linear layer with K inputs and N outputs (one config group targeting Linear layers):
   weight_packed [N, K / pf] int32  signed codes q in [-2^(b-1), 2^(b-1)) stored as q + 2^(b-1),
@@ -25,7 +29,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.bits, self.group_size = bits, group_size
 
     @classmethod
-    def from_config(cls, config: dict) -> "CompressedTensorsConfig":
+    def from_config(cls, config: dict) -> QuantizationConfig:
+        if config.get("format") in ("float-quantized", "int-quantized"):
+            return _w8a8_config(config)
         if config.get("format") != "pack-quantized":
             raise ValueError(f"compressed-tensors format {config.get('format')!r} is not supported "
                              "(only 'pack-quantized')")
@@ -52,6 +58,27 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module):
         return CompressedTensorsLinearMethod(self)
+
+
+def _w8a8_config(config: dict) -> QuantizationConfig:
+    """The fp8 / int8 W8A8 config of an 8-bit float-/int-quantized scheme with dynamic per-token inputs."""
+    from minivllm.quantization.fp8 import Fp8Config
+    from minivllm.quantization.int8 import Int8Config
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1 or "weights" not in groups[0]:
+        raise ValueError("compressed-tensors: expected exactly one config group with weight settings")
+    weights, inputs = groups[0]["weights"], groups[0].get("input_activations") or {}
+    kind = "float" if config["format"] == "float-quantized" else "int"
+    if weights.get("num_bits") != 8 or weights.get("type", "int") != kind or weights.get("strategy") != "channel":
+        raise ValueError(f"compressed-tensors {config['format']}: only 8-bit {kind} weights with per-channel "
+                         "scales are supported")
+    if not weights.get("symmetric", True):
+        raise ValueError(f"compressed-tensors {config['format']}: only symmetric weights are supported")
+    if not (inputs.get("num_bits") == 8 and inputs.get("type", "int") == kind and inputs.get("dynamic")
+            and inputs.get("strategy") == "token"):
+        raise ValueError(f"compressed-tensors {config['format']}: activations must be 8-bit {kind}, dynamic per "
+                         "token (weight-only 8-bit and static input scales are not supported)")
+    return (Fp8Config if kind == "float" else Int8Config)(serialized=True)
 
 
 def _shape_checker(input_size: int):

@@ -1,8 +1,11 @@
-"""`minivllm quantize`: quantize a Llama-family checkpoint offline into a GPTQ- or AWQ-format folder.
+"""`minivllm quantize`: quantize a Llama-family checkpoint offline into a GPTQ-, AWQ- or W8A8 folder.
 
 rtn and gptq write AutoGPTQ's layout (v1: stored zero - 1, so asymmetric zeros are kept >= 1), awq
 writes AutoAWQ's GEMM layout; both with config.json's `quantization_config`, fp16 non-quantized
 tensors and the tokenizer files, so minivllm, vLLM and transformers' loaders read the folder.
+With `w8a8="fp8"` or `"int8"`, rtn and gptq write 8-bit weights with per-channel scales for dynamic
+per-token activations instead, in compressed-tensors' float-/int-quantized format (llm-compressor's
+FP8_DYNAMIC and W8A8 schemes). `smooth_alpha` applies SmoothQuant (smoothquant.py) before rounding.
 Calibration (gptq, awq) runs the transformers model over `num_samples` windows of `seq_len` tokens of
 a text file and accumulates, per linear-layer input, H = X^T X and mean |x| (one pass, all layers).
 """
@@ -13,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from minivllm.quantization.algorithms import awq_search_scale, gptq_quantize, quantize_rtn
+from minivllm.quantization.algorithms import awq_search_scale, gptq_quantize, gptq_quantize_rows, quantize_rtn
 from minivllm.quantization.awq import AWQ_ORDER
 from minivllm.quantization.packing import pack_cols, pack_rows
+from minivllm.quantization.smoothquant import smoothquant_scale
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # linear -> the projection whose input statistics it shares
@@ -90,6 +94,21 @@ def awq_format_tensors(codes, scales, zeros, g_idx, bits: int) -> dict:
             "scales": scales.half()}
 
 
+def w8a8_format_tensors(codes, scale) -> dict:
+    return {"weight": codes, "weight_scale": scale.float().unsqueeze(1)}
+
+
+def w8a8_quantization_config(kind: str, method: str) -> dict:
+    """compressed-tensors' description of per-channel 8-bit weights and dynamic per-token activations."""
+    numbers = {"num_bits": 8, "type": "float" if kind == "fp8" else "int", "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": f"{numbers['type']}-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"], "quantizer": f"minivllm-{method}",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {**numbers, "strategy": "channel", "dynamic": False},
+                "input_activations": {**numbers, "strategy": "token", "dynamic": True}}}}
+
+
 def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc_act: bool) -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
@@ -102,7 +121,8 @@ def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc
 @torch.no_grad()
 def quantize_model(model: str | None, method: str, out: str, bits: int = 4, group_size: int = 128,
                    calib: str | None = None, num_samples: int = 32, seq_len: int = 256,
-                   sym: bool | None = None, desc_act: bool = False) -> Path:
+                   sym: bool | None = None, desc_act: bool = False, w8a8: str | None = None,
+                   smooth_alpha: float | None = None) -> Path:
     """Quantize `model` (HF folder or .gguf; None: the default model) into the folder `out`."""
     import transformers
     from safetensors.torch import save_file
@@ -115,8 +135,17 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
         raise ValueError("awq writes 4-bit weights only")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
-    if method != "rtn" and not calib:
-        raise ValueError(f"{method} needs calibration text (--calib FILE)")
+    if w8a8 not in (None, "fp8", "int8"):
+        raise ValueError(f"w8a8 must be fp8 or int8, got {w8a8!r}")
+    if w8a8 and method == "awq":
+        raise ValueError("awq writes 4-bit weight-only folders; W8A8 takes rtn or gptq")
+    if smooth_alpha is not None and method == "awq":
+        raise ValueError("awq scales the inputs itself; smoothing applies to rtn and gptq")
+    if smooth_alpha is not None and not 0 <= smooth_alpha <= 1:
+        raise ValueError(f"smoothing alpha must be in [0, 1], got {smooth_alpha}")
+    if (method != "rtn" or smooth_alpha is not None) and not calib:
+        raise ValueError(f"{method}{' with smoothing' if smooth_alpha is not None else ''} needs calibration text "
+                         "(--calib FILE)")
     sym = (method != "awq") if sym is None else sym
     if method == "awq" and sym:
         raise ValueError("awq's format is asymmetric (zero points); drop --sym")
@@ -126,9 +155,15 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(source.tokenizer_dir)
     stats = {}
-    if method != "rtn":
+    if method != "rtn" or smooth_alpha is not None:
         text = Path(calib).read_text(encoding="utf-8", errors="replace")
-        stats = collect_input_stats(hf_model, calibration_windows(text, tokenizer, num_samples, seq_len))
+        windows = calibration_windows(text, tokenizer, num_samples, seq_len)
+        stats = collect_input_stats(hf_model, windows)
+        if smooth_alpha is not None:
+            for index, layer in enumerate(hf_model.model.layers):
+                fold_input_scales(layer, stats, index,
+                                  lambda weights, stat: smoothquant_scale(weights, stat[2], smooth_alpha))
+            stats = collect_input_stats(hf_model, windows)   # GPTQ needs the smoothed inputs' H
     min_zero = 0 if (sym or method == "awq") else 1
     quantized = {}
     write = awq_format_tensors if method == "awq" else gptq_format_tensors
@@ -141,17 +176,28 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
             # GPTQ treats rows independently given H, so projections of one input are quantized as one matrix
             names = [name for name in LINEARS if INPUT_OF[name] == site]
             w = torch.cat([linears[name][1].weight.float() for name in names])
-            if method == "gptq":
-                codes, scales, zeros, g_idx = gptq_quantize(w, stats[(index, site)][0], bits, group_size, sym,
-                                                            desc_act, min_zero=min_zero)
+            H = stats[(index, site)][0] if method == "gptq" else None
+            if w8a8:
+                dtype = torch.float8_e4m3fn if w8a8 == "fp8" else torch.int8
+                if H is not None:
+                    codes, scale = gptq_quantize_rows(w, H, dtype, desc_act)
+                else:
+                    from minivllm.kernels.quant_rows import quantize_rows_reference
+                    codes, scale = quantize_rows_reference(w, dtype)
+                slices = lambda rows: w8a8_format_tensors(codes[rows], scale.view(-1)[rows])  # noqa: E731
             else:
-                codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero)
+                if H is not None:
+                    codes, scales, zeros, g_idx = gptq_quantize(w, H, bits, group_size, sym, desc_act,
+                                                                min_zero=min_zero)
+                else:
+                    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero)
+                slices = lambda rows: write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits)  # noqa: E731
             start = 0
             for name in names:
                 prefix, module = linears[name]
                 rows = slice(start, start + module.weight.shape[0])
                 start = rows.stop
-                for key, value in write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits).items():
+                for key, value in slices(rows).items():
                     quantized[f"model.layers.{index}.{prefix}.{key}"] = value.contiguous()
                 if module.bias is not None:
                     quantized[f"model.layers.{index}.{prefix}.bias"] = module.bias.half()
@@ -164,7 +210,8 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = hf_model.config.to_dict()
     config["torch_dtype"] = "float16"
-    config["quantization_config"] = quantization_config(method, bits, group_size, sym, desc_act)
+    config["quantization_config"] = (w8a8_quantization_config(w8a8, method) if w8a8 else
+                                     quantization_config(method, bits, group_size, sym, desc_act))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(str(folder))
     return folder
