@@ -75,6 +75,8 @@ def main():
                         help="only these configs, fields as PrefillConfig's, e.g. "
                         "'64,64,4,2;256,64,16,3,0,1,1,1' (then the best two with variants)")
     parser.add_argument("--shapes", type=str, default=None, help="only these shapes, e.g. '8x512,1x4096'")
+    parser.add_argument("--budget", type=float, default=200,
+                        help="seconds after which no more variants of the best two are run (0: none)")
     args = parser.parse_args()
     old = None
     if args.old and args.old.exists():
@@ -133,7 +135,7 @@ def main():
         for row in best:
             base = PrefillConfig(**row["config"])
             for variant in [dict(contiguous_kv=False), dict(heavy_first=False)]:
-                if time.time() - started < 200:   # keep the whole sweep inside one device call
+                if time.time() - started < args.budget:   # keep the whole sweep inside one device call
                     run(base._replace(**variant))
         for row in rows:
             if "ms" in row:

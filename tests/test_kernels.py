@@ -22,7 +22,7 @@ from minivllm.kernels import (  # noqa: E402
     choose_decode_partition_size, fused_add_rms_norm, fused_add_rms_norm_reference,
     paged_decode_attention, paged_prefill_attention, rms_norm, rms_norm_reference, silu_and_mul,
     silu_and_mul_reference, write_kv)
-from minivllm.kernels.prefill_attention import PrefillConfig  # noqa: E402
+from minivllm.kernels.prefill_attention import PrefillConfig, _tile_config  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -458,6 +458,36 @@ def test_gpu_prefill_with_step_kv_matches_reference(seq_lens, query_lens):
     out, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache, v_cache,
                              metadata, 128 ** -0.5)
     assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_prefill_long_prompt_with_tma_replays_in_a_cuda_graph():
+    # Long prompts read this step's K/V through tensor descriptors built on the host at capture:
+    # a replay must read the (same) tensors' new contents, as the runner's mixed graphs refill them.
+    query, key, value, k_cache, v_cache, metadata = make_batch(
+        [1500, 1300 + 200], [1500, 1300], 8, 4, 128, torch.bfloat16, num_padding_rows=3, seed=21)
+
+    def attend():
+        return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
+                                       metadata.seq_lens, metadata.block_tables, 128 ** -0.5,
+                                       max_query_len=1500, key=key, value=value)
+    assert _tile_config(128, torch.bfloat16, 1500).tma
+    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    attend()   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend()
+    for _ in range(2):
+        for x in (query, key, value):
+            x.normal_()
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        graph.replay()
+        expected = paged_attention_reference(query, k_cache, v_cache, metadata.query_start_loc_cpu,
+                                             metadata.seq_lens_cpu, metadata.block_tables, 128 ** -0.5)
+        rows = metadata.query_start_loc_cpu[-1]
+        assert_close(out[:rows], expected[:rows], torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -292,8 +292,11 @@ def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -
     per sequence (k + 1 verification, 64 x 4,096 context x 6): 32-row tiles with 128 keys and 3
     stages stream K/V at 2.9 TB/s through the pages (0.372 ms; reading the 6 own keys from the
     contiguous K/V adds a tile: 0.435). Heaviest-first ordering gained 12-21% on the long prompt;
-    Triton's warp specialization does not compile for this kernel on Hopper (Triton 3.6). fp32
-    and wide heads take smaller tiles."""
+    Triton's warp specialization does not compile for this kernel on Hopper (Triton 3.6). Tried
+    and dropped: narrow tiles at the diagonal (one 16- or 32-key masked tile per query tile under
+    64/128-key tiles): 8 x 512 at best 0.092 ms (64 x 64, 16-key diagonal), 1 x 4096 128 x 128
+    with a 32-key diagonal 0.337; 256 x 64 with 4 stages 0.325; 256 x 128 does not fit shared
+    memory at 3 stages and takes 4.3 ms at 2. fp32 and wide heads take smaller tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
     if max_query_len is not None and max_query_len <= 16:
