@@ -287,7 +287,13 @@ def main(argv: list[str] | None = None) -> dict:
     if "steps" in parts:
         print(f"engine steps at batch 1, {args.steps_model} (dummy weights):")
         result["step_cost"] = run_step_cost(args)
-        print_table(result["step_cost"], "step wall time, plain vs verifying k drafts")
+        rows = result["step_cost"]
+        print_table([{k: v for k, v in row.items() if k != "trace"} for row in rows],
+                    "step wall time, plain vs verifying k drafts")
+        traced = [{"k": row["k"], "kind": kind, **{key.removeprefix("median_"): value for key, value in medians.items()}}
+                  for row in rows for kind, medians in row.get("trace", {}).items()]
+        if traced:
+            print_table(traced, "per step kind, medians (ms): host launch parts, host wait, device time, device idle")
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")
         result["load"] = run_load(args)
