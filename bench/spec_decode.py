@@ -11,6 +11,8 @@ Three parts, all in one run on one device (results in spec_decode_<gpu>.json wit
   verify dummy Llama-3-8B at batch 1, 512-token context: the time of one verify step with k = 1..8
          drafts relative to one decode step (both run synchronously through the runner), from which
          the speedup at any acceptance rate can be read: (1 - a^(k+1)) / (1 - a) / cost(k).
+  steps  the real model's shapes (dummy weights) at batch 1 through the whole engine loop: wall time
+         per step of plain decoding and of steps verifying k = 1..5 drafts (not run by default).
 
 Usage: python bench/spec_decode.py --out DIR [--parts real,load,verify] [--quick]
 """
@@ -193,6 +195,51 @@ def run_verify_cost(args) -> list[dict]:
     return rows
 
 
+def run_step_cost(args) -> list[dict]:
+    """The real engine loop at batch 1 on the real model's shapes (dummy weights, `--steps-model`): the wall
+    time per step of plain decoding (async scheduling) and of steps verifying k = 1..5 drafts (the
+    proposer stubbed to always propose k tokens, so every step verifies). Medians over steady-state steps;
+    one engine, speculation switched off for k = 0."""
+    from minivllm import LLM, SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=args.step_repeats + 40, ignore_eos=True)
+    llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=8,
+              max_model_len=2048, speculative_config={**NGRAM, "adaptive": False}, **args.engine_options)
+    engine = llm.llm_engine
+    controller = engine.spec
+    controller.ngram.propose = lambda token_ids, n: [int(token_ids[-1])] * n   # dummy weights: few accepted
+    rows = []
+    for k in range(0, controller.max_k + 1):
+        engine.spec, controller.max_k = (controller if k else None), max(k, 1)
+        controller.reset_stats()
+        engine.add_request(f"steps-{k}", list(range(1000, 1512)), params)
+        tracer = None
+        if args.trace:
+            from bench.profile_step import StepTracer
+            tracer = StepTracer(engine)
+        times, tokens = [], []
+        while engine.has_unfinished_requests():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+            tokens.append(engine.num_generation_tokens)
+        steady = slice(10, len(times) - 5)   # past the prefill and warm-up, before the tail
+        num_steps = len(times[steady])
+        rows.append({"k": k, "ms_per_step": 1e3 * statistics.median(times[steady]), "steps": num_steps,
+                     "tokens_per_step": (tokens[steady.stop - 1] - tokens[steady.start - 1]) / num_steps,
+                     "num_verify": controller.stats.num_drafts if k else 0})
+        if tracer is not None:   # medians per step kind: host launch, host wait, device time, device idle
+            tracer.close()
+            summary = tracer.summary()
+            rows[-1]["trace"] = {kind: {key: value for key, value in summary[kind].items() if key.startswith("median")}
+                                 for kind in ("decode", "verify") if kind in summary}
+    for row in rows:
+        row["relative_to_plain"] = row["ms_per_step"] / rows[0]["ms_per_step"]
+    del llm, engine, controller
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
 # ---- main ----------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     from bench.throughput import Workload
@@ -201,23 +248,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="real,load,verify")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
+    parser.add_argument("--dummy-model", help="verify and load parts: the dummy config to time (default: "
+                        "llama-3-8b, tiny-llama with --quick)")
+    parser.add_argument("--steps-model", default="smollm2-135m",
+                        help="steps part: the dummy config (a name or a .json path) whose step costs are timed")
     parser.add_argument("--trace", action="store_true",
-                        help="real part: trace each step (bench/profile_step.py's StepTracer) without and with n-gram")
+                        help="real and steps parts: trace each step (bench/profile_step.py's StepTracer)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
     if args.quick:
         args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 3, 24, 3, 3
+        args.step_repeats = 20
         args.real_max_model_len = 1024
-        args.dummy_model = "tiny-llama"
+        args.default_dummy_model = "tiny-llama"
         args.load_workloads = [Workload(4, 32, 16)]
         args.engine_options = {"kv_cache_memory": 64 << 20} if device.type == "cpu" else {}
     else:
         args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 9, 256, 8, 30
+        args.step_repeats = 300
         args.real_max_model_len = 4096
-        args.dummy_model = "llama-3-8b"
+        args.default_dummy_model = "llama-3-8b"
         args.load_workloads = [Workload(64, 512, 256), Workload(256, 512, 256)]
         args.engine_options = {"gpu_memory_utilization": 0.9} if device.type == "cuda" else {}
+    args.dummy_model = args.dummy_model or args.default_dummy_model
     result = run_metadata(device)
     print(f"speculative decoding benchmark | {result['device']} | commit {result['commit']} | {result['date']}")
     parts = args.parts.split(",")
@@ -230,6 +284,16 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         print_table(result["verify_cost"], "verify step vs decode step")
+    if "steps" in parts:
+        print(f"engine steps at batch 1, {args.steps_model} (dummy weights):")
+        result["step_cost"] = run_step_cost(args)
+        rows = result["step_cost"]
+        print_table([{k: v for k, v in row.items() if k != "trace"} for row in rows],
+                    "step wall time, plain vs verifying k drafts")
+        traced = [{"k": row["k"], "kind": kind, **{key.removeprefix("median_"): value for key, value in medians.items()}}
+                  for row in rows for kind, medians in row.get("trace", {}).items()]
+        if traced:
+            print_table(traced, "per step kind, medians (ms): host launch parts, host wait, device time, device idle")
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")
         result["load"] = run_load(args)

@@ -128,6 +128,32 @@ def test_greedy_verification_accepts_while_argmax_matches():
     assert output.tolist() == [[5, 7, 9, 2]] and accepted.tolist() == [3]   # all accepted: bonus token
 
 
+def test_greedy_fast_path_matches_rejection_sampling():
+    """All speculating rows greedy: `greedy_verify` gives the rows that rejection sampling and the scatter
+    give, for random drafts (some matching), draft counts and rows of sequences that do not speculate."""
+    from minivllm.layers.sampler import Sampler
+    from minivllm.spec_decode.rejection_sampler import greedy_verify
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        num_drafts = torch.randint(1, 6, (4,), generator=generator)
+        k = int(num_drafts.max())
+        rows, row_index, first = [], [], 1   # row 0 (and a row between sequences) do not speculate
+        for d in num_drafts.tolist():
+            own = list(range(first, first + d + 1))
+            row_index.append(own + [own[-1]] * (k - d))
+            first += d + 2
+        sampled = torch.randint(0, 4, (first,), generator=generator)   # a small vocabulary: many matches
+        row_index = torch.tensor(row_index)
+        drafts = torch.where(torch.arange(k) < num_drafts.unsqueeze(1), sampled[row_index[:, :k]], -1)
+        flip = (torch.rand(drafts.shape, generator=generator) < 0.3) & (drafts >= 0)
+        drafts = torch.where(flip, (drafts + 1) % 4, drafts)
+        spec = SpecDecodeMetadata(row_index=row_index, num_drafts=num_drafts, draft_token_ids=drafts,
+                                  draft_probs=None, is_greedy=torch.ones(4, dtype=torch.bool),
+                                  uniform=torch.rand(4, k), residual_noise=None)
+        reference = Sampler._verify(sampled, None, spec)   # uniform set: the general path
+        assert torch.equal(greedy_verify(sampled, spec), reference)
+
+
 def test_sampler_verifies_greedy_drafts_next_to_random_rows():
     """A batch whose speculating rows are greedy while another row samples: the random row draws as
     usual, the greedy rows keep their accepted drafts and argmax."""
@@ -190,6 +216,26 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
     for num_tokens in (2, 3, 5) * 20:
         controller.observe_step(num_tokens, 0.011, speculative=True)   # and cheap verification: on again
     assert controller.choose_k([seq]) == 4
+
+
+def test_verify_steps_padded_to_one_graph_share_one_cost():
+    """Verify steps of 3 and 6 tokens cost alike on a GPU (graph replays, launch-bound): with
+    `min_verify_tokens` their times pool into one cost, so noise between two buckets does not pick k."""
+    chosen = {}
+    for min_verify_tokens in (1, 64):
+        controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=5), max_model_len=1024,
+                                           min_verify_tokens=min_verify_tokens)
+        seq = SequenceGroup("r", None, [1, 2, 3], SamplingParams(max_tokens=1000)).seqs[0]
+        seq.append_token(4)
+        seq.num_computed_tokens = 3
+        for _ in range(20):
+            controller.observe_verification(seq, 5, 4)
+        controller.observe_step(1, 0.0012, speculative=False)
+        for _ in range(4):
+            controller.observe_step(3, 0.0015, speculative=True)
+            controller.observe_step(6, 0.0019, speculative=True)   # slower by noise alone
+        chosen[min_verify_tokens] = controller.choose_k([seq])
+    assert chosen[64] == 5 and chosen[1] < 5
 
 
 def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():

@@ -122,7 +122,9 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         spec_config = SpeculativeConfig.from_dict(config.speculative_config)
-        self.spec = None if spec_config is None else SpeculationController(spec_config, self.max_model_len)
+        graphs = getattr(self.runner, "graph_runner", None)   # steps this small replay graphs: launch-bound
+        self.spec = None if spec_config is None else SpeculationController(
+            spec_config, self.max_model_len, min(graphs.mixed_sizes, default=1) if graphs is not None else 1)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
+from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, greedy_verify, rejection_sample
 
 # Probability mass this close to top_p counts as reaching it: fp32 softmax rounds each probability,
 # and without slack a nucleus whose exact mass equals top_p would gain one token by rounding alone.
@@ -221,6 +221,8 @@ class Sampler(nn.Module):
         """Replace the rows of speculating sequences by the outcome of verifying their drafts."""
         if spec is None:
             return token_ids
+        if spec.uniform is None:   # every speculating row greedy: no distributions needed
+            return greedy_verify(token_ids, spec)
         output, _ = rejection_sample(token_ids, probs, spec)
         # Padding entries of row_index repeat a sequence's last row: give them that row's value, so
         # the scatter writes each row one value (a boolean mask would cost a host sync).

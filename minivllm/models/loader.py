@@ -28,7 +28,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONFIGS_DIR = Path(__file__).parent / "configs"
 DUMMY_CONFIGS = ("llama-3-8b", "llama-3-70b", "qwen3-0.6b", "qwen2.5-7b", "tiny-llama",
                  "gpt2", "gpt2-xl", "qwen3-30b-a3b", "mixtral-8x7b", "phi-3-mini", "gemma-2b",
-                 "gemma-2-9b", "gemma-3-1b")
+                 "gemma-2-9b", "gemma-3-1b", "smollm2-135m")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 

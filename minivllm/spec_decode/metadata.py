@@ -26,7 +26,7 @@ def build_spec_metadata(layout, rows: list[SamplingRow], draft_token_ids: torch.
         num_drafts=layout.num_drafts_d,
         draft_token_ids=layout.draft_token_ids_d if draft_token_ids is None else draft_token_ids,
         draft_probs=draft_probs,
-        is_greedy=torch.tensor(greedy).to(device, non_blocking=True),
+        is_greedy=None if all_greedy else torch.tensor(greedy).to(device, non_blocking=True),
         # Random numbers only for random rows (greedy verification compares argmaxes).
         uniform=None if all_greedy else uniform((num_seqs, k), device, seeded, seeds, salt=2),
         residual_noise=None if all_greedy else exponential_noise((num_seqs, vocab_size), device, seeded, seeds,
