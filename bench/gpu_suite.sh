@@ -50,10 +50,14 @@
 #      model file (after A/B, as V). ~2 min.
 #   F1: (carrying .carry/a and .whl) the closing regression of a wave: GPU tests of the kernels, engine and
 #      speculation, the attention microbenchmark (attention_bench_<gpu>.json), W1 + single stream against the
-#      roofline (throughput_w1_<gpu>.json, no peer), speculation under load and the verify-step cost
-#      (spec_decode_<gpu>.json under $OUT/load). ~9 min.
+#      roofline (throughput_w1_<gpu>.json, no peer), plain vs verify step cost on SmolLM2's shapes
+#      ($OUT/steps) and speculation under load (spec_decode_<gpu>.json under $OUT/load). ~9.5 min.
 #   F2: (carrying .carry/b and .whl right after F1) the real model: n-gram and draft-layers at batch 1
 #      (spec_decode_<gpu>.json), then serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~8 min.
+#   P2: (carrying .carry/p, right after F2 while the model file is still there) the 8-bit quality rows over
+#      100k tokens on the GPU: bf16, GGUF Q4_1, online fp8 / int8, then offline W8A8 folders quantized here
+#      (int8 after SmoothQuant with alpha ${SQ_ALPHA:-0.75}, chosen on a validation text; fp8 with GPTQ rounding)
+#      -> quant_quality_gpu.json, rows appended as they finish. ~6 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -189,13 +193,15 @@ case "${1:-A}" in
       > "$OUT/spec_trace.log" 2>&1; tail -5 "$OUT/spec_trace.log"
     ;;
   F1)
-    timeout 150 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 \
+    timeout 130 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 \
       | tee "$OUT/gpu_tests_F1.log" | tail -3
-    timeout 120 python3 bench/attention_bench.py --out "$OUT" > "$OUT/attention_bench.log" 2>&1
+    timeout 60 python3 bench/spec_decode.py --parts steps --trace --out "$OUT/steps" > "$OUT/spec_steps.log" 2>&1
+    tail -9 "$OUT/spec_steps.log"
+    timeout 100 python3 bench/attention_bench.py --no-flex --out "$OUT" > "$OUT/attention_bench.log" 2>&1
     tail -16 "$OUT/attention_bench.log"
     timeout 150 python3 bench/throughput.py --skip-peer --out "$OUT" > "$OUT/throughput_w1.log" 2>&1
     tail -8 "$OUT/throughput_w1.log"
-    timeout 200 python3 bench/spec_decode.py --parts load,verify --out "$OUT/load" > "$OUT/spec_load.log" 2>&1
+    timeout 190 python3 bench/spec_decode.py --parts load --out "$OUT/load" > "$OUT/spec_load.log" 2>&1
     tail -14 "$OUT/spec_load.log"
     ;;
   F2)
@@ -205,6 +211,18 @@ case "${1:-A}" in
     tail -12 "$OUT/spec_decode.log"
     timeout 200 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
+    ;;
+  P2)
+    Q=/tmp/quality; T=.carry/p; mkdir -p $Q
+    PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
+      --dtype bfloat16 --name quant_quality_gpu.json --out $OUT"
+    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
+    add() { [ -f "$Q/$2/config.json" ] && timeout 90 $PPL --append --variant "$1=$Q/$2" 2>&1 | grep ppl; }
+    timeout 200 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
+    timeout 60 $QUANTIZE --method rtn --w8a8 int8 --smoothquant-alpha ${SQ_ALPHA:-0.75} --out $Q/int8sq 2>&1 | tail -1
+    add int8-smoothquant int8sq
+    timeout 120 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --out $Q/fp8gptq 2>&1 | tail -1
+    add fp8-gptq fp8gptq
     ;;
   W)
     python3 -m pytest -q -m gpu tests/test_swap.py 2>&1 | tee "$OUT/gpu_tests_W.log" | tail -3
