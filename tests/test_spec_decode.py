@@ -219,8 +219,8 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
 
 
 def test_verify_steps_padded_to_one_graph_share_one_cost():
-    """Verify steps of 3 and 6 tokens cost alike on a GPU (graph replays, launch-bound): with
-    `min_verify_tokens` their times pool into one cost, so noise between two buckets does not pick k."""
+    """Verify steps of 3 and 6 tokens both run the runner's 64-token graph: with `min_verify_tokens` their
+    times pool into one cost, so k is not chosen by the noise between two buckets of equal cost."""
     chosen = {}
     for min_verify_tokens in (1, 64):
         controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=5), max_model_len=1024,

@@ -58,8 +58,8 @@ def _bucket(num_tokens: int, min_tokens: int = 1) -> int:
 
 class SpeculationController:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, min_verify_tokens: int = 1) -> None:
-        """`min_verify_tokens`: verify steps of fewer tokens cost alike (on a GPU they replay CUDA
-        graphs whose time is kernel launches, not tokens), so they share one cost bucket: split by
+        """`min_verify_tokens`: verify steps of fewer tokens run padded to this many (the runner's
+        smallest CUDA graph for mixed steps), so they cost alike and share one cost bucket: split by
         powers of two, run-to-run noise between buckets of equal cost picked k at random."""
         self.config = config
         self.min_verify_tokens = min_verify_tokens
