@@ -217,27 +217,6 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
         controller.observe_step(num_tokens, 0.011, speculative=True)   # and cheap verification: on again
     assert controller.choose_k([seq]) == 4
 
-
-def test_verify_steps_padded_to_one_graph_share_one_cost():
-    """Verify steps of 3 and 6 tokens both run the runner's 64-token graph: with `min_verify_tokens` their
-    times pool into one cost, so k is not chosen by the noise between two buckets of equal cost."""
-    chosen = {}
-    for min_verify_tokens in (1, 64):
-        controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=5), max_model_len=1024,
-                                           min_verify_tokens=min_verify_tokens)
-        seq = SequenceGroup("r", None, [1, 2, 3], SamplingParams(max_tokens=1000)).seqs[0]
-        seq.append_token(4)
-        seq.num_computed_tokens = 3
-        for _ in range(20):
-            controller.observe_verification(seq, 5, 4)
-        controller.observe_step(1, 0.0012, speculative=False)
-        for _ in range(4):
-            controller.observe_step(3, 0.0015, speculative=True)
-            controller.observe_step(6, 0.0019, speculative=True)   # slower by noise alone
-        chosen[min_verify_tokens] = controller.choose_k([seq])
-    assert chosen[64] == 5 and chosen[1] < 5
-
-
 def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     """At a large batch an unmeasured verify size is priced from the plain steps around it (here a prefill
     of 8,192 tokens), so k stays 0 without a whole-batch try; the periodic try speculates with a few

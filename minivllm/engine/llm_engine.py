@@ -122,9 +122,7 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         spec_config = SpeculativeConfig.from_dict(config.speculative_config)
-        graphs = getattr(self.runner, "graph_runner", None)   # verify steps run padded to its mixed sizes
-        self.spec = None if spec_config is None else SpeculationController(
-            spec_config, self.max_model_len, min(graphs.mixed_sizes, default=1) if graphs is not None else 1)
+        self.spec = None if spec_config is None else SpeculationController(spec_config, self.max_model_len)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,

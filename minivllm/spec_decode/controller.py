@@ -52,17 +52,13 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def _bucket(num_tokens: int, min_tokens: int = 1) -> int:
-    return max(1 << max(0, num_tokens - 1).bit_length(), min_tokens)
+def _bucket(num_tokens: int) -> int:
+    return 1 << max(0, num_tokens - 1).bit_length()
 
 
 class SpeculationController:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, min_verify_tokens: int = 1) -> None:
-        """`min_verify_tokens`: verify steps of fewer tokens run padded to this many (the runner's
-        smallest CUDA graph for mixed steps), so they cost alike and share one cost bucket: split by
-        powers of two, run-to-run noise between buckets of equal cost picked k at random."""
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
-        self.min_verify_tokens = min_verify_tokens
         self.max_k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -99,19 +95,14 @@ class SpeculationController:
         _, _, proposed, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
         return (proposed + _PRIOR_WEIGHT * global_rate) / (tries + _PRIOR_WEIGHT)
 
-    def _table_bucket(self, num_tokens: int, speculative: bool) -> tuple[dict[int, deque], int]:
-        if speculative:
-            return self._spec_cost, _bucket(num_tokens, self.min_verify_tokens)
-        return self._plain_cost, _bucket(num_tokens)
-
     def step_cost(self, num_tokens: int, speculative: bool) -> float | None:
-        table, bucket = self._table_bucket(num_tokens, speculative)
+        table = self._spec_cost if speculative else self._plain_cost
+        bucket = _bucket(num_tokens)
         known = [b for b in table if b <= bucket]
         return statistics.median(table[max(known)]) if known else None
 
     def _estimated_verify_cost(self, num_tokens: int) -> float | None:
         """A verify step's measured cost, or the plain steps' cost interpolated at `num_tokens`."""
-        num_tokens = max(num_tokens, self.min_verify_tokens)
         bucket = _bucket(num_tokens)
         if bucket in self._spec_cost:
             return statistics.median(self._spec_cost[bucket])
@@ -182,8 +173,8 @@ class SpeculationController:
 
     # ---- feedback ----------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, speculative: bool) -> None:
-        table, bucket = self._table_bucket(num_tokens, speculative)
-        table.setdefault(bucket, deque(maxlen=_COST_WINDOW)).append(seconds)
+        table = self._spec_cost if speculative else self._plain_cost
+        table.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats
