@@ -23,9 +23,14 @@ def quantize_rows_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.
     """Each row scaled to the 8-bit range: (codes [R, C] in `dtype`, scales [R, 1] fp32)."""
     qmax = FP8_MAX if dtype == FP8 else INT8_MAX
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
-    scaled = x.float() / scale
-    codes = scaled.clamp(-qmax, qmax).to(FP8) if dtype == FP8 else scaled.round().clamp(-qmax, qmax).to(torch.int8)
-    return codes, scale
+    return round_to_codes(x.float() / scale, dtype), scale
+
+
+def round_to_codes(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values already divided by their scale -> the nearest 8-bit codes (e4m3 or int8), saturating."""
+    if dtype == FP8:
+        return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 
 @triton.jit

@@ -122,17 +122,13 @@ def gptq_quantize_rows(w: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, des
     """W8A8 weights by GPTQ: w [N, K] -> (codes [N, K] in `dtype` (float8_e4m3fn or int8), scale [N]).
     Each output channel keeps the scale of round-to-nearest (max |w| over the 8-bit range); GPTQ only
     chooses the rounding, so the folder is read like any per-channel W8A8 checkpoint."""
-    from minivllm.kernels.quant_rows import quantize_rows_reference
+    from minivllm.kernels.quant_rows import quantize_rows_reference, round_to_codes
     _, scale = quantize_rows_reference(w.float(), dtype)
     scale = scale.view(-1)
     codes = torch.empty(w.shape, dtype=dtype)
 
     def round_column(j, upcoming):
-        column = upcoming()[:, 0] / scale
-        if dtype == torch.int8:
-            codes[:, j] = torch.round(column).clamp(-127, 127).to(dtype)
-        else:
-            codes[:, j] = column.clamp(-448.0, 448.0).to(dtype)
+        codes[:, j] = round_to_codes(upcoming()[:, 0] / scale, dtype)
         return codes[:, j].float() * scale
 
     gptq_loop(w, H, round_column, desc_act, damp_percent)

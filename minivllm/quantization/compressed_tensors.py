@@ -35,11 +35,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         if config.get("format") != "pack-quantized":
             raise ValueError(f"compressed-tensors format {config.get('format')!r} is not supported "
                              "(only 'pack-quantized')")
-        groups = list((config.get("config_groups") or {}).values())
-        if len(groups) != 1 or "weights" not in groups[0]:
-            raise ValueError("compressed-tensors: expected exactly one config group with weight settings")
-        weights = groups[0]["weights"]
-        if groups[0].get("input_activations"):
+        group = _only_group(config)
+        weights = group["weights"]
+        if group.get("input_activations"):
             raise ValueError("compressed-tensors: only weight-only schemes are supported")
         if weights.get("type", "int") != "int" or not weights.get("symmetric", True):
             raise ValueError("compressed-tensors: only symmetric integer weights are supported")
@@ -60,14 +58,20 @@ class CompressedTensorsConfig(QuantizationConfig):
         return CompressedTensorsLinearMethod(self)
 
 
+def _only_group(config: dict) -> dict:
+    """The one config group (with weight settings) these schemes are written with."""
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1 or "weights" not in groups[0]:
+        raise ValueError("compressed-tensors: expected exactly one config group with weight settings")
+    return groups[0]
+
+
 def _w8a8_config(config: dict) -> QuantizationConfig:
     """The fp8 / int8 W8A8 config of an 8-bit float-/int-quantized scheme with dynamic per-token inputs."""
     from minivllm.quantization.fp8 import Fp8Config
     from minivllm.quantization.int8 import Int8Config
-    groups = list((config.get("config_groups") or {}).values())
-    if len(groups) != 1 or "weights" not in groups[0]:
-        raise ValueError("compressed-tensors: expected exactly one config group with weight settings")
-    weights, inputs = groups[0]["weights"], groups[0].get("input_activations") or {}
+    group = _only_group(config)
+    weights, inputs = group["weights"], group.get("input_activations") or {}
     kind = "float" if config["format"] == "float-quantized" else "int"
     if weights.get("num_bits") != 8 or weights.get("type", "int") != kind or weights.get("strategy") != "channel":
         raise ValueError(f"compressed-tensors {config['format']}: only 8-bit {kind} weights with per-channel "

@@ -19,7 +19,7 @@ import torch
 from minivllm.quantization.algorithms import awq_search_scale, gptq_quantize, gptq_quantize_rows, quantize_rtn
 from minivllm.quantization.awq import AWQ_ORDER
 from minivllm.quantization.packing import pack_cols, pack_rows
-from minivllm.quantization.smoothquant import smoothquant_scale
+from minivllm.quantization.smoothquant import smooth_layers
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # linear -> the projection whose input statistics it shares
@@ -160,9 +160,7 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
         windows = calibration_windows(text, tokenizer, num_samples, seq_len)
         stats = collect_input_stats(hf_model, windows)
         if smooth_alpha is not None:
-            for index, layer in enumerate(hf_model.model.layers):
-                fold_input_scales(layer, stats, index,
-                                  lambda weights, stat: smoothquant_scale(weights, stat[2], smooth_alpha))
+            smooth_layers(hf_model, stats, smooth_alpha)
             stats = collect_input_stats(hf_model, windows)   # GPTQ needs the smoothed inputs' H
     min_zero = 0 if (sym or method == "awq") else 1
     quantized = {}

@@ -21,13 +21,22 @@ def smoothquant_scale(weights: list[torch.Tensor], x_amax: torch.Tensor, alpha: 
 
 
 @torch.no_grad()
+def smooth_layers(hf_model, stats: dict, alpha: float) -> None:
+    """Apply SmoothQuant in place to every decoder layer of a transformers Llama-family model, from
+    `collect_input_stats`' per-input max |x|."""
+    from minivllm.quantization.quantizer import fold_input_scales
+    for index, layer in enumerate(hf_model.model.layers):
+        fold_input_scales(layer, stats, index, lambda weights, stat: smoothquant_scale(weights, stat[2], alpha))
+
+
+@torch.no_grad()
 def smooth_model(model: str | None, out: str, calib: str, alpha: float = 0.5, num_samples: int = 32,
                  seq_len: int = 256) -> Path:
     """Write the SmoothQuant-scaled model `model` (HF folder or .gguf; None: the default) to `out` (fp32)."""
     import transformers
 
     from minivllm.models.loader import resolve_model
-    from minivllm.quantization.quantizer import calibration_windows, collect_input_stats, fold_input_scales
+    from minivllm.quantization.quantizer import calibration_windows, collect_input_stats
 
     if not calib:
         raise ValueError("smoothquant needs calibration text (--calib FILE)")
@@ -40,8 +49,7 @@ def smooth_model(model: str | None, out: str, calib: str, alpha: float = 0.5, nu
     tokenizer = transformers.AutoTokenizer.from_pretrained(source.tokenizer_dir)
     text = Path(calib).read_text(encoding="utf-8", errors="replace")
     stats = collect_input_stats(hf_model, calibration_windows(text, tokenizer, num_samples, seq_len))
-    for index, layer in enumerate(hf_model.model.layers):
-        fold_input_scales(layer, stats, index, lambda weights, stat: smoothquant_scale(weights, stat[2], alpha))
+    smooth_layers(hf_model, stats, alpha)
     hf_model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return Path(out)
