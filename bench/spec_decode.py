@@ -81,14 +81,21 @@ def _spec_summary(stats, elapsed: float, num_tokens: int) -> dict:
 
 def run_real(args) -> dict:
     from minivllm import LLM, SamplingParams
+    from minivllm.worker import cuda_graph
+    decode_rows = cuda_graph.MAX_DECODE_ROWS_QUERY_LEN
     chats = grounded_chats(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     configs = {"off": None, "ngram": NGRAM}
+    for k in args.ngram_fixed_k:   # the controller's choice against fixed draft lengths
+        configs[f"ngram_k{k}"] = {**NGRAM, "num_speculative_tokens": k, "adaptive": False}
+    if args.compare_mixed_verify:  # verify steps through the mixed graph and varlen kernel instead
+        configs["ngram_mixed_verify"] = NGRAM
     for layers in args.draft_layers:
         configs[f"draft_layers_{layers}"] = {"method": "draft_model", "draft_layers": layers,
                                              "num_speculative_tokens": 3}
     results, reference = {}, None
     for name, config in configs.items():
+        cuda_graph.MAX_DECODE_ROWS_QUERY_LEN = 0 if name == "ngram_mixed_verify" else decode_rows
         llm = LLM(seed=0, max_model_len=args.real_max_model_len, speculative_config=config, **args.engine_options)
         llm.chat(chats[0][1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)   # warm-up
         if llm.llm_engine.spec is not None:
@@ -116,6 +123,7 @@ def run_real(args) -> dict:
         del llm
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    cuda_graph.MAX_DECODE_ROWS_QUERY_LEN = decode_rows
     return {"model": "SmolLM2-135M-Instruct", "batch": 1, "max_tokens": args.max_tokens,
             "prompts": [kind for kind, _ in chats], "configs": configs, "results": results}
 
@@ -248,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="real,load,verify")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
+    parser.add_argument("--ngram-fixed-k", default="", help="real part: also n-gram with these fixed k (no adaptivity)")
+    parser.add_argument("--compare-mixed-verify", action="store_true",
+                        help="real part: also n-gram with verify steps through the mixed graph (not decode rows)")
     parser.add_argument("--dummy-model", help="verify and load parts: the dummy config to time (default: "
                         "llama-3-8b, tiny-llama with --quick)")
     parser.add_argument("--steps-model", default="smollm2-135m",
@@ -257,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
+    args.ngram_fixed_k = [int(x) for x in args.ngram_fixed_k.split(",") if x]
     if args.quick:
         args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 3, 24, 3, 3
         args.step_repeats = 20
