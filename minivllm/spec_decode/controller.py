@@ -8,10 +8,10 @@ plain decoding) to maximise expected tokens per second:
 
 with a the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h the share of
 its tries in which the proposer had anything to propose (n-gram lookups often find nothing), each with
-a prior from all sequences. Costs are the median of the last few steps in each power-of-two bucket of
-scheduled tokens, kept separately for plain steps and for verify steps: a verify
-step also gives up the overlap of host work with the previous step (async scheduling), so its cost
-includes that. A bucket never measured is estimated from the plain steps (prefill chunks included) by
+a prior from all sequences. A step's cost is the time from its launch to the next launch (the engine
+measures it): a verify step gives up the overlap of host work with the device (async scheduling), so
+its cost includes the host work that waited for its result. Costs are the median of the last few steps
+in each power-of-two bucket of scheduled tokens, kept separately for plain steps and for verify steps. A bucket never measured is estimated from the plain steps (prefill chunks included) by
 linear interpolation in the token count between the measured buckets around it (a step's cost is about
 affine in its tokens), or, with none above it, assumed to cost the plain step below: at batch 1 a
 verify step is then tried once and judged on its measured cost, while at high load, where verifying
