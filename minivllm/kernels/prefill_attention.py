@@ -118,7 +118,10 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_colum
     else:
         v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
     v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+    if UPCAST:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+    else:   # the rescaled output is the product's accumulator (wgmma adds into it in place)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
