@@ -173,9 +173,7 @@ PREFILL_CASES = [
 
 # How the chunk's own keys are read: through the pages, from this step's key/value tensors (the
 # prefix still through the pages), or from those through tensor descriptors.
-# "per_head": one query head per program (GQA not folded into the tile's rows), keys through TMA.
-KEY_SOURCES = {"paged": None, "contiguous": None, "tma": PrefillConfig(16, 16, 4, 2, tma=True),
-               "per_head": PrefillConfig(16, 16, 4, 2, tma=True, fold_gqa=False)}
+KEY_SOURCES = {"paged": None, "contiguous": None, "tma": PrefillConfig(16, 16, 4, 2, tma=True)}
 
 
 @pytest.mark.parametrize("key_source", KEY_SOURCES)
@@ -207,8 +205,6 @@ def test_prefill_matches_reference(seq_lens, query_lens, group, head_dim, dtype,
     (None, PrefillConfig(32, 16, 4, 2, trans_k=True, heavy_first=False)),
     (None, PrefillConfig(16, 32, 4, 2, trans_k=False, heavy_first=True)),
     (None, PrefillConfig(64, 32, 4, 2, trans_k=True, tma=True)),
-    (None, PrefillConfig(16, 32, 4, 2, contiguous_kv=False, fold_gqa=False)),
-    (None, PrefillConfig(32, 16, 4, 2, fold_gqa=False, warp_specialize=True)),
 ])
 def test_prefill_configs_on_verification_rows(max_query_len, config):
     query, key, value, k_cache, v_cache, metadata = make_batch(

@@ -118,10 +118,7 @@ def _attention_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_colum
     else:
         v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
     v = v.to(q.dtype)
-    if UPCAST:
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-    else:   # the rescaled output is the product's accumulator (wgmma adds into it in place)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
 
 
@@ -132,8 +129,7 @@ def _attend_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, 
                  qk_scale, softcap_scale, sliding_window, cache_stride_block, cache_stride_row,
                  PAGED: tl.constexpr, TMA: tl.constexpr, EVEN_D: tl.constexpr, TRANS_K: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                 WARP_SPECIALIZE: tl.constexpr = False):
+                 UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     """Keys at positions [base, end) in BLOCK_N-key tiles counted from `base`, for query rows at
     positions first_position..last_position. Tiles wholly at or before the first row's position
     (and, with a window, inside every row's window) run without masks; the rest are masked.
@@ -157,7 +153,7 @@ def _attend_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, 
                 kv_start, end, query_positions, dims, dim_mask, qk_scale, softcap_scale,
                 sliding_window, cache_stride_block, cache_stride_row, True, PAGED, TMA, EVEN_D, TRANS_K,
                 BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
-    for kv_start in tl.range(unmasked_lo, unmasked_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for kv_start in range(unmasked_lo, unmasked_hi, BLOCK_N):
         acc, m_i, l_i = _attention_tile(
             acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, block_table,
             key_row_offset, key_stride_t,
@@ -187,26 +183,17 @@ def _prefill_kernel(
         block_table_stride, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr, CONTIGUOUS_KV: tl.constexpr,
-        TMA: tl.constexpr, FOLD_GQA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        SEARCH_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        TMA: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
-    # Consecutive programs take the same query tile for every KV head (FOLD_GQA) or every query
-    # head (the heads sharing a KV head side by side, so their K/V tiles are re-read from L2); with
-    # HEAVY_FIRST the tiles run from the highest number down, so the long rows at the end of a
-    # prompt start first and the short ones fill the tail of the launch.
+    # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
+    # run from the highest number down, so the long rows at the end of a prompt start first and
+    # the short ones fill the tail of the launch.
     program = tl.program_id(0)
-    if FOLD_GQA:
-        programs_per_tile = num_kv_heads
-    else:
-        programs_per_tile = num_kv_heads * num_queries_per_kv
-    head_slot = program % programs_per_tile
-    tile = program // programs_per_tile
-    if FOLD_GQA:
-        kv_head = head_slot
-    else:
-        kv_head = head_slot // num_queries_per_kv
+    kv_head = program % num_kv_heads
+    tile = program // num_kv_heads
     if HEAVY_FIRST:
-        tile = tl.num_programs(0) // programs_per_tile - 1 - tile
+        tile = tl.num_programs(0) // num_kv_heads - 1 - tile
 
     # The sequence owning this tile: the last i with query_start_loc[i] // BLOCK_Q + i <= tile (an
     # increasing function of i), found by counting in SEARCH_BLOCK-wide vector loads: one memory
@@ -225,16 +212,12 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len   # cached tokens before this step's query chunk
 
-    # Row r of the tile is query token first_token + r // GROUP_PAD, head r % GROUP_PAD of the group
-    # (without FOLD_GQA, GROUP_PAD is 1 and every row belongs to this program's query head).
+    # Row r of the tile is query token first_token + r // GROUP_PAD, head r % GROUP_PAD of the group.
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
     tokens = first_token + rows // GROUP_PAD
     group = rows % GROUP_PAD
     row_mask = (tokens < query_len) & (group < num_queries_per_kv)
-    if FOLD_GQA:
-        heads = kv_head * num_queries_per_kv + group
-    else:
-        heads = head_slot + group
+    heads = kv_head * num_queries_per_kv + group
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
     token_rows = (query_start + tokens).to(tl.int64)
@@ -267,8 +250,7 @@ def _prefill_kernel(
             k_desc, v_desc, kv_head * head_dim, block_table, query_start - context_len, key_stride_t,
             chunk_start, kv_end, first_position, last_position, query_positions, dims,
             dim_mask, qk_scale, softcap_scale, sliding_window, cache_stride_block, cache_stride_row,
-            False, TMA, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW,
-            WARP_SPECIALIZE)
+            False, TMA, EVEN_D, TRANS_K, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP, USE_WINDOW)
     else:
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kv_head * head_dim, block_table, 0, 0,
@@ -287,10 +269,7 @@ class PrefillConfig(NamedTuple):
     """Launch shape: query rows x heads per tile, keys per tile, warps, pipeline stages, whether
     the K tile is loaded like V (keys x dims) and transposed, whether the heaviest query tiles run
     first, whether this step's keys are read from the contiguous K/V tensors when given, and
-    whether those are loaded through tensor descriptors (TMA; where the layout allows), whether a
-    program holds all query heads of one KV head (GQA folded into its rows) or a single query head,
-    and whether the fresh chunk's unmasked key loop is warp-specialized (Triton's producer/consumer
-    split of loads and math)."""
+    whether those are loaded through tensor descriptors (TMA; where the layout allows)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -299,8 +278,6 @@ class PrefillConfig(NamedTuple):
     heavy_first: bool = True
     contiguous_kv: bool = True
     tma: bool = False
-    fold_gqa: bool = True
-    warp_specialize: bool = False
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -> PrefillConfig:
@@ -314,10 +291,16 @@ def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -
     TMA or contiguous-pointer chunk 0.10-0.15: small tiles gain nothing from it). A few queries
     per sequence (k + 1 verification, 64 x 4,096 context x 6): 32-row tiles with 128 keys and 3
     stages stream K/V at 2.9 TB/s through the pages (0.372 ms; reading the 6 own keys from the
-    contiguous K/V adds a tile: 0.435). Heaviest-first ordering gained 12-21% on the long prompt;
-    Triton's warp specialization does not compile for this kernel on Hopper (Triton 3.6). Tried
-    and dropped: narrow tiles at the diagonal (one 16- or 32-key masked tile per query tile under
-    64/128-key tiles): 8 x 512 at best 0.092 ms (64 x 64, 16-key diagonal), 1 x 4096 128 x 128
+    contiguous K/V adds a tile: 0.435). Heaviest-first ordering gained 12-21% on the long prompt.
+    Tried and dropped (sweeps of branch commits 1327ab1 and a59207e in bench/results/history):
+    one query head per program, as Triton's fused-attention tutorial lays it out (GQA not folded,
+    K/V re-read from L2 per head): 8 x 512 at best 0.097 ms (64 x 64, 3 stages), 128 x 64 or
+    128 x 128 on 8 warps 0.109-0.119; 1 x 4096 at best 0.342 (128 x 64) against 0.320 folded.
+    Triton 3.6's warp-specialized key loop compiles for 8- and 16-warp tiles (4-warp ones trip an
+    assertion in its pass) and gains nothing (256 x 64: 0.321; per-head 128 x 128: 0.346). The
+    rescaled output as the P.V dot's accumulator: unchanged (0.089 / 0.320). Also dropped: narrow
+    tiles at the diagonal (one 16- or 32-key masked tile per query tile under 64/128-key tiles):
+    8 x 512 at best 0.092 ms (64 x 64, 16-key diagonal), 1 x 4096 128 x 128
     with a 32-key diagonal 0.337; 256 x 64 with 4 stages 0.325; 256 x 128 does not fit shared
     memory at 3 stages and takes 4.3 ms at 2. fp32 and wide heads take smaller tiles."""
     if dtype == torch.float32 or head_dim > 128:
@@ -371,13 +354,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     config = config or _tile_config(head_dim, query.dtype, max_query_len)
     block_m = block_m or config.block_m
     block_n = block_n or config.block_n
-    group_pad = triton.next_power_of_2(num_queries_per_kv) if config.fold_gqa else 1
+    group_pad = triton.next_power_of_2(num_queries_per_kv)
     block_q = max(1, block_m // group_pad)
     # tl.dot needs at least 16 rows; a wide group with a tiny block_m still gets them.
     block_q = max(block_q, triton.cdiv(16, group_pad))
     block_d = triton.next_power_of_2(head_dim)
-    # Tiles are numbered per KV head (or per query head), heads varying fastest (see the kernel).
-    grid = ((num_tokens // block_q + num_seqs) * (num_kv_heads if config.fold_gqa else num_heads),)
+    # Tiles are numbered per KV head, heads varying fastest (see the kernel).
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     contiguous_kv = config.contiguous_kv and key is not None and k_cache.dtype == query.dtype
     if contiguous_kv:
@@ -400,8 +383,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_tables.stride(0), BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first,
-        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, FOLD_GQA=config.fold_gqa,
-        WARP_SPECIALIZE=config.warp_specialize and contiguous_kv, SEARCH_BLOCK=SEARCH_BLOCK,
+        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, SEARCH_BLOCK=SEARCH_BLOCK,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
