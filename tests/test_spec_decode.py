@@ -320,6 +320,24 @@ def test_greedy_is_token_identical_under_batching_chunking_prefix_hits_and_preem
         assert stats.spec_decode.num_accepted_tokens > 0
 
 
+def test_ngram_drafts_behind_the_token_in_flight_keep_greedy_identical(tiny_model):
+    """Async scheduling: n-gram drafts proposed while a sequence's newest token is still on the device
+    (the match's first token stands in for it) verify to the same greedy tokens, under batching,
+    chunked prefill, prefix hits and preemption."""
+    prompts = _repetitive_prompts(10)
+    params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(len(prompts))]
+    engine_options = dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, block_size=4, max_num_seqs=8,
+                          max_model_len=128)
+    reference = _generate(_tiny_llm(tiny_model, **engine_options), prompts, params)
+    llm = _tiny_llm(tiny_model, **engine_options, speculative_config=NGRAM, async_scheduling=True)
+    outputs = _generate(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
+    engine = llm.llm_engine
+    assert engine.spec.num_proposed_behind > 0 and engine.get_stats().spec_decode.num_accepted_tokens > 0
+    assert engine.get_stats().num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
     """Greedy requests with stop token ids, max_tokens, min_tokens, logprobs, penalties and logit bias give
     the same tokens and logprobs with n-gram drafts; seeded sampling is reproducible."""

@@ -186,8 +186,9 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            # Drafts ride along a decode (one token behind, none in flight), as far as the budget allows.
-            if num_new != 1 or seq.num_pending_tokens:
+            # Drafts ride along a decode, as far as the budget allows: behind the last known token, or behind
+            # the one still in flight (the runner takes its id from the device, as for any decode).
+            if num_new != 1 or seq.num_pending_tokens > 1:
                 drafts = []
             drafts = drafts[:max(0, budget - num_behind - num_new)]
             while not block_manager.allocate_slots(seq, num_new + len(drafts)):

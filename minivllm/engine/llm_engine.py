@@ -185,12 +185,14 @@ class LLMEngine:
         Penalties need every previous token on the host, so a step using them is read back before the
         next is scheduled; a step that samples some request's first token is read back at once.
         """
-        # Speculation needs every token on the host (drafts continue it): a step that may speculate
-        # first reads back the step in flight. Its outputs (detokenization, stop strings) are made after
-        # the next step is launched, while the GPU runs.
+        # A device proposer, grammar-checked drafts and seeded sampling need every token on the host: a
+        # step that may speculate with them first reads back the step in flight (n-gram lookups need
+        # not otherwise, see spec_decode/controller.py). Its outputs (detokenization, stop strings) are made after the
+        # next step is launched, while the GPU runs.
         num_drafts = self.spec.choose_k(self.scheduler.running) if self.spec is not None else 0
         synced: list[SequenceGroup] = []
-        if self._in_flight is not None and (self._in_flight.needs_sync or num_drafts):
+        if self._in_flight is not None and (self._in_flight.needs_sync or (
+                num_drafts and not self.spec.proposes_behind(self.scheduler.running))):
             synced = self._update_in_flight()
         if self.spec is not None and self.spec.propose(self.scheduler.running, num_drafts):
             self.structured_output.truncate_drafts(self.scheduler.running)

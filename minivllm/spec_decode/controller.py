@@ -22,12 +22,19 @@ the whole batch (at 256 x 512 -> 256 on an H100, whole-batch tries cost 4.6% of 
 that does not switch speculation back on doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer
 that never pays (a draft too weak for the target) costs almost nothing.
 
-The n-gram proposer runs here (it needs only token ids). A device proposer (draft model) gets
+The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
+sequence whose newest token is still being sampled gets the continuation of the latest match of the
+tokens before it, minus the match's first token, which stands for the one in flight (if the guess is
+wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing
+costs nothing, and a step that may speculate keeps the overlap of host and device work; only the step
+after a verify step waits (its token count is known only then). The cost of k > 0 is therefore the plain
+step's plus, weighted by the chance that any sequence proposes, the verify step's extra. A device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
 penalties of a verified position count the drafts before it, which are not on the host).
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -70,6 +77,7 @@ class SpeculationController:
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
+        self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_k)
@@ -130,10 +138,13 @@ class SpeculationController:
         caps = [self._cap(s) for s in decoding]
         plain_cost = self.step_cost(len(running), speculative=False) or 1.0
         best_k, best_rate = 0, len(decoding) / plain_cost
+        # A lookup that finds nothing leaves a plain step (n-gram: no wait for the step in flight).
+        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if self.proposes_behind(running) else 1.0
         self._exploring = False
         for k in range(1, self.max_k + 1):
             num_tokens = len(running) + sum(min(k, c) for c in caps)
-            cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
+            verify_cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
+            cost = plain_cost + any_proposes * (verify_cost - plain_cost)
             expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
             if expected / cost > best_rate * 1.02:  # longer drafts must earn a clear gain
                 best_k, best_rate = k, expected / cost
@@ -148,6 +159,14 @@ class SpeculationController:
             return self.max_k
         return 0
 
+    def proposes_behind(self, running: list[Sequence]) -> bool:
+        """Whether this step's proposals need no wait for the step in flight: host n-gram lookups, unless a
+        request checks drafts against a grammar or samples with a seed (its drafts, and so its random
+        draws, must depend on its tokens alone, not on what else is in the batch)."""
+        return self.ngram is not None and not any(
+            s.sampling_params.structured_outputs is not None
+            or (s.sampling_params.seed is not None and not s.sampling_params.greedy) for s in running)
+
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
         count = 0
@@ -158,12 +177,17 @@ class SpeculationController:
             self._explore_offset += EXPLORE_SEQS
         for seq in running:
             seq.spec_token_ids = []
-            if (k == 0 or seq.num_pending_tokens or seq.num_computed_tokens != seq.num_tokens - 1
+            behind = seq.num_pending_tokens   # 1: its newest token is still in flight
+            if (k == 0 or behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + behind
                     or seq.num_pending_forks or (trying is not None and id(seq) not in trying)):
+                continue
+            if behind and not self.proposes_behind([seq]):
                 continue
             cap = min(k, self._cap(seq))
             if self.ngram is not None:
-                seq.spec_token_ids = self.ngram.propose(seq.token_ids, cap)
+                seq.spec_token_ids = (self.ngram.propose(seq.token_ids, cap + 1)[1:] if behind
+                                      else self.ngram.propose(seq.token_ids, cap))
+                self.num_proposed_behind += bool(behind and seq.spec_token_ids)
                 if cap:
                     self._count(seq, tried=True, proposed=bool(seq.spec_token_ids))
             else:
