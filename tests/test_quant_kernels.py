@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from minivllm.kernels import int4_gemm  # noqa: E402,F401  (applies the interpreter fix first)
-from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, GemvConfig, dequantize_triton,  # noqa: E402
-                                        weight_only_gemm, weight_only_gemm_reference)
+from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, GemvConfig, SwapAbConfig,  # noqa: E402
+                                        dequantize_triton, weight_only_gemm, weight_only_gemm_reference)
 from minivllm.kernels.quant_rows import FP8, quantize_rows_reference, quantize_rows_triton  # noqa: E402
 from minivllm.quantization.packing import dequantize as dequantize_reference  # noqa: E402
 from minivllm.quantization.packing import pack_rows  # noqa: E402
@@ -81,6 +81,30 @@ def test_int4_gemv_matches_reference(config, M, K, N, group_size, dtype):
                                    atol=tolerance * reference.abs().max().item())
         again = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config)
         assert torch.equal(again, ours)
+
+
+@pytest.mark.parametrize("config", [SwapAbConfig(32, 16, 32, 4, 2), SwapAbConfig(16, 16, 64, 4, 3, False, True),
+                                    SwapAbConfig(32, 32, 32, 4, 2, True, False),
+                                    SwapAbConfig(16, 16, 32, 2, 2, False, False)])
+@pytest.mark.parametrize("M,K,N,group_size,bits", [(18, 200, 40, 64, 4), (5, 136, 72, 32, 4), (7, 96, 24, 32, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swap_ab_tiles_match_reference(config, M, K, N, group_size, bits, dtype):
+    """The swapped-operand tile (W^T x^T) with each unpacking and code-to-float choice: rows, columns and K
+    ragged against the tile, a ragged last group, 4- and 8-bit codes, split-K; a tile wider than the group
+    is refused."""
+    qweight, scales, zeros = random_weights(K, N, group_size, bits, dtype, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, bits)
+    if group_size % config.block_k:
+        with pytest.raises(ValueError):
+            weight_only_gemm(x, qweight, scales, zeros, group_size, bits, split_k=1, config=config)
+        return
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-3
+    for split_k in (1, 3):
+        ours = weight_only_gemm(x, qweight, scales, zeros, group_size, bits, split_k=split_k, config=config)
+        assert ours.dtype == dtype and ours.shape == (M, N)
+        torch.testing.assert_close(ours.float(), reference, rtol=tolerance,
+                                   atol=tolerance * reference.abs().max().item())
 
 
 @pytest.mark.parametrize("K,N,group_size,bits", [(200, 40, 64, 4), (136, 72, 32, 4), (96, 24, 32, 8)])

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
+from minivllm.kernels.weight_only_swap_ab import SwapAbConfig, swap_ab_gemm
 
 
 # ---- the layout and the plain-PyTorch reference ------------------------------------------------------------
@@ -261,8 +262,23 @@ def gemv_tiles(M: int, group_size: int, bits: int) -> list[GemvConfig]:
     return [t for t in GEMV_TILES if group_size % t.block_k == 0] if bits == 4 and M <= GEMV_MAX_M else []
 
 
+# (block_n, block_k, warps, stages, load_per_k, magic) of the swapped-operand tiles; block_m follows M
+SWAP_AB_TILES = ((128, 128, 4, 3, True, True), (64, 128, 4, 3, True, True), (128, 64, 4, 4, True, True),
+                 (128, 128, 4, 3, False, True), (128, 128, 8, 3, True, True), (256, 64, 8, 3, True, True))
+SWAP_AB_M = (5, 64)   # rows for which they are candidates: the GEMV wins below, dequantize + cuBLAS above
+
+
+def swap_ab_tiles(M: int, group_size: int) -> list[SwapAbConfig]:
+    if not SWAP_AB_M[0] <= M <= SWAP_AB_M[1]:
+        return []
+    block_m = max(16, min(64, 1 << max(0, M - 1).bit_length()))
+    tiles = [SwapAbConfig(n, block_m, k, warps, stages, per_k, magic)
+             for n, k, warps, stages, per_k, magic in SWAP_AB_TILES]
+    return [t for t in tiles if group_size % t.block_k == 0]
+
+
 def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128,
-               bits: int = 4) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
+               bits: int = 4) -> list[tuple[GemmConfig | GemvConfig | SwapAbConfig, int] | None]:
     """(tile, split) pairs to time for M rows (None: dequantize + cuBLAS); tiles from the H100 sweep."""
     one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
                GemmConfig(1, 256, 64, 8, 4), GemmConfig(1, 128, 128, 8, 3)]
@@ -279,6 +295,10 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
     for tile in gemv_tiles(M, group_size, bits):
         for fill in (2, 4, 8):
             out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
+    for tile in swap_ab_tiles(M, group_size):
+        for fill in (1, 2, 4):
+            out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
+                                             fill)))
     return list(dict.fromkeys(out))
 
 
@@ -296,12 +316,14 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return out
 
 
-def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig,
+def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig | SwapAbConfig,
                  split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
     if isinstance(config, GemvConfig):
         return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
+    if isinstance(config, SwapAbConfig):
+        return swap_ab_gemm(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages = config
     if x.element_size() == 4 and block_m > 1:   # fp32 tiles at these sizes overflow the H100's shared memory
         block_k //= 2
@@ -350,7 +372,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | None = None) -> torch.Tensor:
+                     config: GemmConfig | GemvConfig | SwapAbConfig | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
     otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
     M, K = x.shape
