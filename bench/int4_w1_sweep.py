@@ -1,7 +1,7 @@
 """Where int4 (GPTQ layout, group 128) stands against bf16 cuBLAS on the Llama-3-8B layer shapes at the
-sizes W1 runs (decode at M = 16-64, prefill chunks at M = 512-4096): the plain MMA tiles and the GEMV
-(int4_gemm.candidates without the swapped tiles) against a sweep of the swapped-operand tiles
-(kernels/weight_only_swap_ab.py), and dequantize + cuBLAS at large M.
+sizes W1 runs (decode at M = 16-64, prefill chunks at M = 512-4096): the tiles before this sweep against
+sweeps of the plain tile with weights formed in 16 bits (kernels/half_dequant.py) and of the swapped-operand
+tile (kernels/weight_only_swap_ab.py), the tuned dispatch the engine uses, and dequantize + cuBLAS.
 
     python bench/int4_w1_sweep.py --out bench/results [--ms 16,64] [--large-ms 128,512,4096] [--jobs 12]
 
@@ -30,23 +30,30 @@ from minivllm.kernels.tuning import device_seconds  # noqa: E402
 from minivllm.kernels.weight_only_swap_ab import SwapAbConfig  # noqa: E402
 
 GROUP = 128
-# (block_n, block_k, warps, stages, load_per_k, magic)
-SWEEP = [(n, k, w, s, True, True) for n in (64, 128) for k in (64, 128) for w, s in ((4, 3), (4, 4), (8, 3))]
-SWEEP += [(256, k, 8, s, True, True) for k in (64, 128) for s in (3, 4)]
-SWEEP += [(n, k, w, s, per_k, magic) for n, k, w, s in ((128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4))
-          for per_k, magic in ((True, False), (False, True), (False, False))]
+WARPS_STAGES = ((4, 3), (4, 4), (8, 3))
 
 
 def choices(M: int, N: int, K: int, sms: int) -> dict[str, list]:
+    """Per family, (tile, split) pairs: the tiles before this sweep (baseline), the plain tile with weights
+    formed in 16 bits (fast) and the swapped-operand tile (swap_fast) over block sizes, warps and stages."""
     baseline = [c for c in int4_gemm.candidates(M, N, K, torch.device("cuda"), GROUP, 4)
-                if c is not None and not isinstance(c[0], SwapAbConfig)]
+                if c is not None and not isinstance(c[0], SwapAbConfig) and not getattr(c[0], "fast_dequant", False)]
+    fast, swapped = [], []
+    for block_m in ((16,) if M <= 16 else (16, 32, 64)):
+        for n in (32, 64, 128, 256):
+            for k in (64, 128):
+                for warps, stages in WARPS_STAGES:
+                    tile = int4_gemm.GemmConfig(block_m, n, k, warps, stages, True)
+                    for fill in ((2, 4) if M <= 16 else (1, 2)):
+                        fast.append((tile, choose_split_k(M, N, K, block_m, n, k, sms, fill)))
     block_m = max(16, min(64, 1 << max(0, M - 1).bit_length()))
-    swapped = []
-    for n, k, w, s, per_k, magic in SWEEP:
-        tile = SwapAbConfig(n, block_m, k, w, s, per_k, magic)
-        for fill in (1, 2, 4):
-            swapped.append((tile, choose_split_k(M, N, K, block_m, n, k, sms, fill)))
-    return {"baseline": baseline, "swap_ab": list(dict.fromkeys(swapped))}
+    for n in (64, 128):
+        for k in (64, 128):
+            for warps, stages in WARPS_STAGES:
+                tile = SwapAbConfig(n, block_m, k, warps, stages)
+                for fill in (1, 2, 4):
+                    swapped.append((tile, choose_split_k(M, N, K, block_m, n, k, sms, fill)))
+    return {"baseline": baseline, "fast": list(dict.fromkeys(fast)), "swap_fast": list(dict.fromkeys(swapped))}
 
 
 def _compile(jobs: list) -> None:
@@ -129,6 +136,8 @@ def main(argv=None) -> dict:
                 record("dequant_only", "dequantize_triton",
                        lambda: int4_gemm.dequantize_triton(qweight, scales, zeros, GROUP, 4, K, x.dtype), check=False)
                 continue
+            record("tuned", "weight_only_gemm (tuning.pick)",
+                   lambda: int4_gemm.weight_only_gemm(x, qweight, scales, zeros, GROUP, 4))
             for family, family_choices in choices(M, N, K, sms).items():
                 for config, split in family_choices:
                     record(family, f"{config}/split{split}",
