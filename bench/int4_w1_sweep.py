@@ -78,7 +78,7 @@ def precompile(ms: list[int], workers: int, sms: int) -> None:
                     if key not in seen:   # one compile per tile and specialization, not per shape
                         seen.add(key)
                         jobs.append((K, N, M, config, split))
-        for M in (8, 32):   # the other decode buckets the engine tunes: its candidates compiled too
+        for M in (1, 2, 4, 8, 32):   # the other decode buckets the engine tunes: its candidates compiled too
             for choice in int4_gemm.candidates(M, N, K, torch.device("cuda"), GROUP, 4):
                 if choice is not None and (choice[0], M % 16 == 0, choice[1] > 1) not in seen:
                     seen.add((choice[0], M % 16 == 0, choice[1] > 1))
