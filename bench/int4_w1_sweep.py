@@ -1,7 +1,7 @@
 """Where int4 (GPTQ layout, group 128) stands against bf16 cuBLAS on the Llama-3-8B layer shapes at the
-sizes W1 runs (decode at M = 16-64, prefill chunks at M = 512-4096): the tiles before this sweep against
-sweeps of the plain tile with weights formed in 16 bits (kernels/half_dequant.py) and of the swapped-operand
-tile (kernels/weight_only_swap_ab.py), the tuned dispatch the engine uses, and dequantize + cuBLAS.
+sizes W1 runs (decode at M = 16-64, prefill chunks at M = 512-4096): the MMA tiles forming weights in fp32
+(and the GEMV) against a sweep of those forming them two at a time in 16 bits (kernels/half_dequant.py), the
+tuned dispatch the engine uses (tuning.pick over int4_gemm.candidates), and dequantize + cuBLAS.
 
     python bench/int4_w1_sweep.py --out bench/results [--ms 16,64] [--large-ms 128,512,4096] [--jobs 12]
 
@@ -27,18 +27,17 @@ from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import int4_gemm  # noqa: E402
 from minivllm.kernels.split_k import choose_split_k  # noqa: E402
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
-from minivllm.kernels.weight_only_swap_ab import SwapAbConfig  # noqa: E402
 
 GROUP = 128
 WARPS_STAGES = ((4, 3), (4, 4), (8, 3))
 
 
 def choices(M: int, N: int, K: int, sms: int) -> dict[str, list]:
-    """Per family, (tile, split) pairs: the tiles before this sweep (baseline), the plain tile with weights
-    formed in 16 bits (fast) and the swapped-operand tile (swap_fast) over block sizes, warps and stages."""
-    baseline = [c for c in int4_gemm.candidates(M, N, K, torch.device("cuda"), GROUP, 4)
-                if c is not None and not isinstance(c[0], SwapAbConfig) and not getattr(c[0], "fast_dequant", False)]
-    fast, swapped = [], []
+    """Per family, (tile, split) pairs: the tiles with weights formed in fp32 (baseline: the candidates for
+    fp32 x) and a sweep of those forming them in 16 bits (fast) over block sizes, warps and stages."""
+    baseline = [c for c in int4_gemm.candidates(M, N, K, torch.device("cuda"), GROUP, 4, torch.float32)
+                if c is not None]
+    fast = []
     for block_m in ((16,) if M <= 16 else (16, 32, 64)):
         for n in (32, 64, 128, 256):
             for k in (64, 128):
@@ -46,14 +45,7 @@ def choices(M: int, N: int, K: int, sms: int) -> dict[str, list]:
                     tile = int4_gemm.GemmConfig(block_m, n, k, warps, stages, True)
                     for fill in ((2, 4) if M <= 16 else (1, 2)):
                         fast.append((tile, choose_split_k(M, N, K, block_m, n, k, sms, fill)))
-    block_m = max(16, min(64, 1 << max(0, M - 1).bit_length()))
-    for n in (64, 128):
-        for k in (64, 128):
-            for warps, stages in WARPS_STAGES:
-                tile = SwapAbConfig(n, block_m, k, warps, stages)
-                for fill in (1, 2, 4):
-                    swapped.append((tile, choose_split_k(M, N, K, block_m, n, k, sms, fill)))
-    return {"baseline": baseline, "fast": list(dict.fromkeys(fast)), "swap_fast": list(dict.fromkeys(swapped))}
+    return {"baseline": baseline, "fast": list(dict.fromkeys(fast))}
 
 
 def _compile(jobs: list) -> None:

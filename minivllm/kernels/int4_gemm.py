@@ -10,8 +10,10 @@ instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 1
 accumulate elementwise in a [BLOCK_K, BLOCK_N] fp32 tile, reduced over K once at the end (a reduction
 per step cost more than the loads it waited on). For small M the tile grid alone is too small to fill
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
-are summed after in one kernel (kernels/split_k.py; deterministic). The tile and split are timed per shape
-(kernels/tuning.py). For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen
+are summed after in one kernel (kernels/split_k.py; deterministic). For 4-bit codes and 16-bit x the MMA
+tiles form the weights two at a time in 16 bits (`fast_dequant`, kernels/half_dequant.py) instead of per
+weight in fp32: the conversions, not the bytes, bounded those tiles (H100, 8B shapes, M = 64: 19-24% of the
+copy bandwidth, 22-32% after). The tile and split are timed per shape (kernels/tuning.py). For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen
 on the H100 at M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the
 per-weight zero and scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the
 mantissa of 1.0 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per
@@ -33,7 +35,6 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
-from minivllm.kernels.weight_only_swap_ab import SwapAbConfig, swap_ab_gemm
 
 
 # ---- the layout and the plain-PyTorch reference ------------------------------------------------------------
@@ -286,21 +287,15 @@ def gemv_tiles(M: int, group_size: int, bits: int) -> list[GemvConfig]:
     return [t for t in GEMV_TILES if group_size % t.block_k == 0] if bits == 4 and M <= GEMV_MAX_M else []
 
 
-# The swapped-operand tiles (block_n, block_k, warps, stages); block_m follows M
-SWAP_AB_TILES = ((64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4))
-SWAP_AB_M = (5, 64)   # rows for which they are candidates: the GEMV wins below, dequantize + cuBLAS above
-
-
-def swap_ab_tiles(M: int, group_size: int) -> list[SwapAbConfig]:
-    if not SWAP_AB_M[0] <= M <= SWAP_AB_M[1]:
-        return []
-    block_m = max(16, min(64, 1 << max(0, M - 1).bit_length()))
-    return [SwapAbConfig(n, block_m, k, warps, stages) for n, k, warps, stages in SWAP_AB_TILES
-            if group_size % k == 0]
+FAST_SMALL = (GemmConfig(16, 128, 64, 4, 3, True), GemmConfig(16, 64, 128, 4, 3, True),
+              GemmConfig(16, 256, 64, 4, 3, True), GemmConfig(16, 256, 128, 4, 3, True))
+FAST_MEDIUM = (GemmConfig(64, 128, 128, 4, 3, True), GemmConfig(64, 256, 64, 4, 4, True),
+               GemmConfig(64, 64, 128, 4, 3, True), GemmConfig(64, 128, 64, 4, 3, True),
+               GemmConfig(64, 256, 128, 8, 3, True), GemmConfig(32, 128, 128, 4, 3, True))
 
 
 def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128, bits: int = 4,
-               dtype: torch.dtype = torch.bfloat16) -> list[tuple[GemmConfig | GemvConfig | SwapAbConfig, int] | None]:
+               dtype: torch.dtype = torch.bfloat16) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
     """(tile, split) pairs to time for M rows of `dtype` (None: dequantize + cuBLAS); tiles from the H100
     sweeps (bench/int4_gemv_sweep.py, bench/int4_w1_sweep.py)."""
     one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
@@ -309,16 +304,13 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
              GemmConfig(16, 256, 64, 8, 3)]
     medium = [GemmConfig(64, 32, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 64, 128, 4, 4),
               GemmConfig(32, 64, 128, 4, 4)]
-    small_fast = [GemmConfig(16, 128, 64, 4, 4, True), GemmConfig(16, 64, 128, 4, 4, True),
-                  GemmConfig(16, 256, 64, 8, 3, True), GemmConfig(16, 128, 128, 4, 3, True)]
-    medium_fast = [GemmConfig(64, 128, 64, 4, 4, True), GemmConfig(64, 64, 128, 4, 4, True),
-                   GemmConfig(64, 32, 128, 4, 4, True), GemmConfig(32, 64, 128, 4, 4, True),
-                   GemmConfig(64, 128, 128, 8, 3, True), GemmConfig(16, 128, 128, 4, 3, True)]
-    fast = bits == 4 and dtype in (torch.bfloat16, torch.float16)
-    if fast:
-        small, medium = small + small_fast, medium + medium_fast
+    if bits == 4 and dtype in (torch.bfloat16, torch.float16):
+        # 16-bit weights formed two at a time beat the fp32 ones on every 8B shape at M = 16 and 64 (H100,
+        # bench/int4_w1_sweep.py: one layer 115.9 / 145.2 us against 144.8 / 196.8): the best of 48 tiles
+        small_fast = [t for t in FAST_SMALL if group_size % t.block_k == 0]
+        medium_fast = [t for t in FAST_MEDIUM if group_size % t.block_k == 0]
+        small, medium = small_fast or small, medium_fast or medium
     tiles = one_row if M == 1 else small + one_row[:1] if M <= 4 else small if M <= 16 else medium
-    tiles = [t for t in tiles if not t.fast_dequant or group_size % t.block_k == 0]
     out: list[tuple[GemmConfig | GemvConfig, int] | None] = [None]
     for tile in tiles:
         for fill in ((2, 4) if M <= 16 else (1, 2)):
@@ -327,10 +319,6 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
     for tile in gemv_tiles(M, group_size, bits):
         for fill in (2, 4, 8):
             out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
-    for tile in swap_ab_tiles(M, group_size) if fast else []:
-        for fill in (1, 2, 4):
-            out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
-                                             fill)))
     return list(dict.fromkeys(out))
 
 
@@ -348,14 +336,12 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return out
 
 
-def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig | SwapAbConfig,
+def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig,
                  split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
     if isinstance(config, GemvConfig):
         return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
-    if isinstance(config, SwapAbConfig):
-        return swap_ab_gemm(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages, fast = config
     if fast and (bits != 4 or x.element_size() != 2 or group_size % block_k or block_m == 1):
         raise ValueError(f"{config} needs 4-bit codes, 16-bit x, a group size its BLOCK_K divides and BLOCK_M > 1")
@@ -406,7 +392,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | GemvConfig | SwapAbConfig | None = None) -> torch.Tensor:
+                     config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
     otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
     M, K = x.shape
