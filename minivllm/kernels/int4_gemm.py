@@ -16,10 +16,11 @@ weight in fp32: the conversions, not the bytes, bounded those tiles (H100, 8B sh
 copy bandwidth, 22-32% after). Swapping the operands (y^T = W^T x^T, the weights as the MMA's register
 operand, no shared-memory round trip) was slower at every 8B shape and dropped (bench/results/
 int4_w1_sweep_h100_9a4aa32.json). The tile and split are timed per shape (kernels/tuning.py).
-For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen on the H100 at M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the
-per-weight zero and scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the
-mantissa of 1.0 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per
-group, and may sum its split-K partials in the tile's last program instead of a second kernel.
+For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen on the H100 at
+M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the per-weight zero and
+scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the mantissa of 1.0
+(a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per group, and may
+sum its split-K partials in the tile's last program instead of a second kernel.
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the
