@@ -83,6 +83,29 @@ def test_int4_gemv_matches_reference(config, M, K, N, group_size, dtype):
         assert torch.equal(again, ours)
 
 
+@pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 4, 2, True), GemmConfig(32, 16, 64, 4, 3, True),
+                                    GemmConfig(16, 64, 32, 4, 3, True)])
+@pytest.mark.parametrize("M,K,N,group_size,bits", [(18, 200, 40, 64, 4), (5, 136, 72, 32, 4), (7, 96, 24, 32, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fast_dequant_tiles_match_reference(config, M, K, N, group_size, bits, dtype):
+    """MMA tiles forming the weights two at a time in 16 bits (kernels/half_dequant.py; its fp32 formula under
+    the interpreter, the PTX on the GPU test below): rows, columns and K ragged against the tile, a ragged last
+    group, split-K; a tile wider than the group, 8-bit codes or fp32 x are refused."""
+    qweight, scales, zeros = random_weights(K, N, group_size, bits, dtype, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, bits)
+    if group_size % config.block_k or bits != 4 or dtype == torch.float32:
+        with pytest.raises(ValueError):
+            weight_only_gemm(x, qweight, scales, zeros, group_size, bits, split_k=1, config=config)
+        return
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-3
+    for split_k in (1, 3):
+        ours = weight_only_gemm(x, qweight, scales, zeros, group_size, bits, split_k=split_k, config=config)
+        assert ours.dtype == dtype and ours.shape == (M, N)
+        torch.testing.assert_close(ours.float(), reference, rtol=tolerance,
+                                   atol=tolerance * reference.abs().max().item())
+
+
 @pytest.mark.parametrize("K,N,group_size,bits", [(200, 40, 64, 4), (136, 72, 32, 4), (96, 24, 32, 8)])
 def test_dequantize_kernel_and_large_m_path(K, N, group_size, bits):
     """From DEQUANTIZE_FROM_M rows the GEMM expands W once (the kernel) and multiplies: same values."""

@@ -10,12 +10,17 @@ instead of one per weight. One-row inputs skip the MMA (a 16-row tile would be 1
 accumulate elementwise in a [BLOCK_K, BLOCK_N] fp32 tile, reduced over K once at the end (a reduction
 per step cost more than the loads it waited on). For small M the tile grid alone is too small to fill
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
-are summed after in one kernel (kernels/split_k.py; deterministic). The tile and split are timed per shape
-(kernels/tuning.py). For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen
-on the H100 at M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the
-per-weight zero and scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the
-mantissa of 1.0 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per
-group, and may sum its split-K partials in the tile's last program instead of a second kernel.
+are summed after in one kernel (kernels/split_k.py; deterministic). For 4-bit codes and 16-bit x the MMA
+tiles form the weights two at a time in 16 bits (`fast_dequant`, kernels/half_dequant.py) instead of per
+weight in fp32: the conversions, not the bytes, bounded those tiles (H100, 8B shapes, M = 64: 19-24% of the
+copy bandwidth, 22-32% after). Swapping the operands (y^T = W^T x^T, the weights as the MMA's register
+operand, no shared-memory round trip) was slower at every 8B shape and dropped (bench/results/
+int4_w1_sweep_h100_9a4aa32.json). The tile and split are timed per shape (kernels/tuning.py).
+For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen on the H100 at
+M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the per-weight zero and
+scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the mantissa of 1.0
+(a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per group, and may
+sum its split-K partials in the tile's last program instead of a second kernel.
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the
@@ -31,6 +36,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
+from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
 
 
@@ -96,11 +102,27 @@ def _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, 
 
 
 @triton.jit
+def _unpack_tile_half(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
+                      stride_sg, dtype: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """W[k0:k0 + BLOCK_K, offs_n] of 4-bit codes in `dtype` (16-bit), two at a time (kernels/half_dequant.py);
+    the step lies inside one group. Rows beyond k_end hold finite values: the caller's x is zero there."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
+                     mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
+    shifted = tl.reshape(packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None], (BLOCK_K, offs_n.shape[0]))
+    group = k0 // group_size
+    scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    return dequantize_pairs(shifted, scale.to(dtype)[None, :], (-zero * scale).to(dtype)[None, :], ASM)
+
+
+@triton.jit
 def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
                              M, N, K, group_size, k_per_split,
                              stride_xm, stride_qk, stride_sg, stride_os, stride_om,
                              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, GROUP_PER_TILE: tl.constexpr):
+                             BLOCK_K: tl.constexpr, GROUP_PER_TILE: tl.constexpr, FAST: tl.constexpr,
+                             ASM: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     if BLOCK_M == 1:
         # One row: products summed elementwise over the K steps, reduced across K once at the end.
@@ -118,9 +140,13 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=mask_m[:, None] & (offs_k[None, :] < k_end), other=0.0)
-            w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size, stride_qk,
-                             stride_sg, BITS, BLOCK_K, GROUP_PER_TILE)
-            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+            if FAST:
+                w = _unpack_tile_half(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size,
+                                      stride_qk, stride_sg, x.dtype, BLOCK_K, ASM)
+            else:
+                w = _unpack_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, k_end, offs_n, mask_n, group_size,
+                                 stride_qk, stride_sg, BITS, BLOCK_K, GROUP_PER_TILE).to(x.dtype)
+            acc += tl.dot(x, w, out_dtype=tl.float32)
     out_ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -225,11 +251,14 @@ def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, group_
 
 
 class GemmConfig(NamedTuple):
+    """A tile of `_weight_only_gemm_kernel`; fast_dequant: weights formed two at a time in 16 bits
+    (kernels/half_dequant.py: 4-bit codes, 16-bit x, BLOCK_K dividing the group size, BLOCK_M > 1)."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    fast_dequant: bool = False
 
 
 class GemvConfig(NamedTuple):
@@ -261,15 +290,29 @@ def gemv_tiles(M: int, group_size: int, bits: int) -> list[GemvConfig]:
     return [t for t in GEMV_TILES if group_size % t.block_k == 0] if bits == 4 and M <= GEMV_MAX_M else []
 
 
-def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128,
-               bits: int = 4) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
-    """(tile, split) pairs to time for M rows (None: dequantize + cuBLAS); tiles from the H100 sweep."""
+FAST_SMALL = (GemmConfig(16, 128, 64, 4, 3, True), GemmConfig(16, 64, 128, 4, 3, True),
+              GemmConfig(16, 256, 64, 4, 3, True), GemmConfig(16, 256, 128, 4, 3, True))
+FAST_MEDIUM = (GemmConfig(64, 128, 128, 4, 3, True), GemmConfig(64, 256, 64, 4, 4, True),
+               GemmConfig(64, 64, 128, 4, 3, True), GemmConfig(64, 128, 64, 4, 3, True),
+               GemmConfig(64, 256, 128, 8, 3, True), GemmConfig(32, 128, 128, 4, 3, True))
+
+
+def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128, bits: int = 4,
+               dtype: torch.dtype = torch.bfloat16) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
+    """(tile, split) pairs to time for M rows of `dtype` (None: dequantize + cuBLAS); tiles from the H100
+    sweeps (bench/int4_gemv_sweep.py, bench/int4_w1_sweep.py)."""
     one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
                GemmConfig(1, 256, 64, 8, 4), GemmConfig(1, 128, 128, 8, 3)]
     small = [GemmConfig(16, 128, 64, 4, 4), GemmConfig(16, 128, 64, 4, 2), GemmConfig(16, 64, 128, 4, 4),
              GemmConfig(16, 256, 64, 8, 3)]
     medium = [GemmConfig(64, 32, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 64, 128, 4, 4),
               GemmConfig(32, 64, 128, 4, 4)]
+    if bits == 4 and dtype in (torch.bfloat16, torch.float16):
+        # 16-bit weights formed two at a time beat the fp32 ones on every 8B shape at M = 16 and 64 (H100,
+        # bench/int4_w1_sweep.py: one layer 115.9 / 145.2 us against 144.8 / 196.8): the best of 48 tiles
+        small_fast = [t for t in FAST_SMALL if group_size % t.block_k == 0]
+        medium_fast = [t for t in FAST_MEDIUM if group_size % t.block_k == 0]
+        small, medium = small_fast or small, medium_fast or medium
     tiles = one_row if M == 1 else small + one_row[:1] if M <= 4 else small if M <= 16 else medium
     out: list[tuple[GemmConfig | GemvConfig, int] | None] = [None]
     for tile in tiles:
@@ -302,7 +345,9 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
     N = qweight.shape[1]
     if isinstance(config, GemvConfig):
         return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
-    block_m, block_n, block_k, warps, stages = config
+    block_m, block_n, block_k, warps, stages, fast = config
+    if fast and (bits != 4 or x.element_size() != 2 or group_size % block_k or block_m == 1):
+        raise ValueError(f"{config} needs 4-bit codes, 16-bit x, a group size its BLOCK_K divides and BLOCK_M > 1")
     if x.element_size() == 4 and block_m > 1:   # fp32 tiles at these sizes overflow the H100's shared memory
         block_k //= 2
     k_per_split, split_k = k_slices(K, split_k, block_k)
@@ -312,7 +357,7 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
         x, qweight, scales, zeros, out, M, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
-        num_warps=warps, num_stages=stages)
+        FAST=fast, ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
     return sum_partials(out, x.dtype)
 
 
@@ -350,7 +395,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | None = None) -> torch.Tensor:
+                     config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
     otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
     M, K = x.shape
@@ -373,5 +418,5 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
-                         candidates(bucket, N, K, x.device, group_size, bits), run, default)
+                         candidates(bucket, N, K, x.device, group_size, bits, x.dtype), run, default)
     return run(choice)
