@@ -10,12 +10,14 @@ with a the sequence's acceptance rate per draft (accepted / (accepted + rejected
 its tries in which the proposer had anything to propose (n-gram lookups often find nothing), each with
 a prior from all sequences. A step's cost is the time from its launch to the next launch (the engine
 measures it): a verify step gives up the overlap of host work with the device (async scheduling), so
-its cost includes the host work that waited for its result. Costs are the median of the last few steps
-in each power-of-two bucket of scheduled tokens, kept separately for plain steps and for verify steps. A bucket never measured is estimated from the plain steps (prefill chunks included) by
-linear interpolation in the token count between the measured buckets around it (a step's cost is about
-affine in its tokens), or, with none above it, assumed to cost the plain step below: at batch 1 a
-verify step is then tried once and judged on its measured cost, while at high load, where verifying
-B * (1 + k) tokens costs like a prefill of that size, k stays 0 without trying. While k stays 0,
+its cost includes the host work that waited for its result. Plain costs are the median of the last few
+steps in each power-of-two bucket of scheduled tokens; a verify step is priced as a plain step of its
+size plus the median extra that recent verify steps of about that size cost over the plain estimate.
+A plain step of a size never measured is estimated by linear interpolation in the token count between
+the measured buckets around it, prefill chunks included (a step's cost is about affine in its tokens),
+or, with none above it, assumed to cost the plain step below: at batch 1 a verify step is then tried
+and judged on its measured extra, while at high load, where verifying B * (1 + k) tokens costs like a
+prefill of that size, k stays 0 without trying. While k stays 0,
 speculation is tried again after `EXPLORE_EVERY` plain steps, so a workload that turns repetitive is
 noticed, but only by `EXPLORE_SEQS` sequences (in turn): a try costs a few tokens, not a verify step of
 the whole batch (at 256 x 512 -> 256 on an H100, whole-batch tries cost 4.6% of throughput). Each try
@@ -73,7 +75,7 @@ class SpeculationController:
         self.reset_stats()
         self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
         self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
-        self._spec_cost: dict[int, deque] = {}               # ... and verify steps
+        self._spec_extra: dict[int, deque] = {}              # ... verify steps: seconds above a plain step
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
@@ -103,17 +105,16 @@ class SpeculationController:
         _, _, proposed, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
         return (proposed + _PRIOR_WEIGHT * global_rate) / (tries + _PRIOR_WEIGHT)
 
-    def step_cost(self, num_tokens: int, speculative: bool) -> float | None:
-        table = self._spec_cost if speculative else self._plain_cost
+    def plain_cost(self, num_tokens: int) -> float | None:
+        """The median recent cost of plain steps in the largest measured bucket up to `num_tokens`."""
         bucket = _bucket(num_tokens)
-        known = [b for b in table if b <= bucket]
-        return statistics.median(table[max(known)]) if known else None
+        known = [b for b in self._plain_cost if b <= bucket]
+        return statistics.median(self._plain_cost[max(known)]) if known else None
 
-    def _estimated_verify_cost(self, num_tokens: int) -> float | None:
-        """A verify step's measured cost, or the plain steps' cost interpolated at `num_tokens`."""
+    def _plain_cost_at(self, num_tokens: int) -> float | None:
+        """Plain steps' cost interpolated at `num_tokens`: affine between the measured buckets around it
+        (prefill chunks included), or the bucket below when none is above."""
         bucket = _bucket(num_tokens)
-        if bucket in self._spec_cost:
-            return statistics.median(self._spec_cost[bucket])
         below = [b for b in self._plain_cost if b <= bucket]
         above = [b for b in self._plain_cost if b > bucket]
         if not below:
@@ -126,6 +127,18 @@ class SpeculationController:
         high_cost = statistics.median(self._plain_cost[high])
         return low_cost + (high_cost - low_cost) * (num_tokens - low) / (high - low)
 
+    def _estimated_verify_cost(self, num_tokens: int) -> float | None:
+        """A plain step of the same size plus what verifying adds (mostly host work that waits for the
+        result): the median extra of recent verify steps in the nearest measured bucket, each taken
+        against the plain cost at its own size. So a try by a few sequences of a large batch does not
+        price a verify step of the whole batch, which has many more tokens."""
+        plain = self._plain_cost_at(num_tokens)
+        if plain is None or not self._spec_extra:
+            return plain
+        bits = _bucket(num_tokens).bit_length()
+        nearest = min(self._spec_extra, key=lambda b: (abs(b.bit_length() - bits), b))
+        return plain + max(0.0, statistics.median(self._spec_extra[nearest]))
+
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
         decoding = [s for s in running if s.num_computed_tokens >= s.num_total_tokens - 1]
@@ -136,7 +149,7 @@ class SpeculationController:
         rates = [min(self.acceptance_rate(s), 0.999) for s in decoding]
         hits = [self.proposal_rate(s) for s in decoding]
         caps = [self._cap(s) for s in decoding]
-        plain_cost = self.step_cost(len(running), speculative=False) or 1.0
+        plain_cost = self.plain_cost(len(running)) or 1.0
         best_k, best_rate = 0, len(decoding) / plain_cost
         # A lookup that finds nothing leaves a plain step (n-gram: no wait for the step in flight).
         behind = self.proposes_behind(running)
@@ -201,8 +214,12 @@ class SpeculationController:
 
     # ---- feedback ----------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, speculative: bool) -> None:
-        table = self._spec_cost if speculative else self._plain_cost
-        table.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds)
+        if not speculative:
+            self._plain_cost.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds)
+            return
+        plain = self._plain_cost_at(num_tokens)
+        if plain is not None:
+            self._spec_extra.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds - plain)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats
