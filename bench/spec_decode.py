@@ -132,6 +132,30 @@ def run_real(args) -> dict:
             "prompts": [kind for kind, _ in chats], "configs": configs, "results": results}
 
 
+def _count_decisions(controller) -> dict:
+    """Wrap the controller's choose_k / propose to count decisions and time them on the host."""
+    counts: dict = {}
+    choose_k, propose = controller.choose_k, controller.propose
+
+    def timed(name, fn, *a):
+        started = time.perf_counter()
+        result = fn(*a)
+        counts[f"{name}_ms"] = counts.get(f"{name}_ms", 0.0) + 1e3 * (time.perf_counter() - started)
+        return result
+
+    def counted_choose_k(running):
+        k = timed("choose_k", choose_k, running)
+        counts[f"k={k}"] = counts.get(f"k={k}", 0) + 1
+        return k
+
+    def counted_propose(running, k):
+        n = timed("propose", propose, running, k)
+        counts["sequences_with_drafts"] = counts.get("sequences_with_drafts", 0) + n
+        return n
+    controller.choose_k, controller.propose = counted_choose_k, counted_propose
+    return counts
+
+
 def run_load(args) -> list[dict]:
     from minivllm import LLM
     from bench.throughput import Workload, random_prompts, timed_generate, warm_up
@@ -143,7 +167,9 @@ def run_load(args) -> list[dict]:
                   **args.engine_options)
         engine = llm.llm_engine
         controller, vocab = engine.spec, engine.vocab_size
+        decisions = _count_decisions(controller)
         warm_up(llm, workload, vocab)
+        decisions.clear()
         # Alternating runs, medians: throughput drifts by a few % between runs of one engine (of off / on /
         # off at 256 x 512 -> 256, the first was 3.6% faster than the third), so one pair can't judge 3%.
         row = {"workload": str(workload), "order": list(LOAD_ORDER), "off_runs": [], "on_runs": []}
@@ -158,6 +184,11 @@ def run_load(args) -> list[dict]:
         row["on_over_off"] = row["on_tokens_per_s"] / off
         row.update({f"spec_{k}": v for k, v in _spec_summary(controller.stats, 1.0, 1).items()
                     if k.startswith(("num_", "acceptance_rate", "mean_"))})
+        row["controller"] = dict(decisions)   # k chosen per step, lookups, host time in the controller
+        row["controller"]["plain_cost_ms"] = {b: round(1e3 * statistics.median(v), 3)
+                                              for b, v in sorted(controller._plain_cost.items())}
+        row["controller"]["verify_extra_ms"] = {b: round(1e3 * statistics.median(v), 3)
+                                                for b, v in sorted(controller._spec_extra.items())}
         rows.append(row)
         print(f"  {workload}: off {off:.0f} tok/s, on {row['on_tokens_per_s']:.0f} tok/s "
               f"(x{row['on_over_off']:.3f})")
