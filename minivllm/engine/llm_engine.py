@@ -234,7 +234,9 @@ class LLMEngine:
             num_tokens, speculative, when = self._last_launch
             self.spec.observe_step(num_tokens, now - when, speculative)
         self._last_launch = None
-        if launched is not None and self.scheduler.has_unfinished_requests():
+        # A step that samples nothing (a prompt chunk) is never waited for: the host launches the next
+        # one at its own pace, so the gap says nothing of the step's cost.
+        if launched is not None and any(launched.num_samples) and self.scheduler.has_unfinished_requests():
             self._last_launch = (launched.total_num_scheduled_tokens, bool(launched.spec_token_ids), now)
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
