@@ -36,11 +36,10 @@ penalties of a verified position count the drafts before it, which are not on th
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from minivllm.core.sequence import Sequence
 from minivllm.spec_decode.config import SpeculativeConfig
@@ -106,19 +105,6 @@ class SpeculationController:
         _, _, proposed, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
         return (proposed + _PRIOR_WEIGHT * global_rate) / (tries + _PRIOR_WEIGHT)
 
-    def _rates_and_caps(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """acceptance_rate (below 1), proposal_rate and _cap of every sequence, as arrays: at 256 sequences
-        one method call per sequence and rate cost 1.5 ms of host time a step on the H100's host."""
-        counts = np.array([self._seq_counts.get(s.seq_id, (0, 0, 0, 0)) for s in seqs],
-                          dtype=np.float64).reshape(-1, 4)
-        accepted, rejected, proposed, tries = counts.T
-        accept_prior = (self._num_accepted + 1) / (self._num_accepted + self._num_rejections + 2)
-        propose_prior = (self._num_proposed + 1) / (self._num_tries + 2)
-        rates = (accepted + _PRIOR_WEIGHT * accept_prior) / (accepted + rejected + _PRIOR_WEIGHT)
-        hits = (proposed + _PRIOR_WEIGHT * propose_prior) / (tries + _PRIOR_WEIGHT)
-        caps = np.array([self._cap(s) for s in seqs], dtype=np.int64)
-        return np.minimum(rates, 0.999), hits, caps
-
     def plain_cost(self, num_tokens: int) -> float | None:
         """The median recent cost of plain steps in the largest measured bucket up to `num_tokens`."""
         bucket = _bucket(num_tokens)
@@ -160,17 +146,20 @@ class SpeculationController:
             return 0
         if not self.config.adaptive:
             return self.max_k
-        rates, hits, caps = self._rates_and_caps(decoding)
+        rates = [min(self.acceptance_rate(s), 0.999) for s in decoding]
+        hits = [self.proposal_rate(s) for s in decoding]
+        caps = [self._cap(s) for s in decoding]
         plain_cost = self.plain_cost(len(running)) or 1.0
         best_k, best_rate = 0, len(decoding) / plain_cost
         # A lookup that finds nothing leaves a plain step (n-gram: no wait for the step in flight).
-        any_proposes = 1.0 - float(np.prod(1.0 - hits)) if self.proposes_behind(running) else 1.0
+        behind = self.proposes_behind(running)
+        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if behind else 1.0
         self._exploring = False
         for k in range(1, self.max_k + 1):
-            drafts = np.minimum(caps, k)
-            verify_cost = max(self._estimated_verify_cost(len(running) + int(drafts.sum())) or 0.0, plain_cost)
+            num_tokens = len(running) + sum(min(k, c) for c in caps)
+            verify_cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
             cost = plain_cost + any_proposes * (verify_cost - plain_cost)
-            expected = float(np.sum(1.0 + hits * rates * (1.0 - rates ** drafts) / (1.0 - rates)))
+            expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
             # Drafts must earn a clear gain: lookups cost host time (11 ms a step for 256 sequences on
             # the H100's host), and as proposals get rare both the gain and the verify steps' share of
             # the cost go to 0, which without a margin would keep every sequence looking.
