@@ -14,7 +14,7 @@ import transformers
 
 from tests.conftest import tiny_hf_config
 from minivllm.models.loader import load_model, resolve_model
-from minivllm.quantization.algorithms import output_error
+from minivllm.quantization.algorithms import awq_search_clip, output_error, quantize_rtn
 from minivllm.quantization.packing import dequantize
 from minivllm.quantization.quantizer import calibration_windows, collect_input_stats, quantize_model
 
@@ -239,3 +239,26 @@ def test_smoothquant_keeps_the_function_and_balances_input_and_weight_ranges(tin
             parent = layer.self_attn if site == "q_proj" else layer.mlp
             w_amax = torch.stack([getattr(parent, n).weight.abs().amax(0) for n in linears]).amax(0)
             torch.testing.assert_close(stats[(index, site)][2], w_amax, rtol=1e-4, atol=1e-6)
+
+
+def test_awq_clipping_search_lowers_the_output_error_of_rounding():
+    """With 16 levels over a group's full range the typical weights round coarsely; shrinking the range
+    (the extremes round to the end codes) must lower the calibration-weighted output error. The search
+    minimises each group's share delta_g H_gg delta_g^T, so no group may end up worse than with its full
+    range (ratio 1 is among the candidates)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 4 * GROUP)
+    x = torch.randn(512, 4 * GROUP) * torch.rand(4 * GROUP).mul(3).exp()   # input channels of unequal size
+    H = x.t() @ x / x.shape[0]
+    clip = awq_search_clip(w, H, bits=4, group_size=GROUP)
+    assert clip.shape == (64, 4) and ((clip > 0.45) & (clip <= 1.0)).all()
+
+    def errors(c):
+        codes, scales, zeros, g_idx = quantize_rtn(w, 4, GROUP, False, clip=c)
+        delta = (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx] - w
+        groups = torch.stack([((delta[:, i:i + GROUP] @ H[i:i + GROUP, i:i + GROUP]) * delta[:, i:i + GROUP]).sum(1)
+                              for i in range(0, w.shape[1], GROUP)], dim=1)
+        return groups, ((delta @ H) * delta).sum()
+    (full_groups, full), (clipped_groups, clipped) = errors(None), errors(clip)
+    assert (clipped_groups <= full_groups * (1 + 1e-5)).all()
+    assert clipped < 0.9 * full and (clip < 1).float().mean() > 0.3

@@ -18,11 +18,15 @@ from __future__ import annotations
 import torch
 
 
-def group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and integer zero per row of w [N, g]."""
+def group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
+                 clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero per row of w [N, g]; `clip` [N] shrinks each row's range (values outside
+    round to the end codes)."""
     top = (1 << bits) - 1
     lo = w.min(dim=1).values.clamp(max=0)
     hi = w.max(dim=1).values.clamp(min=0)
+    if clip is not None:
+        lo, hi = lo * clip, hi * clip
     if sym:
         scale = torch.maximum(-lo, hi) * 2 / top
     else:
@@ -39,15 +43,17 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
     return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, (1 << bits) - 1)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zero: int = 0):
-    """w [N, K] -> (codes [N, K] int, scales [G, N], zeros [G, N], g_idx [K])."""
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zero: int = 0,
+                 clip: torch.Tensor | None = None):
+    """w [N, K] -> (codes [N, K] int, scales [G, N], zeros [G, N], g_idx [K]); `clip` [N, G]: range
+    shrink per row and group (`awq_search_clip`)."""
     N, K = w.shape
     group_size = K if group_size <= 0 else group_size
     codes = torch.empty(N, K, dtype=torch.int32)
     scales, zeros = [], []
-    for start in range(0, K, group_size):
+    for g, start in enumerate(range(0, K, group_size)):
         block = w[:, start:start + group_size]
-        scale, zero = group_params(block, bits, sym, min_zero)
+        scale, zero = group_params(block, bits, sym, min_zero, None if clip is None else clip[:, g])
         codes[:, start:start + group_size] = quantize_codes(block, scale, zero, bits).int()
         scales.append(scale)
         zeros.append(zero)
@@ -152,3 +158,28 @@ def awq_search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_abs_mean: t
         if error < best:
             best, best_scale = error, s
     return best_scale
+
+
+@torch.no_grad()
+def awq_search_clip(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, grid: int = 20,
+                    max_shrink: float = 0.5) -> torch.Tensor:
+    """AWQ's clipping search: for each row and group of w [N, K], the range shrink r in
+    {1, 1 - 1/grid, ..., 1 - max_shrink} whose rounding error on the calibration inputs, the group's
+    share delta H_gg delta^T of the output error, is smallest. Returns r [N, G]."""
+    N, K = w.shape
+    group_size = K if group_size <= 0 else group_size
+    ratios = [1 - i / grid for i in range(int(max_shrink * grid))]
+    best = torch.ones(N, -(-K // group_size))
+    for g, start in enumerate(range(0, K, group_size)):
+        block = w[:, start:start + group_size]
+        h = H[start:start + group_size, start:start + group_size]
+        least = torch.full((N,), float("inf"))
+        for r in ratios:
+            clip = torch.full((N,), r)
+            scale, zero = group_params(block, bits, False, 0, clip)
+            delta = (quantize_codes(block, scale, zero, bits) - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - block
+            error = ((delta @ h) * delta).sum(dim=1)
+            better = error < least
+            least = torch.where(better, error, least)
+            best[better, g] = r
+    return best

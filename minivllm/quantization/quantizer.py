@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from minivllm.quantization.algorithms import awq_search_scale, gptq_quantize, gptq_quantize_rows, quantize_rtn
+from minivllm.quantization.algorithms import (awq_search_clip, awq_search_scale, gptq_quantize, gptq_quantize_rows,
+                                              quantize_rtn)
 from minivllm.quantization.awq import AWQ_ORDER
 from minivllm.quantization.packing import pack_cols, pack_rows
 from minivllm.quantization.smoothquant import smooth_layers
@@ -68,20 +69,37 @@ def fold_input_scales(layer, stats: dict, index: int, choose) -> None:
     groups = [((attn.q_proj, attn.k_proj, attn.v_proj), "q_proj", layer.input_layernorm.weight),
               ((mlp.gate_proj, mlp.up_proj), "gate_proj", layer.post_attention_layernorm.weight),
               ((mlp.down_proj,), "down_proj", mlp.up_proj.weight)]
+    chosen = {}
     for linears, site, previous in groups:
-        s = choose([m.weight.float() for m in linears], stats[(index, site)])
+        s = chosen[site] = choose([m.weight.float() for m in linears], stats[(index, site)])
         for m in linears:
             m.weight.mul_(s.to(m.weight.dtype))
         if previous.dim() == 1:
             previous.div_(s.to(previous.dtype))
         else:   # up_proj's output rows feed down_proj's inputs
             previous.div_(s.to(previous.dtype).unsqueeze(1))
+    return chosen
 
 
-def apply_awq_scales(layer, stats: dict, index: int, bits: int, group_size: int) -> None:
-    """AWQ: the scales from its search over the output error of the rounded weights."""
-    fold_input_scales(layer, stats, index, lambda weights, stat: awq_search_scale(weights, stat[0], stat[1], bits,
-                                                                                     group_size))
+def apply_awq_scales(layer, stats: dict, index: int, bits: int, group_size: int) -> dict:
+    """AWQ: the scales from its search over the output error of the rounded weights; returns each input
+    site's scales s (the inputs are now x / s)."""
+    return fold_input_scales(layer, stats, index, lambda weights, stat: awq_search_scale(
+        weights, stat[0], stat[1], bits, group_size))
+
+
+def awq_clip(w, names: list[str], row_counts: list[int], H: torch.Tensor, s: torch.Tensor | None, bits: int,
+             group_size: int) -> torch.Tensor:
+    """AWQ's clipping search on the scaled weights w (their inputs are x / s, so their H is H / (s s^T)).
+    Like AutoAWQ, q_proj and k_proj keep their full ranges: their error reaches the output through the
+    softmax, which the search's error measure does not see."""
+    clip = awq_search_clip(w, H if s is None else H / torch.outer(s, s), bits, group_size)
+    start = 0
+    for name, count in zip(names, row_counts):
+        if name in ("q_proj", "k_proj"):
+            clip[start:start + count] = 1.0
+        start += count
+    return clip
 
 
 def gptq_format_tensors(codes, scales, zeros, g_idx, bits: int) -> dict:
@@ -167,7 +185,7 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     write = awq_format_tensors if method == "awq" else gptq_format_tensors
     for index, layer in enumerate(hf_model.model.layers):
         if method == "awq":
-            apply_awq_scales(layer, stats, index, bits, group_size)
+            input_scales = apply_awq_scales(layer, stats, index, bits, group_size)
         linears = {prefix.rsplit(".", 1)[-1]: (prefix, module) for prefix, module in layer.named_modules()
                    if prefix.rsplit(".", 1)[-1] in LINEARS}
         for site in dict.fromkeys(INPUT_OF.values()):
@@ -188,7 +206,10 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                     codes, scales, zeros, g_idx = gptq_quantize(w, H, bits, group_size, sym, desc_act,
                                                                 min_zero=min_zero)
                 else:
-                    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero)
+                    clip = awq_clip(w, names, [linears[name][1].weight.shape[0] for name in names],
+                                    stats[(index, site)][0], input_scales.get(site), bits, group_size) \
+                        if method == "awq" else None
+                    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero, clip)
                 slices = lambda rows: write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits)  # noqa: E731
             start = 0
             for name in names:
