@@ -187,8 +187,8 @@ class LLMEngine:
         """
         # A device proposer, grammar-checked drafts and seeded sampling need every token on the host: a
         # step that may speculate with them first reads back the step in flight (n-gram lookups need
-        # not otherwise, see spec_decode/controller.py). Its outputs (detokenization, stop strings) are made after the
-        # next step is launched, while the GPU runs.
+        # not otherwise, see spec_decode/controller.py). Its outputs (detokenization, stop strings) are
+        # made after the next step is launched, while the GPU runs.
         num_drafts = self.spec.choose_k(self.scheduler.running) if self.spec is not None else 0
         synced: list[SequenceGroup] = []
         if self._in_flight is not None and (self._in_flight.needs_sync or (

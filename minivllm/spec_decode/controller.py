@@ -30,9 +30,10 @@ tokens before it, minus the match's first token, which stands for the one in fli
 wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing
 costs nothing, and a step that may speculate keeps the overlap of host and device work; only the step
 after a verify step waits (its token count is known only then). The cost of k > 0 is therefore the plain
-step's plus, weighted by the chance that any sequence proposes, the verify step's extra. A device proposer (draft model) gets
-placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
-penalties of a verified position count the drafts before it, which are not on the host).
+step's plus, weighted by the chance that any sequence proposes, the verify step's extra. A device
+proposer (draft model) gets placeholders (-1) that the runner fills in; requests with penalties do not
+speculate with it (the penalties of a verified position count the drafts before it, which are not on
+the host).
 """
 from __future__ import annotations
 
