@@ -533,12 +533,13 @@ def test_gpu_window_and_soft_cap_realistic(partition_size):
         assert_close(out[:rows], expected[:rows], torch.bfloat16)
 
 
+@pytest.mark.parametrize("query_lens", [[6, 3, 5], [4, 4, 4]])   # uneven, and k + 1 each (no index copy)
 @pytest.mark.parametrize("partition_size", [16, 4096])
-def test_short_queries_as_decode_rows_match_causal_attention(partition_size):
+def test_short_queries_as_decode_rows_match_causal_attention(partition_size, query_lens):
     """A verify step (several query tokens per sequence) replayed as one decode row per token, as the
     CUDA graph runner does: row t over its sequence's first positions[t] + 1 tokens is causal attention."""
     from minivllm.worker.cuda_graph import as_decode_rows
-    seq_lens, query_lens = [37, 70, 5], [6, 3, 5]
+    seq_lens = [37, 70, 5]
     query, key, value, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 2, 4, 64, torch.float32)
     positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)], device=DEVICE)
     _, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache.clone(), v_cache.clone(),

@@ -218,18 +218,25 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
         controller.observe_step(num_tokens, 0.011, speculative=True)   # and cheap verification: on again
     assert controller.choose_k([seq]) == 4
 
+
+def _decoding_batch(size: int) -> list:
+    """`size` sequences one decode step in, each with a repeating tail (n-gram lookups find it)."""
+    seqs = []
+    for i in range(size):
+        seq = SequenceGroup(f"r{i}", None, [5, 6, 5, 6, 5], SamplingParams(max_tokens=100)).seqs[0]
+        seq.append_token(6)
+        seq.num_computed_tokens = 5
+        seqs.append(seq)
+    return seqs
+
+
 def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
     """A verify step is priced as a plain step of its size plus the measured extra of verifying: a cheap
     try by 4 of 256 sequences (260 tokens, accepted) must not make a whole-batch verify step (512
     tokens, priced from the prefill steps) look as cheap as that try."""
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=1, prompt_lookup_min=1),
                                        max_model_len=1024)
-    seqs = []
-    for i in range(256):
-        seq = SequenceGroup(f"r{i}", None, [5, 6, 5, 6, 5], SamplingParams(max_tokens=100)).seqs[0]
-        seq.append_token(6)
-        seq.num_computed_tokens = 5
-        seqs.append(seq)
+    seqs = _decoding_batch(256)
     controller.observe_step(256, 0.028, speculative=False)     # decode step of the batch
     controller.observe_step(4096, 0.300, speculative=False)    # a prefill step
     for seq in seqs[:4]:
@@ -245,12 +252,7 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     sequences only, in turn."""
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
                                        max_model_len=1024)
-    seqs = []
-    for i in range(256):
-        seq = SequenceGroup(f"r{i}", None, [5, 6, 5, 6, 5], SamplingParams(max_tokens=100)).seqs[0]
-        seq.append_token(6)
-        seq.num_computed_tokens = 5
-        seqs.append(seq)
+    seqs = _decoding_batch(256)
     controller.observe_step(256, 0.028, speculative=False)     # decode step of the batch
     controller.observe_step(8192, 0.600, speculative=False)    # a prefill step
     ks = [controller.choose_k(seqs) for _ in range(EXPLORE_EVERY)]

@@ -35,20 +35,23 @@ logger = logging.getLogger(__name__)
 MAX_DECODE_ROWS_QUERY_LEN = 16
 
 
-def token_seq_index(query_start_loc: list[int]) -> np.ndarray:
-    """The sequence of each query token, from cumulative query lengths."""
-    return np.repeat(np.arange(len(query_start_loc) - 1), np.diff(query_start_loc))
+def decode_row_block_tables(metadata: AttentionMetadata) -> torch.Tensor:
+    """Each query token's block-table row (its sequence's), for running the step as decode rows."""
+    lengths = np.diff(metadata.query_start_loc_cpu)
+    if (lengths == lengths[0]).all():   # the usual verify step: k + 1 tokens each, no index to copy
+        return metadata.block_tables.repeat_interleave(int(lengths[0]), dim=0)
+    index = np.repeat(np.arange(len(lengths)), lengths)
+    return metadata.block_tables[torch.from_numpy(index).to(metadata.block_tables.device, non_blocking=True)]
 
 
 def as_decode_rows(metadata: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
     """The same attention as `metadata`, one decode row per query token: row t's context is its
-    sequence's first positions[t] + 1 tokens (the reference the graph runner's expansion follows)."""
-    index = torch.from_numpy(token_seq_index(metadata.query_start_loc_cpu)).to(positions.device)
+    sequence's first positions[t] + 1 tokens (what the graph runner's decode-row replay computes)."""
     num_tokens = positions.shape[0]
     return AttentionMetadata(
         slot_mapping=metadata.slot_mapping, seq_lens=(positions + 1).to(torch.int32),
         query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=positions.device),
-        block_tables=metadata.block_tables[index], max_query_len=1, max_seq_len=metadata.max_seq_len,
+        block_tables=decode_row_block_tables(metadata), max_query_len=1, max_seq_len=metadata.max_seq_len,
         query_start_loc_cpu=list(range(num_tokens + 1)), seq_lens_cpu=(positions + 1).tolist())
 
 
@@ -152,14 +155,7 @@ class CUDAGraphRunner:
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
         width = meta.block_tables.shape[1]
         if rows:   # one decode row per token (see the module docstring)
-            lengths = np.diff(meta.query_start_loc_cpu)
-            if (lengths == lengths[0]).all():   # the usual verify step: k + 1 tokens each, no index to copy
-                rows_table = meta.block_tables.repeat_interleave(int(lengths[0]), dim=0)
-            else:
-                index = torch.from_numpy(token_seq_index(meta.query_start_loc_cpu)).to(self.seq_lens.device,
-                                                                                      non_blocking=True)
-                rows_table = meta.block_tables[index]
-            self.block_tables[:num_tokens, :width] = rows_table
+            self.block_tables[:num_tokens, :width] = decode_row_block_tables(meta)
             self.seq_lens[:num_tokens] = inputs.positions + 1
             batch = num_tokens
         else:
