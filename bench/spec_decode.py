@@ -19,8 +19,10 @@ Usage: python bench/spec_decode.py --out DIR [--parts real,load,verify] [--quick
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import inspect
+import pstats
 import statistics
 import sys
 import textwrap
@@ -60,7 +62,7 @@ def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
         elif kind == "rewrite":
             content = f"Rewrite this text in simpler words, keeping every point:\n\n{passages[(i + 3) % len(passages)]}"
         else:
-            code = textwrap.dedent(functions[i % len(functions)])[:1200]
+            code = textwrap.dedent(functions[(i // 3) % len(functions)])[:1200]
             content = f"Add a docstring and type hints to this function and show the whole function:\n\n{code}"
         chats.append((kind, [{"role": "user", "content": content}]))
     return chats
@@ -86,6 +88,10 @@ def run_real(args) -> dict:
     chats = grounded_chats(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     configs = {"off": None, "ngram": NGRAM}
+    for k in args.ngram_max_k:     # adaptive, with a longer draft cap
+        configs[f"ngram_max{k}"] = {**NGRAM, "num_speculative_tokens": k}
+    if args.compare_unchained:     # every verify step read back before the next step is scheduled
+        configs["ngram_unchained"] = NGRAM
     for k in args.ngram_fixed_k:   # the controller's choice against fixed draft lengths
         configs[f"ngram_k{k}"] = {**NGRAM, "num_speculative_tokens": k, "adaptive": False}
     if args.compare_mixed_verify:  # verify steps through the mixed graph and varlen kernel instead
@@ -97,6 +103,8 @@ def run_real(args) -> dict:
     for name, config in configs.items():
         cuda_graph.MAX_DECODE_ROWS_QUERY_LEN = 0 if name == "ngram_mixed_verify" else decode_rows
         llm = LLM(seed=0, max_model_len=args.real_max_model_len, speculative_config=config, **args.engine_options)
+        if name == "ngram_unchained":
+            llm.llm_engine.spec.chains = lambda scheduled: False
         # Warm-up: every prompt once, each with a different first word (no prefix-cache hits later), so
         # that first-use costs (compiles, graph buffers, allocator growth) stay out of the timed run.
         for _, chat in chats:
@@ -108,12 +116,16 @@ def run_real(args) -> dict:
         if args.trace and not name.startswith("draft"):
             from bench.profile_step import StepTracer
             tracer = StepTracer(llm.llm_engine)
+        spec, scheduler = llm.llm_engine.spec, llm.llm_engine.scheduler
+        chained, discarded = (spec.num_chained_steps if spec else 0), scheduler.num_discarded_steps
         outputs, started = [], time.perf_counter()
         for _, chat in chats:   # batch 1: one request at a time
             outputs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)
         elapsed = time.perf_counter() - started
-        spec = llm.llm_engine.spec
         results[name] = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
+        if spec is not None:   # steps launched behind a verify step before it was read back, and those discarded
+            results[name].update(num_chained_steps=spec.num_chained_steps - chained,
+                                 num_discarded_steps=scheduler.num_discarded_steps - discarded)
         if tracer is not None:   # per step kind: host launch, host wait, device time, device idle
             tracer.close()
             results[name]["step_trace"] = {k: v for k, v in tracer.summary().items() if k != "prefill_rows"}
@@ -238,6 +250,15 @@ def run_verify_cost(args) -> list[dict]:
     return rows
 
 
+def _profile_rows(profiler: cProfile.Profile, num_steps: int, top: int = 40) -> list[dict]:
+    """cProfile's functions by self time: calls and milliseconds (self, cumulative) per engine step."""
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": calls / num_steps,
+             "self_ms_per_step": 1e3 * self_s / num_steps, "cum_ms_per_step": 1e3 * cum_s / num_steps}
+            for (file, line, name), (_, calls, self_s, cum_s, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["self_ms_per_step"])[:top]
+
+
 def run_step_cost(args) -> list[dict]:
     """The real engine loop at batch 1 on the real model's shapes (dummy weights, `--steps-model`): the wall
     time per step of plain decoding (async scheduling) and of steps verifying k = 1..5 drafts (the
@@ -251,7 +272,8 @@ def run_step_cost(args) -> list[dict]:
     controller = engine.spec
     controller.ngram.propose = lambda token_ids, n: [int(token_ids[-1])] * n   # dummy weights: few accepted
     rows = []
-    for k in range(0, controller.max_k + 1):
+    max_k = controller.max_k
+    for k in range(0, max_k + 1):
         engine.spec, controller.max_k = (controller if k else None), max(k, 1)
         controller.reset_stats()
         engine.add_request(f"steps-{k}", list(range(1000, 1512)), params)
@@ -260,16 +282,23 @@ def run_step_cost(args) -> list[dict]:
             from bench.profile_step import StepTracer
             tracer = StepTracer(engine)
         times, tokens = [], []
+        profiler = cProfile.Profile() if args.profile and k in (0, max_k) else None
+        if profiler is not None:
+            profiler.enable()
         while engine.has_unfinished_requests():
             started = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - started)
             tokens.append(engine.num_generation_tokens)
+        if profiler is not None:
+            profiler.disable()
         steady = slice(10, len(times) - 5)   # past the prefill and warm-up, before the tail
         num_steps = len(times[steady])
         rows.append({"k": k, "ms_per_step": 1e3 * statistics.median(times[steady]), "steps": num_steps,
                      "tokens_per_step": (tokens[steady.stop - 1] - tokens[steady.start - 1]) / num_steps,
                      "num_verify": controller.stats.num_drafts if k else 0})
+        if profiler is not None:   # the host functions that take the most time per step, self time first
+            rows[-1]["host_profile"] = _profile_rows(profiler, len(times))
         if tracer is not None:   # medians per step kind: host launch, host wait, device time, device idle
             tracer.close()
             summary = tracer.summary()
@@ -292,18 +321,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
     parser.add_argument("--ngram-fixed-k", default="", help="real part: also n-gram with these fixed k (no adaptivity)")
+    parser.add_argument("--ngram-max-k", default="", help="real part: also adaptive n-gram with these draft caps")
+    parser.add_argument("--compare-unchained", action="store_true",
+                        help="real part: also n-gram reading every verify step back before scheduling the next")
     parser.add_argument("--compare-mixed-verify", action="store_true",
                         help="real part: also n-gram with verify steps through the mixed graph (not decode rows)")
     parser.add_argument("--dummy-model", help="verify and load parts: the dummy config to time (default: "
                         "llama-3-8b, tiny-llama with --quick)")
     parser.add_argument("--steps-model", default="smollm2-135m",
                         help="steps part: the dummy config (a name or a .json path) whose step costs are timed")
+    parser.add_argument("--profile", action="store_true",
+                        help="steps part: cProfile the host in plain steps and in steps verifying the most drafts")
     parser.add_argument("--trace", action="store_true",
                         help="real and steps parts: trace each step (bench/profile_step.py's StepTracer)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
     args.ngram_fixed_k = [int(x) for x in args.ngram_fixed_k.split(",") if x]
+    args.ngram_max_k = [int(x) for x in args.ngram_max_k.split(",") if x]
     if args.quick:
         args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 3, 24, 3, 3
         args.step_repeats = 20
@@ -335,8 +370,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"engine steps at batch 1, {args.steps_model} (dummy weights):")
         result["step_cost"] = run_step_cost(args)
         rows = result["step_cost"]
-        print_table([{k: v for k, v in row.items() if k != "trace"} for row in rows],
+        print_table([{k: v for k, v in row.items() if k not in ("trace", "host_profile")} for row in rows],
                     "step wall time, plain vs verifying k drafts")
+        for row in rows:
+            if "host_profile" in row:
+                print_table(row["host_profile"][:25], f"host functions by self time, k = {row['k']} (ms per step)")
         traced = [{"k": row["k"], "kind": kind, **{key.removeprefix("median_"): value for key, value in medians.items()}}
                   for row in rows for kind, medians in row.get("trace", {}).items()]
         if traced:

@@ -362,6 +362,26 @@ def test_ngram_drafts_behind_the_token_in_flight_keep_greedy_identical(tiny_mode
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("engine_options", [
+    dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, block_size=4, max_num_seqs=8, max_model_len=128),
+    dict(max_num_seqs=1)], ids=["batched-preempting", "batch1"])
+def test_steps_chained_behind_a_verify_step_keep_greedy_identical(tiny_model, engine_options):
+    """A verify step whose sequences last had every draft accepted is not read back before the next step
+    is scheduled: that step guesses every draft accepted. Where a draft is then rejected, the scheduler
+    discards that step for the sequence and rolls it back; the output stays token-identical, and every
+    block comes back."""
+    prompts = _repetitive_prompts(10)
+    params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(len(prompts))]
+    reference = _generate(_tiny_llm(tiny_model, **engine_options), prompts, params)
+    llm = _tiny_llm(tiny_model, **engine_options, speculative_config=NGRAM, async_scheduling=True)
+    outputs = _generate(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
+    engine = llm.llm_engine
+    assert engine.spec.num_chained_steps > 0 and engine.scheduler.num_discarded_steps > 0
+    assert engine.get_stats().num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
     """Greedy requests with stop token ids, max_tokens, min_tokens, logprobs, penalties and logit bias give
     the same tokens and logprobs with n-gram drafts; seeded sampling is reproducible."""

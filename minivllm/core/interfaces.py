@@ -32,6 +32,9 @@ class SchedulerOutput:
     # may be reused by this very step), then CPU block -> GPU block.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Each sequence's `num_discarded_steps` when scheduled: a sequence whose count has changed by the time
+    # the step is read back takes none of its tokens (see Scheduler.update).
+    num_discarded_steps: list[int] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> list[int]:
@@ -42,6 +45,10 @@ class SchedulerOutput:
         """Rows of logits the runner samples for each sequence, in order: `num_samples`, or num_drafts + 1
         for a sequence verifying drafts."""
         return [d + 1 if d else n for n, d in zip(self.num_samples, self.num_spec_tokens)]
+
+    def is_discarded(self, i: int) -> bool:
+        """Whether sequence i's part of this step was discarded after it was scheduled."""
+        return bool(self.num_discarded_steps) and self.seqs[i].num_discarded_steps != self.num_discarded_steps[i]
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -85,6 +85,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # kept sorted by _order_key
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_discarded_steps = 0  # steps launched behind a verify step that rejected a draft, per sequence
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
 
     @property
@@ -187,8 +188,9 @@ class Scheduler:
                 i += 1
                 continue
             # Drafts ride along a decode, as far as the budget allows: behind the last known token, or behind
-            # the one still in flight (the runner takes its id from the device, as for any decode).
-            if num_new != 1 or seq.num_pending_tokens > 1:
+            # the one still in flight (the runner takes its id from the device, as for any decode), which may
+            # follow the drafts of a verify step in flight.
+            if num_new != 1 or seq.num_pending_tokens > 1 + len(seq.drafts_in_flight):
                 drafts = []
             drafts = drafts[:max(0, budget - num_behind - num_new)]
             while not block_manager.allocate_slots(seq, num_new + len(drafts)):
@@ -271,8 +273,10 @@ class Scheduler:
             seq.num_computed_tokens += num_new + len(drafts)
             done = seq.num_computed_tokens >= seq.num_total_tokens
             output.num_samples.append(1 + seq.num_pending_forks if done else 0)
+            output.num_discarded_steps.append(seq.num_discarded_steps)
             if done:
-                seq.num_pending_tokens += 1
+                seq.num_pending_tokens += 1 + len(drafts)
+                seq.drafts_in_flight = drafts
         return output
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
@@ -320,8 +324,8 @@ class Scheduler:
         now = time.monotonic()
         num_spec_tokens = scheduler_output.num_spec_tokens
         for i, seq in enumerate(scheduler_output.seqs):
-            if seq.is_finished:
-                continue  # aborted or stopped since schedule(): the tokens computed for it are dropped
+            if seq.is_finished or scheduler_output.is_discarded(i):
+                continue  # aborted or stopped since schedule(), or discarded: its tokens are dropped
             # A sequence preempted after this step was scheduled still takes its sampled token: it is
             # the right continuation, and the recompute will include it.
             token_ids = model_output.sampled_token_ids[i] if model_output.sampled_token_ids else []
@@ -335,6 +339,8 @@ class Scheduler:
             if not token_ids:
                 continue
             seq.num_pending_tokens -= 1
+            if not seq.num_pending_tokens:
+                seq.drafts_in_flight = []
             group = seq.group
             seqs = [seq]
             for k in range(1, len(token_ids)):  # the prompt is done: the other n - 1 samples start here
@@ -369,14 +375,24 @@ class Scheduler:
 
     def _update_speculative(self, seq: Sequence, num_drafts: int, token_ids: list[int], model_output: ModelOutput,
                             index: int) -> None:
-        """Take a verified step's accepted drafts plus one token; roll back the rejected drafts' KV."""
+        """Take a verified step's accepted drafts plus one token; roll back the rejected drafts' KV, and
+        discard the step launched behind this one, which assumed every draft accepted."""
         num_accepted = len(token_ids) - 1
         assert 0 <= num_accepted <= num_drafts, "runner returned the wrong number of verified tokens"
-        seq.num_pending_tokens -= 1
+        seq.num_pending_tokens -= 1 + num_drafts
+        rejected = num_accepted < num_drafts
+        if rejected and seq.num_pending_tokens:
+            seq.num_discarded_steps += 1
+            self.num_discarded_steps += 1
+            seq.num_pending_tokens = 0
+        if not seq.num_pending_tokens:
+            seq.drafts_in_flight = []
         if seq.status is SequenceStatus.RUNNING:
-            # Rejected positions hold KV of tokens that are not in the sequence: no longer computed, and
-            # the blocks only they used go back (no hash was ever taken of them).
-            seq.num_computed_tokens -= num_drafts - num_accepted
+            # Rejected positions (and any computed behind them) hold KV of tokens that are not in the
+            # sequence: no longer computed, and the blocks only they used go back (no hash was ever taken
+            # of them). Their KV is overwritten before it is read again.
+            if rejected:
+                seq.num_computed_tokens = seq.num_tokens + num_accepted
             self.block_manager.cache_blocks(seq)
         group, now = seq.group, time.monotonic()
         group.metrics.spec_num_draft_tokens += num_drafts

@@ -200,15 +200,18 @@ class LLMEngine:
         launched = None
         read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
-            # Penalties and verification (a variable number of tokens) need every token of this step on
-            # the host before the next is scheduled.
-            needs_sync = bool(scheduler_output.spec_token_ids) or any(
+            # Penalties need every token of this step on the host before the next is scheduled, and so does
+            # verification (a variable number of tokens) unless the next step may guess that every draft
+            # is accepted (see SpeculationController.chains).
+            needs_sync = (bool(scheduler_output.spec_token_ids) and not self.spec.chains(scheduler_output)) or any(
                 seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
             bitmask = None
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
             launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
                                      needs_sync)
+            if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
+                self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
@@ -263,14 +266,17 @@ class LLMEngine:
 
     def _count_tokens(self, scheduler_output, model_output) -> None:
         """Prompt tokens computed this step (the part of each chunk inside the prompt) and tokens generated."""
-        for seq, start, n, samples in zip(scheduler_output.seqs, scheduler_output.num_computed_tokens,
-                                          scheduler_output.num_scheduled_tokens, model_output.sampled_token_ids):
-            self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
-            self.num_generation_tokens += len(samples)
+        discarded = [scheduler_output.is_discarded(i) for i in range(len(scheduler_output.seqs))]
+        for seq, start, n, samples, dropped in zip(scheduler_output.seqs, scheduler_output.num_computed_tokens,
+                                                   scheduler_output.num_scheduled_tokens,
+                                                   model_output.sampled_token_ids, discarded):
+            if not dropped:
+                self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+                self.num_generation_tokens += len(samples)
         if scheduler_output.spec_token_ids:
-            for seq, drafts, samples in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
-                                            model_output.sampled_token_ids):
-                if drafts and samples:
+            for seq, drafts, samples, dropped in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
+                                                     model_output.sampled_token_ids, discarded):
+                if drafts and samples and not dropped:
                     self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
 
     @staticmethod

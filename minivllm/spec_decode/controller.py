@@ -42,6 +42,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer
@@ -81,6 +82,8 @@ class SpeculationController:
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
+        self._fully_accepted: set[int] = set()   # sequences whose last verification accepted every draft
+        self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_k)
@@ -185,6 +188,16 @@ class SpeculationController:
             s.sampling_params.structured_outputs is not None
             or (s.sampling_params.seed is not None and not s.sampling_params.greedy) for s in running)
 
+    def chains(self, scheduled: SchedulerOutput) -> bool:
+        """Whether the step after `scheduled` (a verify step) may be scheduled and launched before it is read
+        back, as if every draft were accepted: every verifying sequence's proposals need no wait and its
+        last verification accepted every draft (copying runs on: the guess is right about nine times in
+        ten on the real model's grounded prompts). A wrong guess costs the step launched behind, which the
+        scheduler discards for that sequence; a right one saves the host work that would wait for this
+        step while the device idles."""
+        return all(not drafts or (seq.seq_id in self._fully_accepted and self.proposes_behind([seq]))
+                   for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids))
+
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
         count = 0
@@ -195,16 +208,18 @@ class SpeculationController:
             self._explore_offset += EXPLORE_SEQS
         for seq in running:
             seq.spec_token_ids = []
-            behind = seq.num_pending_tokens   # 1: its newest token is still in flight
-            if (k == 0 or behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + behind
+            # 1: its newest token is still in flight, maybe behind the drafts of a verify step in flight
+            behind = seq.num_pending_tokens - len(seq.drafts_in_flight)
+            if (k == 0 or behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + seq.num_pending_tokens
                     or seq.num_pending_forks or (trying is not None and id(seq) not in trying)):
                 continue
             if behind and not self.proposes_behind([seq]):
                 continue
             cap = min(k, self._cap(seq))
             if self.ngram is not None:
-                seq.spec_token_ids = (self.ngram.propose(seq.token_ids, cap + 1)[1:] if behind
-                                      else self.ngram.propose(seq.token_ids, cap))
+                history = seq.token_ids + seq.drafts_in_flight if seq.drafts_in_flight else seq.token_ids
+                seq.spec_token_ids = (self.ngram.propose(history, cap + 1)[1:] if behind
+                                      else self.ngram.propose(history, cap))
                 self.num_proposed_behind += bool(behind and seq.spec_token_ids)
                 if cap:
                     self._count(seq, tried=True, proposed=bool(seq.spec_token_ids))
@@ -229,6 +244,10 @@ class SpeculationController:
         stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             stats.accepted_per_position[j] += 1
+        if num_accepted == num_drafts:
+            self._fully_accepted.add(seq.seq_id)
+        else:
+            self._fully_accepted.discard(seq.seq_id)
         self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.ngram is None,
                     proposed=self.ngram is None)
 
@@ -244,3 +263,4 @@ class SpeculationController:
 
     def forget(self, seq_id: int) -> None:
         self._seq_counts.pop(seq_id, None)
+        self._fully_accepted.discard(seq_id)

@@ -21,10 +21,12 @@ class SequenceSamplingRow(SamplingRow):
     """A SamplingRow that reads its token lists from the sequence only when the sampler asks (penalties),
     instead of copying both lists for every row of every step."""
 
-    def __init__(self, seq: Sequence, sample_index: int, drafts: list[int] = ()) -> None:
-        """`drafts`: the draft tokens before this row's position (a verified position sees them as output)."""
+    def __init__(self, seq: Sequence, sample_index: int, drafts: list[int] = (), num_step_drafts: int = 0) -> None:
+        """`drafts`: the draft tokens before this row's position (a verified position sees them as output);
+        `num_step_drafts`: all of the sequence's drafts in this step."""
         self.seq, self.params, self.sample_index = seq, seq.sampling_params, sample_index
         self.drafts = list(drafts)
+        self.num_step_drafts = num_step_drafts
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -37,13 +39,15 @@ class SequenceSamplingRow(SamplingRow):
     @property
     def num_output_tokens(self) -> int:
         # Tokens before this row's sample: the appended ones plus any still in flight (the scheduler
-        # counted this row's own sample as pending already), plus the drafts before this position.
-        return self.seq.num_output_tokens + self.seq.num_pending_tokens - 1 + len(self.drafts)
+        # counted this step's sample and drafts as pending already), plus the drafts before this position.
+        return (self.seq.num_output_tokens + self.seq.num_pending_tokens - 1 - self.num_step_drafts
+                + len(self.drafts))
 
 
 @dataclass
 class PreviousSamples:
-    """The sampled ids of the step in flight, on the device, and which row holds each sequence's own token."""
+    """The sampled ids of the step in flight, on the device, and which row holds each sequence's own token
+    (a verifying sequence's last row: its token if every draft is accepted)."""
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
 
@@ -208,14 +212,15 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
     spec_rows: list[list[int]] = []  # per speculating sequence: the sampling rows of its verified positions
     for i, (seq, num_samples, drafts) in enumerate(zip(seqs, scheduler_output.num_samples, spec_tokens)):
         if num_samples:
-            sample_row_of_seq[seq.seq_id] = len(rows)
+            sample_row_of_seq[seq.seq_id] = len(rows) + len(drafts)
         end = int(query_start_loc[i + 1])
         if drafts:
             # Every draft position and the one after the last draft are scored: num_drafts + 1 rows.
             spec_rows.append(list(range(len(rows), len(rows) + len(drafts) + 1)))
             for j in range(len(drafts) + 1):
                 logits_indices.append(end - 1 - len(drafts) + j)
-                rows.append(SequenceSamplingRow(seq, sample_index=seq.index, drafts=drafts[:j]))
+                rows.append(SequenceSamplingRow(seq, sample_index=seq.index, drafts=drafts[:j],
+                                                num_step_drafts=len(drafts)))
             continue
         for k in range(num_samples):
             logits_indices.append(end - 1)
@@ -230,8 +235,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         int64_arrays += list(spec_host[1:])
     input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = \
         stager.int64.transfer(int64_arrays)
-    if fill_positions:
-        input_ids_d[fill_positions_d] = previous_samples.token_ids[fill_rows_d]
+    if fill_positions:   # a rejected position's -1 feeds only a step that is discarded: keep it a valid id
+        input_ids_d[fill_positions_d] = previous_samples.token_ids[fill_rows_d].clamp_min(0)
     query_start_loc_d, seq_lens_d, block_tables_d = stager.int32.transfer([
         query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables])
     metadata = AttentionMetadata(
