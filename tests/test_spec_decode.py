@@ -130,8 +130,10 @@ def test_greedy_verification_accepts_while_argmax_matches():
 
 
 def test_greedy_fast_path_matches_rejection_sampling():
-    """All speculating rows greedy: `greedy_verify` gives the rows that rejection sampling and the scatter
-    give, for random drafts (some matching), draft counts and rows of sequences that do not speculate."""
+    """All speculating rows greedy: `greedy_verify` and its Triton kernel give the rows that rejection
+    sampling and the scatter give, for random drafts (some matching), draft counts and rows of sequences
+    that do not speculate."""
+    from minivllm.kernels.greedy_verify import greedy_verify_triton
     from minivllm.layers.sampler import Sampler
     from minivllm.spec_decode.rejection_sampler import greedy_verify
     generator = torch.Generator().manual_seed(0)
@@ -153,6 +155,8 @@ def test_greedy_fast_path_matches_rejection_sampling():
                                   uniform=torch.rand(4, k), residual_noise=None)
         reference = Sampler._verify(sampled, None, spec)   # uniform set: the general path
         assert torch.equal(greedy_verify(sampled, spec), reference)
+        # the one-launch kernel (Triton interpreter here), which writes into its input
+        assert torch.equal(greedy_verify_triton(sampled.clone(), row_index, num_drafts, drafts), reference)
 
 
 def test_sampler_verifies_greedy_drafts_next_to_random_rows():

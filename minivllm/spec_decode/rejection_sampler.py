@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+
 
 @dataclass
 class SpecDecodeMetadata:
@@ -47,21 +49,11 @@ def accept_mask(target_probs_of_drafts: torch.Tensor, draft_probs_of_drafts: tor
 
 
 def greedy_verify(sampled: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
-    """Every speculating row greedy: `sampled` [S] holds the argmax of every row. Returns [S] with the
-    rows past each sequence's first mismatch set to -1 (what `Sampler._verify` makes of
-    `rejection_sample`'s output), in about ten tensor ops: at batch 1 on a small model each op is a
-    kernel launch that costs the host as much as the GPU work it stands for.
-
-    Drafts past `num_drafts` are -1 and never equal an argmax, so they need no mask; padding entries of
-    `row_index` repeat a sequence's last row and get that row's own position, so each row is written
-    one value."""
-    num_seqs, k = spec.draft_token_ids.shape
-    target = sampled[spec.row_index]                                          # [N, K + 1]
-    num_accepted = (spec.draft_token_ids == target[:, :k]).cumprod(dim=1).sum(dim=1, keepdim=True)
-    positions = torch.arange(k + 1, device=sampled.device).unsqueeze(0)
-    positions = torch.minimum(positions, spec.num_drafts.unsqueeze(1))
-    values = torch.where(positions > num_accepted, -1, target)
-    return sampled.scatter(0, spec.row_index.flatten(), values.flatten())
+    """Every speculating row greedy: `sampled` [S] holds the argmax of every row (and is consumed).
+    Returns [S] with the rows past each sequence's first mismatch set to -1 (what `Sampler._verify` makes
+    of `rejection_sample`'s output): one kernel launch on CUDA, about ten tensor ops elsewhere."""
+    verify = greedy_verify_triton if sampled.is_cuda else greedy_verify_reference
+    return verify(sampled, spec.row_index, spec.num_drafts, spec.draft_token_ids)
 
 
 def rejection_sample(sampled: torch.Tensor, probs: torch.Tensor | None, spec: SpecDecodeMetadata

@@ -26,13 +26,9 @@ import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
-from minivllm.worker.inputs import ModelInputs
+from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs
 
 logger = logging.getLogger(__name__)
-
-# Longest query that runs as decode rows: each row reads its whole context, so long queries (prefill
-# chunks) belong to the varlen kernel, which reads it once per tile of queries.
-MAX_DECODE_ROWS_QUERY_LEN = 16
 
 
 def decode_row_block_tables(metadata: AttentionMetadata) -> torch.Tensor:
@@ -155,8 +151,13 @@ class CUDAGraphRunner:
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
         width = meta.block_tables.shape[1]
         if rows:   # one decode row per token (see the module docstring)
-            self.block_tables[:num_tokens, :width] = decode_row_block_tables(meta)
-            self.seq_lens[:num_tokens] = inputs.positions + 1
+            if inputs.decode_rows is not None:   # staged by prepare_inputs
+                seq_lens, block_tables = inputs.decode_rows
+                self.seq_lens[:num_tokens].copy_(seq_lens, non_blocking=True)
+                self.block_tables[:num_tokens, :width].copy_(block_tables, non_blocking=True)
+            else:
+                self.block_tables[:num_tokens, :width] = decode_row_block_tables(meta)
+                self.seq_lens[:num_tokens] = inputs.positions + 1
             batch = num_tokens
         else:
             self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)

@@ -44,12 +44,18 @@ class SequenceSamplingRow(SamplingRow):
                 + len(self.drafts))
 
 
+# Longest query that runs as decode rows: each row reads its whole context, so long queries (prefill
+# chunks) belong to the varlen kernel, which reads it once per tile of queries.
+MAX_DECODE_ROWS_QUERY_LEN = 16
+
+
 @dataclass
 class PreviousSamples:
     """The sampled ids of the step in flight, on the device, and which row holds each sequence's own token
-    (a verifying sequence's last row: its token if every draft is accepted)."""
+    (a verifying sequence's last row: its token if every draft is accepted, else -1)."""
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
+    verified: bool = False   # the step verified drafts: its rows may hold -1
 
 
 @dataclass
@@ -84,6 +90,10 @@ class ModelInputs:
     sampling_rows: list[SamplingRow]
     sample_row_of_seq: dict[int, int]  # seq_id -> the sampling row of its own next token
     spec: SpecLayout | None = None     # draft tokens to verify, if any sequence speculates
+    # Short queries (a verify step) as one decode row per token, staged with the rest: each token's
+    # context length (its position + 1) and its sequence's block-table row (see worker/cuda_graph.py).
+    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    samples_every_row: bool = False    # logits_indices is 0, 1, ..., T - 1 (plain decode, verify steps)
 
 
 class StagingBuffer:
@@ -235,16 +245,22 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         int64_arrays += list(spec_host[1:])
     input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = \
         stager.int64.transfer(int64_arrays)
-    if fill_positions:   # a rejected position's -1 feeds only a step that is discarded: keep it a valid id
-        input_ids_d[fill_positions_d] = previous_samples.token_ids[fill_rows_d].clamp_min(0)
-    query_start_loc_d, seq_lens_d, block_tables_d = stager.int32.transfer([
-        query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables])
+    if fill_positions:
+        filled = previous_samples.token_ids[fill_rows_d]
+        # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
+        input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled
+    int32_arrays = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
+    max_query_len = int(num_scheduled.max())
+    short_queries = 1 < max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
+    if short_queries:
+        int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
+    query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = stager.int32.transfer(int32_arrays)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping_d,
         query_start_loc=query_start_loc_d,
         seq_lens=seq_lens_d,
         block_tables=block_tables_d,
-        max_query_len=int(num_scheduled.max()),
+        max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=query_start_loc.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
@@ -256,6 +272,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
         logits_indices=logits_indices_d,
         sampling_rows=rows,
         sample_row_of_seq=sample_row_of_seq,
+        decode_rows=tuple(decode_rows) if short_queries else None,
+        samples_every_row=len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens)),
         spec=None if spec_host is None else SpecLayout(
             seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
             last_positions=positions[spec_host[4][:, 0] - 1],

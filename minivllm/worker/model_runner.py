@@ -235,7 +235,7 @@ class ModelRunner:
             self._previous_samples = None
             host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs)
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden if inputs.samples_every_row else hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask(None if drafts_on_host is None else
@@ -245,7 +245,7 @@ class ModelRunner:
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)
-        self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq)
+        self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq, inputs.spec is not None)
         host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs)
         return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs)
 
