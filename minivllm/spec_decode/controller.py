@@ -28,8 +28,9 @@ The n-gram proposer runs here (it needs only token ids). It does not wait for th
 sequence whose newest token is still being sampled gets the continuation of the latest match of the
 tokens before it, minus the match's first token, which stands for the one in flight (if the guess is
 wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing
-costs nothing, and a step that may speculate keeps the overlap of host and device work; only the step
-after a verify step waits (its token count is known only then). The cost of k > 0 is therefore the plain
+costs nothing, and a step that may speculate keeps the overlap of host and device work; the step after a
+verify step waits for it (its token count is known only then) unless `chains` lets it guess that every
+draft is accepted. The cost of k > 0 is therefore the plain
 step's plus, weighted by the chance that any sequence proposes, the verify step's extra. A device
 proposer (draft model) gets placeholders (-1) that the runner fills in; requests with penalties do not
 speculate with it (the penalties of a verified position count the drafts before it, which are not on
