@@ -30,7 +30,7 @@ def greedy_verify_reference(sampled: torch.Tensor, row_index: torch.Tensor, num_
 
 
 @triton.jit
-def _greedy_verify_kernel(sampled_ptr, out_ptr, row_index_ptr, num_drafts_ptr, drafts_ptr,
+def _greedy_verify_kernel(sampled_ptr, row_index_ptr, num_drafts_ptr, drafts_ptr,
                           K: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
@@ -43,7 +43,7 @@ def _greedy_verify_kernel(sampled_ptr, out_ptr, row_index_ptr, num_drafts_ptr, d
     stops = (drafts != target) | (j >= num_drafts)
     num_accepted = tl.min(tl.where(stops, j, K + 1), axis=0)
     position = tl.minimum(j, num_drafts)
-    tl.store(out_ptr + rows, tl.where(position > num_accepted, -1, target), mask=in_row)
+    tl.store(sampled_ptr + rows, tl.where(position > num_accepted, -1, target), mask=in_row)
 
 
 def greedy_verify_triton(sampled: torch.Tensor, row_index: torch.Tensor, num_drafts: torch.Tensor,
@@ -51,6 +51,6 @@ def greedy_verify_triton(sampled: torch.Tensor, row_index: torch.Tensor, num_dra
     """As `greedy_verify_reference`, in one launch, writing into `sampled` (each program reads its own
     sequence's rows before it writes them, and no two sequences share a row). Returns `sampled`."""
     num_seqs, k = draft_token_ids.shape
-    _greedy_verify_kernel[(num_seqs,)](sampled, sampled, row_index.contiguous(), num_drafts.contiguous(),
+    _greedy_verify_kernel[(num_seqs,)](sampled, row_index.contiguous(), num_drafts.contiguous(),
                                        draft_token_ids.contiguous(), K=k, BLOCK=triton.next_power_of_2(k + 1))
     return sampled
