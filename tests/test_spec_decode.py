@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import EXPLORE_EVERY, EXPLORE_SEQS, SpeculationController
+from minivllm.spec_decode.controller import EXPLORE_EVERY, EXPLORE_SEQS, QUIET_STEPS, SpeculationController
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from tests.conftest import make_tiny_hf_checkpoint
@@ -48,8 +49,11 @@ def test_ngram_matches_a_brute_force_search():
         return []
 
     rng = np.random.default_rng(0)
-    for _ in range(2000):
-        tokens = rng.integers(0, 4, rng.integers(1, 40)).tolist()
+    # Ids whose int32 bytes overlap when shifted (0, 1, 256, 65536): some n-grams also occur at an offset
+    # that straddles tokens, which must not count as a match.
+    alphabets = (np.arange(4), np.array([0, 1, 256, 65536]))
+    for i in range(4000):
+        tokens = rng.choice(alphabets[i % 2], rng.integers(1, 40)).tolist()
         low = int(rng.integers(1, 4))
         high, k = int(rng.integers(low, 6)), int(rng.integers(1, 6))
         assert NgramProposer(low, high).propose(tokens, k) == brute_force(tokens, k, low, high), (tokens, low, high)
@@ -259,8 +263,13 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     seqs = _decoding_batch(256)
     controller.observe_step(256, 0.028, speculative=False)     # decode step of the batch
     controller.observe_step(8192, 0.600, speculative=False)    # a prefill step
+    evaluations = []
+    rates = controller.rates
+    controller.rates = lambda seqs: evaluations.append(1) or rates(seqs)
     ks = [controller.choose_k(seqs) for _ in range(EXPLORE_EVERY)]
     assert ks[:-1] == [0] * (EXPLORE_EVERY - 1) and ks[-1] == 4
+    # Off by a wide margin: the estimate is redone only every QUIET_STEPS + 1 steps (it costs host time per sequence).
+    assert len(evaluations) == -(-EXPLORE_EVERY // (QUIET_STEPS + 1))
     tried = []
     for _ in range(3):   # each try: EXPLORE_SEQS sequences, the next ones each time
         controller._exploring = True
@@ -270,6 +279,26 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     assert controller.choose_k(seqs) == 0 and controller.propose(seqs, 0) == 0
 
 
+def test_chaining_behind_a_verify_step_weighs_the_host_gap_against_a_wasted_step():
+    """Chain when (1 - p) max(0, D - G) < p G: at batch 1 on a small model (a plain step D = 1.1 ms, host gap
+    G = 1.0 ms) even after a rejection; on a large one (D = 5 ms) only after a fully accepted verification
+    when such runs go on; before G is measured, only after a fully accepted verification."""
+    seq = _decoding_batch(1)[0]
+    step = SimpleNamespace(seqs=[seq], spec_token_ids=[[6, 5, 6]])
+    for plain, after_rejection, after_full in ((0.0011, True, True), (0.005, False, True)):
+        controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1024)
+        controller.observe_step(1, plain, speculative=False)
+        for accepted in ([3] * 9 + [1, 0, 0]) * 2:   # runs of full acceptance, and of rejections
+            controller.observe_verification(seq, 3, accepted)
+        assert controller.full_acceptance_rate(True) > 0.8 and controller.full_acceptance_rate(False) < 0.5
+        controller.observe_verification(seq, 3, 1)
+        assert controller.chains(step) is False    # G not measured yet: the last verification rejected
+        controller.observe_host_gap(0.0010)
+        assert controller.chains(step) is after_rejection
+        controller.observe_verification(seq, 3, 3)
+        assert controller.chains(step) is after_full
+
+
 def test_ngram_without_matches_lowers_the_proposal_rate():
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
                                        max_model_len=1024)
@@ -277,9 +306,9 @@ def test_ngram_without_matches_lowers_the_proposal_rate():
     seq = group.seqs[0]
     seq.append_token(99)
     seq.num_computed_tokens = 10
-    before = controller.proposal_rate(seq)
+    before = controller.rates([seq])[1][0]
     assert controller.propose([seq], 3) == 0 and seq.spec_token_ids == []
-    assert controller.proposal_rate(seq) < before
+    assert controller.rates([seq])[1][0] < before
 
 
 # ---- the engine: greedy exactness ------------------------------------------------------------------------------
@@ -382,6 +411,7 @@ def test_steps_chained_behind_a_verify_step_keep_greedy_identical(tiny_model, en
     assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
     engine = llm.llm_engine
     assert engine.spec.num_chained_steps > 0 and engine.scheduler.num_discarded_steps > 0
+    assert engine.spec._host_gap > 0   # measured after the verify steps that were not chained
     assert engine.get_stats().num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -436,6 +466,8 @@ def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.get_stats().spec_decode.num_draft_tokens > 0
+    # Nor per-sequence controller state (acceptance counts, n-gram histories) of finished or aborted requests.
+    assert not engine.spec._seq_counts and not engine.spec._histories and not engine.spec._fully_accepted
 
 
 # ---- the engine: sampling distribution -------------------------------------------------------------------------

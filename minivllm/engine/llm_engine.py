@@ -120,6 +120,7 @@ class LLMEngine:
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
         self._last_launch: tuple[int, bool, float] | None = None  # (tokens, verified, when) of the last step
+        self._read_back_at = 0.0   # when the last step read back became available on the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         spec_config = SpeculativeConfig.from_dict(config.speculative_config)
@@ -171,6 +172,8 @@ class LLMEngine:
             if group is not None:
                 for seq in group.seqs:
                     self._outputs.pop(seq.seq_id, None)
+                    if self.spec is not None:
+                        self.spec.forget(seq.seq_id)
                 self._prompt_logprobs_out.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -191,8 +194,10 @@ class LLMEngine:
         # made after the next step is launched, while the GPU runs.
         num_drafts = self.spec.choose_k(self.scheduler.running) if self.spec is not None else 0
         synced: list[SequenceGroup] = []
+        waited_for_verify = False
         if self._in_flight is not None and (self._in_flight.needs_sync or (
                 num_drafts and not self.spec.proposes_behind(self.scheduler.running))):
+            waited_for_verify = bool(self._in_flight.scheduler_output.spec_token_ids)
             synced = self._update_in_flight()
         if self.spec is not None and self.spec.propose(self.scheduler.running, num_drafts):
             self.structured_output.truncate_drafts(self.scheduler.running)
@@ -212,6 +217,8 @@ class LLMEngine:
                                      needs_sync)
             if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                 self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
+            if waited_for_verify:   # the device idled from the read-back until now (see SpeculationController.chains)
+                self.spec.observe_host_gap(time.perf_counter() - self._read_back_at)
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
@@ -259,6 +266,7 @@ class LLMEngine:
         scheduler_output, pending, _ = self._in_flight
         self._in_flight = None
         model_output = pending.result()
+        self._read_back_at = time.perf_counter()
         if model_output.prompt_logprobs:
             self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)

@@ -17,12 +17,14 @@ A plain step of a size never measured is estimated by linear interpolation in th
 the measured buckets around it, prefill chunks included (a step's cost is about affine in its tokens),
 or, with none above it, assumed to cost the plain step below: at batch 1 a verify step is then tried
 and judged on its measured extra, while at high load, where verifying B * (1 + k) tokens costs like a
-prefill of that size, k stays 0 without trying. While k stays 0,
-speculation is tried again after `EXPLORE_EVERY` plain steps, so a workload that turns repetitive is
-noticed, but only by `EXPLORE_SEQS` sequences (in turn): a try costs a few tokens, not a verify step of
-the whole batch (at 256 x 512 -> 256 on an H100, whole-batch tries cost 4.6% of throughput). Each try
+prefill of that size, k stays 0 without trying. While k stays 0, speculation is tried again after
+`EXPLORE_EVERY` plain steps, so a workload that turns repetitive is noticed, but only by `EXPLORE_SEQS`
+sequences (in turn): a try costs a few tokens, not a verify step of the whole batch (at 256 x 512 -> 256
+on an H100, whole-batch tries cost 4.6% of throughput). Each try
 that does not switch speculation back on doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer
-that never pays (a draft too weak for the target) costs almost nothing.
+that never pays (a draft too weak for the target) costs almost nothing. The estimate runs every step
+over every sequence; when k = 0 wins by a wide margin (drafts would
+cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1 steps.
 
 The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
 sequence whose newest token is still being sampled gets the continuation of the latest match of the
@@ -30,29 +32,32 @@ tokens before it, minus the match's first token, which stands for the one in fli
 wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing
 costs nothing, and a step that may speculate keeps the overlap of host and device work; the step after a
 verify step waits for it (its token count is known only then) unless `chains` lets it guess that every
-draft is accepted. The cost of k > 0 is therefore the plain
-step's plus, weighted by the chance that any sequence proposes, the verify step's extra. A device
-proposer (draft model) gets placeholders (-1) that the runner fills in; requests with penalties do not
-speculate with it (the penalties of a verified position count the drafts before it, which are not on
-the host).
+draft is accepted (a rule that weighs the host gap it saves against the step it may waste). The cost of
+k > 0 is therefore the plain step's plus, weighted by the chance that any sequence proposes, the verify
+step's extra. A device proposer (draft model) gets placeholders (-1) that the runner fills in; requests
+with penalties do not speculate with it (the penalties of a verified position count the drafts before
+it, which are not on the host).
 """
 from __future__ import annotations
 
 import math
 import statistics
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.ngram import NgramProposer
+from minivllm.spec_decode.ngram import NgramProposer, token_history
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
+_NO_COUNTS = (0, 0, 0, 0)
 _COST_WINDOW = 8         # recent step times kept per bucket (their median is the cost: compiles are outliers)
 EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried again ...
 MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
 EXPLORE_SEQS = 4          # sequences that speculate in such a try
+QUIET_MARGIN, QUIET_STEPS = 0.8, 3   # k = 0 because drafts would cost > 20% of throughput: decide again in 3 steps
 
 
 @dataclass
@@ -79,11 +84,19 @@ class SpeculationController:
         self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
         self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
         self._spec_extra: dict[int, deque] = {}              # ... verify steps: seconds above a plain step
+        # Their medians, kept up to date as steps are observed: choose_k reads them several times a step.
+        self._plain_median: dict[int, float] = {}
+        self._extra_median: dict[int, float] = {}
+        self._histories: dict[int, array] = {}               # seq_id -> its token ids, for n-gram lookups
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
+        self._quiet_steps = 0
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
         self._fully_accepted: set[int] = set()   # sequences whose last verification accepted every draft
+        self._full_after = {True: [0, 0], False: [0, 0]}   # (fully accepted, verifications) after one that was (not)
+        self._host_gaps: deque = deque(maxlen=_COST_WINDOW)   # device idle after an unchained verify step
+        self._host_gap: float | None = None
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
 
     def reset_stats(self) -> None:
@@ -92,45 +105,43 @@ class SpeculationController:
     # ---- decisions ---------------------------------------------------------------------------------
     def _cap(self, seq: Sequence) -> int:
         """Most drafts `seq` may take: every token of a verify step may be kept, so stay inside its limits."""
-        params = seq.sampling_params
-        cap = min(self.max_k, self.max_model_len - seq.num_total_tokens - 1)
+        params = seq.group.sampling_params
+        total = len(seq.token_ids) + seq.num_pending_tokens   # (attributes, not properties: choose_k runs
+        cap = min(self.max_k, self.max_model_len - total - 1)  # this for every sequence every step)
         if params.max_tokens is not None:
-            cap = min(cap, params.max_tokens - seq.num_output_tokens - seq.num_pending_tokens - 1)
+            cap = min(cap, params.max_tokens - (total - seq.num_prompt_tokens) - 1)
         if self.ngram is None and params.uses_penalties:
             return 0
         return max(cap, 0)
 
-    def acceptance_rate(self, seq: Sequence) -> float:
-        global_rate = (self._num_accepted + 1) / (self._num_accepted + self._num_rejections + 2)
-        accepted, rejected, _, _ = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
-        return (accepted + _PRIOR_WEIGHT * global_rate) / (accepted + rejected + _PRIOR_WEIGHT)
-
-    def proposal_rate(self, seq: Sequence) -> float:
-        global_rate = (self._num_proposed + 1) / (self._num_tries + 2)
-        _, _, proposed, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
-        return (proposed + _PRIOR_WEIGHT * global_rate) / (tries + _PRIOR_WEIGHT)
+    def rates(self, seqs: list[Sequence]) -> tuple[list[float], list[float]]:
+        """Each sequence's acceptance rate per draft and proposal rate (the share of its tries in which the
+        proposer had anything), its counts with `_PRIOR_WEIGHT` pseudo-counts of the global rates."""
+        prior_accepted = _PRIOR_WEIGHT * (self._num_accepted + 1) / (self._num_accepted + self._num_rejections + 2)
+        prior_proposed = _PRIOR_WEIGHT * (self._num_proposed + 1) / (self._num_tries + 2)
+        counts = [self._seq_counts.get(s.seq_id, _NO_COUNTS) for s in seqs]
+        return ([(accepted + prior_accepted) / (accepted + rejected + _PRIOR_WEIGHT)
+                 for accepted, rejected, _, _ in counts],
+                [(proposed + prior_proposed) / (tries + _PRIOR_WEIGHT) for _, _, proposed, tries in counts])
 
     def plain_cost(self, num_tokens: int) -> float | None:
         """The median recent cost of plain steps in the largest measured bucket up to `num_tokens`."""
         bucket = _bucket(num_tokens)
-        known = [b for b in self._plain_cost if b <= bucket]
-        return statistics.median(self._plain_cost[max(known)]) if known else None
+        known = [b for b in self._plain_median if b <= bucket]
+        return self._plain_median[max(known)] if known else None
 
     def _plain_cost_at(self, num_tokens: int) -> float | None:
         """Plain steps' cost interpolated at `num_tokens`: affine between the measured buckets around it
         (prefill chunks included), or the bucket below when none is above."""
         bucket = _bucket(num_tokens)
-        below = [b for b in self._plain_cost if b <= bucket]
-        above = [b for b in self._plain_cost if b > bucket]
-        if not below:
+        medians = self._plain_median
+        low = max((b for b in medians if b <= bucket), default=None)
+        if low is None:
             return None
-        low = max(below)
-        low_cost = statistics.median(self._plain_cost[low])
-        if not above:
-            return low_cost
-        high = min(above)
-        high_cost = statistics.median(self._plain_cost[high])
-        return low_cost + (high_cost - low_cost) * (num_tokens - low) / (high - low)
+        high = min((b for b in medians if b > bucket), default=None)
+        if high is None:
+            return medians[low]
+        return medians[low] + (medians[high] - medians[low]) * (num_tokens - low) / (high - low)
 
     def _estimated_verify_cost(self, num_tokens: int) -> float | None:
         """A plain step of the same size plus what verifying adds (mostly host work that waits for the
@@ -138,11 +149,11 @@ class SpeculationController:
         against the plain cost at its own size. So a try by a few sequences of a large batch does not
         price a verify step of the whole batch, which has many more tokens."""
         plain = self._plain_cost_at(num_tokens)
-        if plain is None or not self._spec_extra:
+        if plain is None or not self._extra_median:
             return plain
         bits = _bucket(num_tokens).bit_length()
-        nearest = min(self._spec_extra, key=lambda b: (abs(b.bit_length() - bits), b))
-        return plain + max(0.0, statistics.median(self._spec_extra[nearest]))
+        nearest = min(self._extra_median, key=lambda b: (abs(b.bit_length() - bits), b))
+        return plain + max(0.0, self._extra_median[nearest])
 
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
@@ -151,28 +162,40 @@ class SpeculationController:
             return 0
         if not self.config.adaptive:
             return self.max_k
-        rates = [min(self.acceptance_rate(s), 0.999) for s in decoding]
-        hits = [self.proposal_rate(s) for s in decoding]
+        if self._quiet_steps:   # off by a wide margin last time: its inputs move slowly, so skip a few
+            self._quiet_steps -= 1
+            return self._plain_step()
+        rates, hits = self.rates(decoding)
         caps = [self._cap(s) for s in decoding]
         plain_cost = self.plain_cost(len(running)) or 1.0
         best_k, best_rate = 0, len(decoding) / plain_cost
+        best_speculative = 0.0
         # A lookup that finds nothing leaves a plain step (n-gram: no wait for the step in flight).
-        behind = self.proposes_behind(running)
-        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if behind else 1.0
+        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if self.proposes_behind(running) else 1.0
         self._exploring = False
+        # E[tokens](k) = sum over sequences of 1 + h (a + a^2 + ... + a^min(k, cap)): one more power per k.
+        terms, expected, num_tokens = hits, float(len(decoding)), len(running)
         for k in range(1, self.max_k + 1):
-            num_tokens = len(running) + sum(min(k, c) for c in caps)
+            terms = [t * a if c >= k else 0.0 for t, a, c in zip(terms, rates, caps)]
+            expected += sum(terms)
+            num_tokens += sum(c >= k for c in caps)
             verify_cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
             cost = plain_cost + any_proposes * (verify_cost - plain_cost)
-            expected = sum(1 + h * a * (1 - a ** min(k, c)) / (1 - a) for a, h, c in zip(rates, hits, caps))
             # Drafts must earn a clear gain: lookups cost host time (11 ms a step for 256 sequences on
             # the H100's host), and as proposals get rare both the gain and the verify steps' share of
             # the cost go to 0, which without a margin would keep every sequence looking.
+            best_speculative = max(best_speculative, expected / cost)
             if expected / cost > best_rate * 1.02:
                 best_k, best_rate = k, expected / cost
         if best_k:
             self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
             return best_k
+        if best_speculative < QUIET_MARGIN * best_rate:
+            self._quiet_steps = QUIET_STEPS
+        return self._plain_step()
+
+    def _plain_step(self) -> int:
+        """k = 0, or every `_explore_every` such steps a try with every draft."""
         self._plain_steps += 1
         if self._plain_steps >= self._explore_every:
             self._plain_steps = 0
@@ -191,13 +214,29 @@ class SpeculationController:
 
     def chains(self, scheduled: SchedulerOutput) -> bool:
         """Whether the step after `scheduled` (a verify step) may be scheduled and launched before it is read
-        back, as if every draft were accepted: every verifying sequence's proposals need no wait and its
-        last verification accepted every draft (copying runs on: the guess is right about nine times in
-        ten on the real model's grounded prompts). A wrong guess costs the step launched behind, which the
-        scheduler discards for that sequence; a right one saves the host work that would wait for this
-        step while the device idles."""
-        return all(not drafts or (seq.seq_id in self._fully_accepted and self.proposes_behind([seq]))
-                   for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids))
+        back, as if every draft were accepted (every verifying sequence's proposals must need no wait).
+
+        Not chaining leaves the device idle while the host reads the result back and prepares the next
+        step: the measured host gap G. Chaining saves G when every draft is accepted; when not, the step
+        launched behind is discarded for the sequences that rejected, and the next real step waits for it
+        on the device, which costs max(0, D - G) with D a plain step's cost (the host prepares the real
+        step meanwhile). So chain when (1 - p) max(0, D - G) < p G, p the chance that all drafts are
+        accepted given the sequence's last verification (measured: copying runs on). At batch 1 on a
+        small model D is about G and nearly every verify step chains; on a large one D >> G and only
+        runs of accepted drafts do. Until G is measured: chain after a fully accepted verification."""
+        verifying = [seq for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids) if drafts]
+        if not all(self.proposes_behind([seq]) for seq in verifying):
+            return False
+        plain_cost = self.plain_cost(len(scheduled.seqs))
+        if self._host_gap is None or plain_cost is None:
+            return all(seq.seq_id in self._fully_accepted for seq in verifying)
+        p = sum(self.full_acceptance_rate(seq.seq_id in self._fully_accepted) for seq in verifying) / len(verifying)
+        return (1.0 - p) * max(0.0, plain_cost - self._host_gap) < p * self._host_gap
+
+    def full_acceptance_rate(self, last_fully_accepted: bool) -> float:
+        """The share of verifications that accepted every draft, after one that did (or did not)."""
+        full, total = self._full_after[last_fully_accepted]
+        return (full + 1) / (total + 2)
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
@@ -218,7 +257,9 @@ class SpeculationController:
                 continue
             cap = min(k, self._cap(seq))
             if self.ngram is not None:
-                history = seq.token_ids + seq.drafts_in_flight if seq.drafts_in_flight else seq.token_ids
+                history = self._history(seq)
+                if seq.drafts_in_flight:
+                    history = history + token_history(seq.drafts_in_flight)
                 seq.spec_token_ids = (self.ngram.propose(history, cap + 1)[1:] if behind
                                       else self.ngram.propose(history, cap))
                 self.num_proposed_behind += bool(behind and seq.spec_token_ids)
@@ -229,14 +270,35 @@ class SpeculationController:
             count += bool(seq.spec_token_ids)
         return count
 
+    def _history(self, seq: Sequence) -> array:
+        """`seq`'s token ids as an n-gram history, extended by the tokens appended since the last lookup
+        (a running sequence's tokens are only ever appended)."""
+        history = self._histories.get(seq.seq_id)
+        tokens = seq.token_ids
+        if history is None or len(history) > len(tokens):
+            history = self._histories[seq.seq_id] = token_history(tokens)
+        elif len(history) < len(tokens):
+            history.extend(tokens[len(history):])
+        return history
+
     # ---- feedback ----------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, speculative: bool) -> None:
+        bucket = _bucket(num_tokens)
         if not speculative:
-            self._plain_cost.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds)
+            window = self._plain_cost.setdefault(bucket, deque(maxlen=_COST_WINDOW))
+            window.append(seconds)
+            self._plain_median[bucket] = statistics.median(window)
             return
         plain = self._plain_cost_at(num_tokens)
         if plain is not None:
-            self._spec_extra.setdefault(_bucket(num_tokens), deque(maxlen=_COST_WINDOW)).append(seconds - plain)
+            window = self._spec_extra.setdefault(bucket, deque(maxlen=_COST_WINDOW))
+            window.append(seconds - plain)
+            self._extra_median[bucket] = statistics.median(window)
+
+    def observe_host_gap(self, seconds: float) -> None:
+        """Host time from reading an unchained verify step back to launching the next step (the device idles)."""
+        self._host_gaps.append(seconds)
+        self._host_gap = statistics.median(self._host_gaps)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats
@@ -245,7 +307,10 @@ class SpeculationController:
         stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             stats.accepted_per_position[j] += 1
-        if num_accepted == num_drafts:
+        full, last_full = num_accepted == num_drafts, seq.seq_id in self._fully_accepted
+        self._full_after[last_full][0] += full
+        self._full_after[last_full][1] += 1
+        if full:
             self._fully_accepted.add(seq.seq_id)
         else:
             self._fully_accepted.discard(seq.seq_id)
@@ -264,4 +329,5 @@ class SpeculationController:
 
     def forget(self, seq_id: int) -> None:
         self._seq_counts.pop(seq_id, None)
+        self._histories.pop(seq_id, None)
         self._fully_accepted.discard(seq_id)
