@@ -24,7 +24,9 @@ on an H100, whole-batch tries cost 4.6% of throughput). Each try
 that does not switch speculation back on doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer
 that never pays (a draft too weak for the target) costs almost nothing. The estimate runs every step
 over every sequence; when k = 0 wins by a wide margin (drafts would
-cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1 steps.
+cost over a fifth of the throughput), or at batches of `QUIET_BATCH` or more, where an estimate costs the
+host a fraction of a millisecond (0.6 ms at 256 sequences on the H100's host), it is redone only every
+`QUIET_STEPS` + 1 steps.
 
 The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
 sequence whose newest token is still being sampled gets the continuation of the latest match of the
@@ -57,7 +59,9 @@ _COST_WINDOW = 8         # recent step times kept per bucket (their median is th
 EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried again ...
 MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
 EXPLORE_SEQS = 4          # sequences that speculate in such a try
-QUIET_MARGIN, QUIET_STEPS = 0.8, 3   # k = 0 because drafts would cost > 20% of throughput: decide again in 3 steps
+# k = 0 because drafts would cost > 20% of throughput, or at a batch where one estimate costs the host more
+# than 0.1 ms: decide again in 3 steps.
+QUIET_MARGIN, QUIET_BATCH, QUIET_STEPS = 0.8, 32, 3
 
 
 @dataclass
@@ -190,7 +194,7 @@ class SpeculationController:
         if best_k:
             self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
             return best_k
-        if best_speculative < QUIET_MARGIN * best_rate:
+        if best_speculative < QUIET_MARGIN * best_rate or len(decoding) >= QUIET_BATCH:
             self._quiet_steps = QUIET_STEPS
         return self._plain_step()
 
@@ -247,7 +251,8 @@ class SpeculationController:
             trying = {id(s) for s in (running[start:] + running[:start])[:EXPLORE_SEQS]}
             self._explore_offset += EXPLORE_SEQS
         for seq in running:
-            seq.spec_token_ids = []
+            if seq.spec_token_ids:
+                seq.spec_token_ids = []
             # 1: its newest token is still in flight, maybe behind the drafts of a verify step in flight
             behind = seq.num_pending_tokens - len(seq.drafts_in_flight)
             if (k == 0 or behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + seq.num_pending_tokens
