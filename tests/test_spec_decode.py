@@ -449,10 +449,13 @@ def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
-def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
+@pytest.mark.parametrize("always_chain", [False, True])
+def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model, always_chain):
     llm = _tiny_llm(tiny_model, speculative_config=NGRAM, num_gpu_blocks_override=48, block_size=4, max_model_len=128,
                     async_scheduling=True)
     engine = llm.llm_engine
+    if always_chain:   # so that aborts land while a verify step of the request is still in flight
+        engine.spec.chains = lambda scheduled: True
     prompts = _repetitive_prompts(12, seed=2)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=0 if i % 2 else 0.8, max_tokens=40, ignore_eos=True, n=1 + (i % 3 == 0))

@@ -284,7 +284,7 @@ class LLMEngine:
         if scheduler_output.spec_token_ids:
             for seq, drafts, samples, dropped in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
                                                      model_output.sampled_token_ids, discarded):
-                if drafts and samples and not dropped:
+                if drafts and samples and not dropped and not seq.is_finished:   # (not aborted meanwhile)
                     self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
 
     @staticmethod
