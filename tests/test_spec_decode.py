@@ -214,16 +214,16 @@ def test_adaptive_controller_turns_speculation_off_when_verification_costs_too_m
     assert controller.choose_k([seq]) == 4           # nothing measured: optimistic
     for _ in range(5):
         controller.observe_verification(seq, 4, 1)   # low acceptance (~0.2 per token)
-    controller.observe_step(1, 0.010, speculative=False)
+    controller.observe_step(1, 1, 0.010, speculative=False)
     for num_tokens, seconds in ((2, 0.016), (3, 0.024), (5, 0.030)):
-        controller.observe_step(num_tokens, seconds, speculative=True)  # verifying 4 drafts costs 3x a decode
+        controller.observe_step(num_tokens, 1, seconds, speculative=True)  # verifying 4 drafts costs 3x a decode
     ks = [controller.choose_k([seq]) for _ in range(3 * EXPLORE_EVERY)]
     tries = [i for i, k in enumerate(ks) if k]   # off, but tried again after 32, then 64 more plain steps
     assert tries == [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1] and set(ks) == {0, 4}
     for _ in range(50):
         controller.observe_verification(seq, 4, 4)   # high acceptance
     for num_tokens in (2, 3, 5) * 20:
-        controller.observe_step(num_tokens, 0.011, speculative=True)   # and cheap verification: on again
+        controller.observe_step(num_tokens, 1, 0.011, speculative=True)   # and cheap verification: on again
     assert controller.choose_k([seq]) == 4
 
 
@@ -245,13 +245,13 @@ def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=1, prompt_lookup_min=1),
                                        max_model_len=1024)
     seqs = _decoding_batch(256)
-    controller.observe_step(256, 0.028, speculative=False)     # decode step of the batch
-    controller.observe_step(4096, 0.300, speculative=False)    # a prefill step
+    controller.observe_step(256, 256, 0.028, speculative=False)     # decode step of the batch
+    controller.observe_step(4096, 8, 0.300, speculative=False)    # a prefill step
     for seq in seqs[:4]:
         controller.observe_verification(seq, 1, 1)
-    controller.observe_step(260, 0.031, speculative=True)      # the try
+    controller.observe_step(260, 256, 0.031, speculative=True)      # the try
     assert controller.choose_k(seqs) == 0
-    assert controller._estimated_verify_cost(512) > 0.045      # about a 512-token prefill step, plus the extra
+    assert controller._estimated_verify_cost(512, 256) > 0.045      # about a 512-token prefill step, plus the extra
 
 
 def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
@@ -261,8 +261,8 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
                                        max_model_len=1024)
     seqs = _decoding_batch(256)
-    controller.observe_step(256, 0.028, speculative=False)     # decode step of the batch
-    controller.observe_step(8192, 0.600, speculative=False)    # a prefill step
+    controller.observe_step(256, 256, 0.028, speculative=False)     # decode step of the batch
+    controller.observe_step(8192, 16, 0.600, speculative=False)    # a prefill step
     evaluations = []
     rates = controller.rates
     controller.rates = lambda seqs: evaluations.append(1) or rates(seqs)
@@ -287,7 +287,7 @@ def test_chaining_behind_a_verify_step_weighs_the_host_gap_against_a_wasted_step
     step = SimpleNamespace(seqs=[seq], spec_token_ids=[[6, 5, 6]])
     for plain, after_rejection, after_full in ((0.0011, True, True), (0.005, False, True)):
         controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1024)
-        controller.observe_step(1, plain, speculative=False)
+        controller.observe_step(1, 1, plain, speculative=False)
         for accepted in ([3] * 9 + [1, 0, 0]) * 2:   # runs of full acceptance, and of rejections
             controller.observe_verification(seq, 3, accepted)
         assert controller.full_acceptance_rate(True) > 0.8 and controller.full_acceptance_rate(False) < 0.5
@@ -543,7 +543,7 @@ def test_step_costs_are_timed_launch_to_launch_for_sampling_steps_only(tiny_mode
                     max_num_batched_tokens=16, max_num_seqs=4)
     engine = llm.llm_engine
     observed, launched = [], []
-    engine.spec.observe_step = lambda num_tokens, seconds, speculative: observed.append((num_tokens, seconds))
+    engine.spec.observe_step = lambda num_tokens, num_seqs, seconds, speculative: observed.append((num_tokens, seconds))
     execute = engine.runner.execute_async
 
     def recording(scheduler_output, *args):

@@ -119,7 +119,7 @@ class LLMEngine:
         self._outputs: dict[int, _SeqOutputState] = {}
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
-        self._last_launch: tuple[int, bool, float] | None = None  # (tokens, verified, when) of the last step
+        self._last_launch: tuple[int, int, bool, float] | None = None  # (tokens, seqs, verified, when) of the last step
         self._read_back_at = 0.0   # when the last step read back became available on the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -241,13 +241,14 @@ class LLMEngine:
         verify step's device time). The chain breaks when the engine runs dry (the gap is idle time)."""
         now = time.perf_counter()
         if self._last_launch is not None and launched is not None:
-            num_tokens, speculative, when = self._last_launch
-            self.spec.observe_step(num_tokens, now - when, speculative)
+            num_tokens, num_seqs, speculative, when = self._last_launch
+            self.spec.observe_step(num_tokens, num_seqs, now - when, speculative)
         self._last_launch = None
         # A step that samples nothing (a prompt chunk) is never waited for: the host launches the next
         # one at its own pace, so the gap says nothing of the step's cost.
         if launched is not None and any(launched.num_samples) and self.scheduler.has_unfinished_requests():
-            self._last_launch = (launched.total_num_scheduled_tokens, bool(launched.spec_token_ids), now)
+            self._last_launch = (launched.total_num_scheduled_tokens, len(launched.seqs), bool(launched.spec_token_ids),
+                                 now)
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
                          device_drafts: dict[int, list[int]] | None = None):

@@ -12,7 +12,8 @@ a prior from all sequences. A step's cost is the time from its launch to the nex
 measures it): a verify step gives up the overlap of host work with the device (async scheduling), so
 its cost includes the host work that waited for its result. Plain costs are the median of the last few
 steps in each power-of-two bucket of scheduled tokens; a verify step is priced as a plain step of its
-size plus the median extra that recent verify steps of about that size cost over the plain estimate.
+size plus the median extra that recent verify steps of about as many sequences cost over the plain
+estimate.
 A plain step of a size never measured is estimated by linear interpolation in the token count between
 the measured buckets around it, prefill chunks included (a step's cost is about affine in its tokens),
 or, with none above it, assumed to cost the plain step below: at batch 1 a verify step is then tried
@@ -87,7 +88,7 @@ class SpeculationController:
         self.reset_stats()
         self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
         self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
-        self._spec_extra: dict[int, deque] = {}              # ... verify steps: seconds above a plain step
+        self._spec_extra: dict[int, deque] = {}              # sequence bucket -> verify steps' seconds above a plain step
         # Their medians, kept up to date as steps are observed: choose_k reads them several times a step.
         self._plain_median: dict[int, float] = {}
         self._extra_median: dict[int, float] = {}
@@ -147,15 +148,18 @@ class SpeculationController:
             return medians[low]
         return medians[low] + (medians[high] - medians[low]) * (num_tokens - low) / (high - low)
 
-    def _estimated_verify_cost(self, num_tokens: int) -> float | None:
-        """A plain step of the same size plus what verifying adds (mostly host work that waits for the
-        result): the median extra of recent verify steps in the nearest measured bucket, each taken
-        against the plain cost at its own size. So a try by a few sequences of a large batch does not
-        price a verify step of the whole batch, which has many more tokens."""
+    def _estimated_verify_cost(self, num_tokens: int, num_seqs: int) -> float | None:
+        """A plain step of the same size plus what verifying adds: the median extra over the plain estimate
+        of recent verify steps of about as many sequences (the nearest measured bucket). The extra is
+        mostly host work per sequence that waits for the result, not per draft: keyed by tokens, the
+        draft lengths of one batch fell into different buckets whose few samples (chained verify steps
+        cost little, unchained ones a host step more) made k = 3 look cheaper than k = 5 at random. So a
+        try by a few sequences of a large batch prices the whole batch's verify step only by its extra,
+        the tokens being priced as a plain step."""
         plain = self._plain_cost_at(num_tokens)
         if plain is None or not self._extra_median:
             return plain
-        bits = _bucket(num_tokens).bit_length()
+        bits = _bucket(num_seqs).bit_length()
         nearest = min(self._extra_median, key=lambda b: (abs(b.bit_length() - bits), b))
         return plain + max(0.0, self._extra_median[nearest])
 
@@ -183,7 +187,7 @@ class SpeculationController:
             terms = [t * a if c >= k else 0.0 for t, a, c in zip(terms, rates, caps)]
             expected += sum(terms)
             num_tokens += sum(c >= k for c in caps)
-            verify_cost = max(self._estimated_verify_cost(num_tokens) or 0.0, plain_cost)
+            verify_cost = max(self._estimated_verify_cost(num_tokens, len(running)) or 0.0, plain_cost)
             cost = plain_cost + any_proposes * (verify_cost - plain_cost)
             # Drafts must earn a clear gain: lookups cost host time (11 ms a step for 256 sequences on
             # the H100's host), and as proposals get rare both the gain and the verify steps' share of
@@ -287,15 +291,16 @@ class SpeculationController:
         return history
 
     # ---- feedback ----------------------------------------------------------------------------------
-    def observe_step(self, num_tokens: int, seconds: float, speculative: bool) -> None:
-        bucket = _bucket(num_tokens)
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, speculative: bool) -> None:
         if not speculative:
+            bucket = _bucket(num_tokens)
             window = self._plain_cost.setdefault(bucket, deque(maxlen=_COST_WINDOW))
             window.append(seconds)
             self._plain_median[bucket] = statistics.median(window)
             return
         plain = self._plain_cost_at(num_tokens)
         if plain is not None:
+            bucket = _bucket(num_seqs)
             window = self._spec_extra.setdefault(bucket, deque(maxlen=_COST_WINDOW))
             window.append(seconds - plain)
             self._extra_median[bucket] = statistics.median(window)
