@@ -59,8 +59,6 @@
 #   F3: serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~4 min.
 #   AB: (carrying .carry/old and .whl) W1 once and serving at 64 users twice, an older tree against this one,
 #      alternating on one machine ($OUT/ab). ~6 min.
-#   DG: (carrying .whl) the few-row dense GEMM's GPU tests, verify cost k = 1..8 on dummy Llama-3-8B, W1 + single
-#      stream, serving at 1/4/16/64 users. ~9 min.
 #   VA: (carrying .carry/a and .whl) a verify step's kernels (decode graphs of 1-8 rows on SmolLM2's shapes, each
 #      layer's library GEMM at 1-16 rows: verify_step_kernels_<gpu>.json);
 #      plain vs verify step cost on SmolLM2's shapes, traced ($OUT/steps); verify cost k = 1..8 on dummy
@@ -247,17 +245,6 @@ case "${1:-A}" in
           > "$OUT/ab/serve_${tree}_$round.log" 2>&1; tail -2 "$OUT/ab/serve_${tree}_$round.log" | head -1)
       done
     done
-    ;;
-  DG)
-    # The few-row dense GEMM (kernels/dense_gemm.py): its GPU tests, the verify cost k = 1..8 on dummy Llama-3-8B,
-    # W1 + single stream, serving at 1/4/16/64 users.
-    timeout 120 python3 -m pytest -q -m gpu tests/test_dense_gemm.py 2>&1 | tee "$OUT/gpu_tests_DG.log" | tail -3
-    timeout 120 python3 bench/spec_decode.py --parts verify --out "$OUT/verify" > "$OUT/spec_decode_verify_h100.log" 2>&1
-    tail -11 "$OUT/spec_decode_verify_h100.log"
-    timeout 150 python3 bench/throughput.py --skip-peer --out "$OUT" > "$OUT/throughput_w1.log" 2>&1
-    tail -8 "$OUT/throughput_w1.log"
-    timeout 240 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 --input-len 512 \
-      --output-len 256 --tag h100 --out "$OUT" > "$OUT/serve_h100.log" 2>&1; tail -6 "$OUT/serve_h100.log"
     ;;
   VA)
     timeout 150 python3 bench/verify_step_kernels.py --out "$OUT/kernels" > "$OUT/verify_step_kernels.log" 2>&1

@@ -4,7 +4,10 @@ layer's GEMM timed alone at M = 1..16 rows (`F.linear`, the path bf16 weights ta
 many calls). On SmolLM2-135M's shapes a verify step of 3-8 rows cost 0.26 ms more than a decode step
 (spec_decode_steps_h100.json); the suspicion was cuBLAS leaving its GEMV kernels past 2 rows. Measured
 (verify_step_kernels_h100.json, 8e13116): the graphs of 1-8 rows all take 0.91-0.95 ms, so the extra is
-outside the model graph (host work and the eager sampling and verification ops).
+outside the model graph (host work and the eager sampling and verification ops). A Triton GEMM for 3-16
+rows, tuned per shape against the library, was tried and dropped: on dummy Llama-3-8B a verify step of
+k = 1..7 cost 1.00-1.02x a decode step with it at 8e13116 but 1.04-1.09x at ee1180b, against 1.05-1.12x
+without it at 3978b08 (history/dense_gemm_ee1180b): within the runs' spread.
 
 Usage: python bench/verify_step_kernels.py --out DIR [--model smollm2-135m]
 """

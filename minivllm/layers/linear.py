@@ -17,7 +17,6 @@ from torch import nn
 
 from minivllm.distributed import (attention_head_partition, get_tp_rank, get_tp_size, split_evenly,
                                   tensor_model_parallel_all_reduce)
-from minivllm.kernels import dense_gemm
 from minivllm.quantization import current_quant_method
 
 
@@ -31,16 +30,12 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
 
 
 class UnquantizedLinearMethod:
-    """Plain dense weights: `weight` [out, in] and `y = x @ weight.T + bias`. A few half-precision rows on
-    the GPU (verify steps) go through kernels/dense_gemm.py, which keeps the library where it is faster."""
+    """Plain dense weights: `weight` [out, in] and `y = x @ weight.T + bias`."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (bias is None and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-                and dense_gemm.MIN_M <= x.shape[0] <= dense_gemm.MAX_M):
-            return dense_gemm.dense_gemm(x, layer.weight)
         return F.linear(x, layer.weight, bias)
 
 
