@@ -535,10 +535,11 @@ def test_broken_acceptance_rule_is_caught(peaked_model, reference_distribution, 
     assert min(p_values) < 1e-6, p_values
 
 
-def test_step_costs_are_timed_launch_to_launch_for_sampling_steps_only(tiny_model):
-    """The controller is fed one cost per step that samples (a prompt chunk that samples nothing is never
-    waited for, so its gap to the next launch is host pace), each the time to the next launch; the chain
-    breaks when the engine runs dry, so idle time between requests is never a step's cost."""
+def test_step_costs_run_from_a_step_start_to_the_next_steps_start(tiny_model):
+    """The controller is fed one cost per step, prompt chunks included, each from the step's start to the
+    next step's start and charged to that step (launch-to-launch intervals hold the wait for the step
+    before); the chain breaks when the engine runs dry, so idle time between requests is never a step's
+    cost."""
     llm = _tiny_llm(tiny_model, speculative_config={**NGRAM, "adaptive": True}, async_scheduling=True,
                     max_num_batched_tokens=16, max_num_seqs=4)
     engine = llm.llm_engine
@@ -547,14 +548,16 @@ def test_step_costs_are_timed_launch_to_launch_for_sampling_steps_only(tiny_mode
     execute = engine.runner.execute_async
 
     def recording(scheduler_output, *args):
-        launched.append((scheduler_output.total_num_scheduled_tokens, any(scheduler_output.num_samples)))
+        launched.append(scheduler_output.total_num_scheduled_tokens)
         return execute(scheduler_output, *args)
     engine.runner.execute_async = recording
     prompts = _repetitive_prompts(2, length=40)
+    expected = []
     for prompt in prompts:   # one request at a time: the engine runs dry in between
+        launched.clear()
         _generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert launched[0] == 16                                  # 40-token prompts in 16-token chunks
+        expected += launched[:-1]                                # the request's last launch has no successor
         time.sleep(0.5)
-    chunks = [n for n, samples in launched if not samples]
-    assert chunks and all(n == 16 for n in chunks)              # 40-token prompts in 16-token chunks
-    assert sum(samples for _, samples in launched) == len(observed) + 2   # each request's last launch: no successor
+    assert [n for n, _ in observed] == expected                  # each cost charged to its own step, in order
     assert max(seconds for _, seconds in observed) < 0.5       # no step was charged the idle gap

@@ -51,6 +51,7 @@ class _InFlightStep(NamedTuple):
     scheduler_output: SchedulerOutput
     pending: PendingModelOutput
     needs_sync: bool  # penalties: read back before scheduling the next step
+    previous: tuple | None = None  # (tokens, seqs, verified, StepStart) of the step before, priced at read-back
 
 
 class _SeqOutputState:
@@ -119,7 +120,7 @@ class LLMEngine:
         self._outputs: dict[int, _SeqOutputState] = {}
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
-        self._last_launch: tuple[int, int, bool, float] | None = None  # (tokens, seqs, verified, when) of the last step
+        self._last_launch: tuple | None = None   # (tokens, seqs, verified, StepStart) of the last step launched
         self._read_back_at = 0.0   # when the last step read back became available on the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -214,7 +215,7 @@ class LLMEngine:
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
             launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
-                                     needs_sync)
+                                     needs_sync, self._last_launch)
             if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                 self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
             if waited_for_verify:   # the device idled from the read-back until now (see SpeculationController.chains)
@@ -229,26 +230,12 @@ class LLMEngine:
         self._in_flight = launched
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
-        if self.spec is not None:
-            self._time_launch(scheduler_output if launched is not None else None)
+        if self.spec is not None:   # the next step launched prices this one (SpeculationController's costs)
+            self._last_launch = None
+            if launched is not None and self.scheduler.has_unfinished_requests():
+                self._last_launch = (scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
+                                     bool(scheduler_output.spec_token_ids), launched.pending.started)
         return outputs
-
-    def _time_launch(self, launched: SchedulerOutput | None) -> None:
-        """A step's cost for the speculation controller: from its launch to the next step's launch. For a
-        plain step under async scheduling that is its device time; for a verify step it also holds the
-        host work that waited for its result before the next launch (a step's own wall time would charge
-        a verify step with the wait for the plain step before it, and the plain step after it with the
-        verify step's device time). The chain breaks when the engine runs dry (the gap is idle time)."""
-        now = time.perf_counter()
-        if self._last_launch is not None and launched is not None:
-            num_tokens, num_seqs, speculative, when = self._last_launch
-            self.spec.observe_step(num_tokens, num_seqs, now - when, speculative)
-        self._last_launch = None
-        # A step that samples nothing (a prompt chunk) is never waited for: the host launches the next
-        # one at its own pace, so the gap says nothing of the step's cost.
-        if launched is not None and any(launched.num_samples) and self.scheduler.has_unfinished_requests():
-            self._last_launch = (launched.total_num_scheduled_tokens, len(launched.seqs), bool(launched.spec_token_ids),
-                                 now)
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
                          device_drafts: dict[int, list[int]] | None = None):
@@ -264,10 +251,16 @@ class LLMEngine:
 
     def _update_in_flight(self) -> list[SequenceGroup]:
         """Read the step in flight back and hand its tokens to the scheduler; returns the groups touched."""
-        scheduler_output, pending, _ = self._in_flight
+        scheduler_output, pending, _, previous = self._in_flight
         self._in_flight = None
         model_output = pending.result()
         self._read_back_at = time.perf_counter()
+        if previous is not None and self.spec is not None:
+            # A step's cost: from its start on the device to the next step's start (its device time, plus
+            # the time the device then idled for the host, as after a verify step that was waited for).
+            # The chain breaks when the engine runs dry, so idle time between requests is no step's cost.
+            num_tokens, num_seqs, speculative, started = previous
+            self.spec.observe_step(num_tokens, num_seqs, started.seconds_until(pending.started), speculative)
         if model_output.prompt_logprobs:
             self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)

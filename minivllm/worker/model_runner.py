@@ -216,7 +216,14 @@ class ModelRunner:
         `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
         function returning it, called once the forward pass is launched so that the host fills the mask
         while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
-        None), which decide the masks of verified positions."""
+        None), which decide the masks of verified positions. The result knows when the step began on the
+        device (`started`)."""
+        started = StepStart(self.device)
+        pending = self._launch(scheduler_output, grammar_bitmask)
+        pending.started = started
+        return pending
+
+    def _launch(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask) -> PendingModelOutput:
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
@@ -341,8 +348,31 @@ class ModelRunner:
         return result
 
 
+class StepStart:
+    """When a step began on its device: a CUDA timing event recorded before the step's work, which completes
+    once the work queued ahead of it is done (the host clock off the GPU, where a step runs as it is
+    launched). From one step's start to the next's is what the step cost the pipeline: its device time,
+    plus any time the device then idled waiting for the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = self.time = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.time = time.perf_counter()
+
+    def seconds_until(self, later: StepStart) -> float:
+        """Seconds from this start to `later` (both steps must have begun: call it once `later` is read back)."""
+        if self.event is not None:
+            return self.event.elapsed_time(later.event) / 1e3
+        return later.time - self.time
+
+
 class PendingModelOutput:
     """A launched step whose sampled tokens have not been read back yet."""
+
+    started: StepStart | None = None
 
     def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
                  output: SamplerOutput | None, ready: torch.cuda.Event | None,
