@@ -18,7 +18,8 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import EXPLORE_EVERY, EXPLORE_SEQS, QUIET_STEPS, SpeculationController
+from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, QUIET_STEPS_LARGE_BATCH,
+                                              SpeculationController)
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from tests.conftest import make_tiny_hf_checkpoint
@@ -268,8 +269,8 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     controller.rates = lambda seqs: evaluations.append(1) or rates(seqs)
     ks = [controller.choose_k(seqs) for _ in range(EXPLORE_EVERY)]
     assert ks[:-1] == [0] * (EXPLORE_EVERY - 1) and ks[-1] == 4
-    # Off by a wide margin: the estimate is redone only every QUIET_STEPS + 1 steps (it costs host time per sequence).
-    assert len(evaluations) == -(-EXPLORE_EVERY // (QUIET_STEPS + 1))
+    # At 256 sequences the estimate (host time per sequence) is redone only every QUIET_STEPS_LARGE_BATCH + 1 steps.
+    assert len(evaluations) == -(-EXPLORE_EVERY // (QUIET_STEPS_LARGE_BATCH + 1))
     tried = []
     for _ in range(3):   # each try: EXPLORE_SEQS sequences, the next ones each time
         controller._exploring = True

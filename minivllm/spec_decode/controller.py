@@ -28,9 +28,9 @@ on an H100, whole-batch tries cost 4.6% of throughput). Each try
 that does not switch speculation back on doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer
 that never pays (a draft too weak for the target) costs almost nothing. The estimate runs every step
 over every sequence; when k = 0 wins by a wide margin (drafts would
-cost over a fifth of the throughput), or at batches of `QUIET_BATCH` or more, where an estimate costs the
-host a fraction of a millisecond (0.6 ms at 256 sequences on the H100's host), it is redone only every
-`QUIET_STEPS` + 1 steps.
+cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1 steps, and at batches of
+`QUIET_BATCH` or more, where an estimate costs the host a fraction of a millisecond (0.6 ms at 256
+sequences on the H100's host), every `QUIET_STEPS_LARGE_BATCH` + 1.
 
 The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
 sequence whose newest token is still being sampled gets the continuation of the latest match of the
@@ -63,9 +63,10 @@ _COST_WINDOW = 8         # recent step times kept per bucket (their median is th
 EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried again ...
 MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
 EXPLORE_SEQS = 4          # sequences that speculate in such a try
-# k = 0 because drafts would cost > 20% of throughput, or at a batch where one estimate costs the host more
-# than 0.1 ms: decide again in 3 steps.
-QUIET_MARGIN, QUIET_BATCH, QUIET_STEPS = 0.8, 32, 3
+# k = 0 because drafts would cost > 20% of throughput: decide again in 3 steps; at a batch where one estimate
+# costs the host more than 0.1 ms, in 7.
+QUIET_MARGIN, QUIET_STEPS = 0.8, 3
+QUIET_BATCH, QUIET_STEPS_LARGE_BATCH = 32, 7
 
 
 @dataclass
@@ -201,7 +202,9 @@ class SpeculationController:
         if best_k:
             self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
             return best_k
-        if best_speculative < QUIET_MARGIN * best_rate or len(decoding) >= QUIET_BATCH:
+        if len(decoding) >= QUIET_BATCH:
+            self._quiet_steps = QUIET_STEPS_LARGE_BATCH
+        elif best_speculative < QUIET_MARGIN * best_rate:
             self._quiet_steps = QUIET_STEPS
         return self._plain_step()
 
