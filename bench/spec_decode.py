@@ -142,8 +142,11 @@ def run_real(args) -> dict:
     for layers in args.draft_layers:
         configs[f"draft_layers_{layers}"] = {"method": "draft_model", "draft_layers": layers,
                                              "num_speculative_tokens": 3}
+    # Untimed rounds first: first rounds often ran slowest (3978b08, 187ae6b), as if some first use (a compile,
+    # a pool's growth) came after one engine's warm-up and before the next engine's.
     rounds = [{name: _run_real_config(args, name, config, chats, params, decode_rows)
-               for name, config in configs.items()} for _ in range(args.rounds)]
+               for name, config in configs.items()} for _ in range(args.warmup_rounds + args.rounds)]
+    rounds = rounds[args.warmup_rounds:]
     results, reference = {}, rounds[0]["off"].pop("outputs")
     for name in configs:
         runs = sorted((r[name] for r in rounds), key=lambda r: r["tokens_per_s"])
@@ -353,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="steps part: cProfile the host in plain steps and in steps verifying the most drafts")
     parser.add_argument("--rounds", type=int, default=1,
                         help="real part: time every config this many times, in turn (the median run is reported)")
+    parser.add_argument("--warmup-rounds", type=int, default=0,
+                        help="real part: rounds of every config run first and not reported")
     parser.add_argument("--trace", action="store_true",
                         help="real and steps parts: trace each step (bench/profile_step.py's StepTracer)")
     args = parser.parse_args(argv)
