@@ -6,43 +6,41 @@ plain decoding) to maximise expected tokens per second:
     E[tokens](k) = sum over sequences of 1 + h * (a + a^2 + ... + a^k)
     cost(k)      = measured wall time of a step computing B * (1 + k) tokens (B running sequences)
 
-with a the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h the share of
-its tries in which the proposer had anything to propose (n-gram lookups often find nothing), each with
-a prior from all sequences. A step's cost is the time from its start on the device to the next step's
-start (the engine measures it with the runner's `StepStart`): its device time plus any time the device
-then idled for the host, so a verify step that is waited for (no async overlap) carries the host work
-that waited for its result. (Launch-to-launch host intervals were charged to the wrong step: under async
+with a the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h the share of its
+tries in which the proposer had anything to propose (n-gram lookups often find nothing), each with a
+prior from all sequences. A step's cost is the time from its start on the device to the next step's start
+(the engine measures it with the runner's `StepStart`): its device time plus any time the device then
+idled for the host, so a verify step that is waited for (no async overlap) carries the host work that
+waited for its result. (Launch-to-launch host intervals were charged to the wrong step: under async
 scheduling the one from launch j to launch j + 1 holds the wait for step j - 1, so at 256 sequences a
-4,096-token bucket read 4.3 ms against 199 ms for the 8,192-token one.) Plain costs are the median of the last few
-steps in each power-of-two bucket of scheduled tokens; a verify step is priced as a plain step of its
-size plus the median extra that recent verify steps of about as many sequences cost over the plain
-estimate.
-A plain step of a size never measured is estimated by linear interpolation in the token count between
-the measured buckets around it, prefill chunks included (a step's cost is about affine in its tokens),
-or, with none above it, assumed to cost the plain step below: at batch 1 a verify step is then tried
-and judged on its measured extra, while at high load, where verifying B * (1 + k) tokens costs like a
-prefill of that size, k stays 0 without trying. While k stays 0, speculation is tried again after
+4,096-token bucket read 4.3 ms against 199 ms for the 8,192-token one.) Plain costs are the median of the
+last few steps in each power-of-two bucket of scheduled tokens; a verify step is priced as a plain step
+of its size plus the median extra that recent verify steps of about as many sequences cost over the plain
+estimate. A plain step of a size never measured is estimated by linear interpolation in the token count
+between the measured buckets around it, prefill chunks included (a step's cost is about affine in its
+tokens), or, with none above it, assumed to cost the plain step below: at batch 1 a verify step is then
+tried and judged on its measured extra, while at high load, where verifying B * (1 + k) tokens costs like
+a prefill of that size, k stays 0 without trying. While k stays 0, speculation is tried again after
 `EXPLORE_EVERY` plain steps, so a workload that turns repetitive is noticed, but only by `EXPLORE_SEQS`
 sequences (in turn): a try costs a few tokens, not a verify step of the whole batch (at 256 x 512 -> 256
-on an H100, whole-batch tries cost 4.6% of throughput). Each try
-that does not switch speculation back on doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer
-that never pays (a draft too weak for the target) costs almost nothing. The estimate runs every step
-over every sequence; when k = 0 wins by a wide margin (drafts would
-cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1 steps, and at batches of
-`QUIET_BATCH` or more, where an estimate costs the host a fraction of a millisecond (0.6 ms at 256
-sequences on the H100's host), every `QUIET_STEPS_LARGE_BATCH` + 1.
+on an H100, whole-batch tries cost 4.6% of throughput). Each try that does not switch speculation back on
+doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer that never pays (a draft too weak for the
+target) costs almost nothing. The estimate runs every step over every sequence; when k = 0 wins by a wide
+margin (drafts would cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1
+steps, and at batches of `QUIET_BATCH` or more, where an estimate costs the host a fraction of a
+millisecond (0.6 ms at 256 sequences on the H100's host), every `QUIET_STEPS_LARGE_BATCH` + 1.
 
 The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
 sequence whose newest token is still being sampled gets the continuation of the latest match of the
 tokens before it, minus the match's first token, which stands for the one in flight (if the guess is
-wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing
-costs nothing, and a step that may speculate keeps the overlap of host and device work; the step after a
-verify step waits for it (its token count is known only then) unless `chains` lets it guess that every
-draft is accepted (a rule that weighs the host gap it saves against the step it may waste). The cost of
-k > 0 is therefore the plain step's plus, weighted by the chance that any sequence proposes, the verify
-step's extra. A device proposer (draft model) gets placeholders (-1) that the runner fills in; requests
-with penalties do not speculate with it (the penalties of a verified position count the drafts before
-it, which are not on the host).
+wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing costs
+nothing, and a step that may speculate keeps the overlap of host and device work; the step after a verify
+step waits for it (its token count is known only then) unless `chains` lets it guess that every draft is
+accepted (a rule that weighs the host gap it saves against the step it may waste). The cost of k > 0 is
+therefore the plain step's plus, weighted by the chance that any sequence proposes, the verify step's
+extra. A device proposer (draft model) gets placeholders (-1) that the runner fills in; requests with
+penalties do not speculate with it (the penalties of a verified position count the drafts before it,
+which are not on the host).
 """
 from __future__ import annotations
 
@@ -82,6 +80,13 @@ def _bucket(num_tokens: int) -> int:
     return 1 << max(0, num_tokens - 1).bit_length()
 
 
+def _record(windows: dict[int, deque], medians: dict[int, float], bucket: int, value: float) -> None:
+    """Add `value` to its bucket's window of recent values and refresh that bucket's median."""
+    window = windows.setdefault(bucket, deque(maxlen=_COST_WINDOW))
+    window.append(value)
+    medians[bucket] = statistics.median(window)
+
+
 class SpeculationController:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -92,7 +97,7 @@ class SpeculationController:
         self.reset_stats()
         self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
         self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
-        self._spec_extra: dict[int, deque] = {}              # sequence bucket -> verify steps' seconds above a plain step
+        self._spec_extra: dict[int, deque] = {}              # sequence bucket -> verify steps' extra seconds
         # Their medians, kept up to date as steps are observed: choose_k reads them several times a step.
         self._plain_median: dict[int, float] = {}
         self._extra_median: dict[int, float] = {}
@@ -299,17 +304,11 @@ class SpeculationController:
     # ---- feedback ----------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, speculative: bool) -> None:
         if not speculative:
-            bucket = _bucket(num_tokens)
-            window = self._plain_cost.setdefault(bucket, deque(maxlen=_COST_WINDOW))
-            window.append(seconds)
-            self._plain_median[bucket] = statistics.median(window)
+            _record(self._plain_cost, self._plain_median, _bucket(num_tokens), seconds)
             return
         plain = self._plain_cost_at(num_tokens)
         if plain is not None:
-            bucket = _bucket(num_seqs)
-            window = self._spec_extra.setdefault(bucket, deque(maxlen=_COST_WINDOW))
-            window.append(seconds - plain)
-            self._extra_median[bucket] = statistics.median(window)
+            _record(self._spec_extra, self._extra_median, _bucket(num_seqs), seconds - plain)
 
     def observe_host_gap(self, seconds: float) -> None:
         """Host time from reading an unchained verify step back to launching the next step (the device idles)."""
