@@ -214,8 +214,9 @@ class LLMEngine:
             bitmask = None
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
-            launched = _InFlightStep(scheduler_output, self.runner.execute_async(scheduler_output, bitmask),
-                                     needs_sync, self._last_launch)
+            # With speculation the step is timed on the device: the next step launched prices it.
+            pending = self.runner.execute_async(scheduler_output, bitmask, self.spec is not None)
+            launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch)
             if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                 self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
             if waited_for_verify:   # the device idled from the read-back until now (see SpeculationController.chains)
@@ -230,11 +231,10 @@ class LLMEngine:
         self._in_flight = launched
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
-        if self.spec is not None:   # the next step launched prices this one (SpeculationController's costs)
-            self._last_launch = None
-            if launched is not None and self.scheduler.has_unfinished_requests():
-                self._last_launch = (scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
-                                     bool(scheduler_output.spec_token_ids), launched.pending.started)
+        self._last_launch = None   # the chain breaks when the engine runs dry (or speculation is off)
+        if launched is not None and launched.pending.started is not None and self.scheduler.has_unfinished_requests():
+            self._last_launch = (scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
+                                 bool(scheduler_output.spec_token_ids), launched.pending.started)
         return outputs
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],

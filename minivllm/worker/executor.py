@@ -177,11 +177,11 @@ class MultiprocTPExecutor:
     def execute(self, scheduler_output, grammar_bitmask=None):
         return self.execute_async(scheduler_output, grammar_bitmask).result()
 
-    def execute_async(self, scheduler_output, grammar_bitmask=None):
+    def execute_async(self, scheduler_output, grammar_bitmask=None, timed=False):
         if self._closed:
             raise self._failure(WorkerFailedError("the tensor-parallel group is shut down"))
         try:
-            return self.driver.execute_async(scheduler_output, grammar_bitmask)
+            return self.driver.execute_async(scheduler_output, grammar_bitmask, timed)
         except Exception as e:
             self._closed = True   # a failed collective leaves the group unusable
             raise self._failure(e) from e

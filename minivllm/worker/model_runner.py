@@ -209,16 +209,16 @@ class ModelRunner:
         return self.execute_async(scheduler_output, grammar_bitmask).result()
 
     @torch.inference_mode()
-    def execute_async(self, scheduler_output: SchedulerOutput,
-                      grammar_bitmask: GrammarBitmask = None) -> PendingModelOutput:
+    def execute_async(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask = None,
+                      timed: bool = False) -> PendingModelOutput:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
         `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
         function returning it, called once the forward pass is launched so that the host fills the mask
         while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
-        None), which decide the masks of verified positions. The result knows when the step began on the
-        device (`started`)."""
-        started = StepStart(self.device)
+        None), which decide the masks of verified positions. `timed`: the result knows when the step began on
+        the device (`started`, a `StepStart`)."""
+        started = StepStart(self.device) if timed else None
         pending = self._launch(scheduler_output, grammar_bitmask)
         pending.started = started
         return pending
