@@ -26,25 +26,6 @@ from bench.common import device_slug, run_metadata, write_json  # noqa: E402
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def graph_time_ms(fn, calls: int = 50, repeats: int = 20) -> float:
-    """Per call, from one CUDA graph of `calls` calls replayed `repeats` times (launch cost as in a model graph)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (calls * repeats)
-
-
 def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """(N, K) of each distinct linear layer kind: qkv, o, gate_up, down, and the LM head."""
     shapes = {}
@@ -59,14 +40,15 @@ def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def gemm_table(shapes: dict[str, tuple[int, int]]) -> list[dict]:
-    """Each layer shape at M rows through the library (F.linear)."""
+    """Each layer shape at M rows through the library (F.linear), timed from a CUDA graph of 50 calls."""
+    from minivllm.kernels.tuning import device_seconds
     rows = []
     for name, (N, K) in shapes.items():
         weight = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
         for M in ROWS:
             x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
             rows.append({"layer": name, "N": N, "K": K, "M": M,
-                         "library_us": 1e3 * graph_time_ms(lambda: F.linear(x, weight))})
+                         "library_us": 1e6 * device_seconds(lambda: F.linear(x, weight), calls=50, repeats=20)})
     return rows
 
 
