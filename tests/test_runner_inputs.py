@@ -9,18 +9,24 @@ from minivllm.worker.cuda_graph import capture_sizes, mixed_capture_sizes
 from minivllm.worker.inputs import StagingBuffer
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_staging_buffer_returns_every_array_on_a_16_byte_boundary(dtype):
+def test_staging_buffer_returns_every_array_on_a_16_byte_boundary():
+    """Both dtypes in one transfer (one copy a step): values, dtypes and shapes kept, each array aligned."""
     rng = np.random.default_rng(0)
-    buffer = StagingBuffer(dtype, torch.device("cpu"))
+    buffer = StagingBuffer(torch.device("cpu"))
     for sizes in ([157, 157, 3], [1, 2, 3, 5], [0, 7, 0, 9], [64]):
-        arrays = [rng.integers(-5, 1000, size=n) for n in sizes]
-        arrays.append(rng.integers(0, 9, size=(3, 5)))  # a 2-D array keeps its shape
-        out = buffer.transfer(arrays)
-        for array, tensor in zip(arrays, out):
-            assert tensor.dtype == dtype and tuple(tensor.shape) == array.shape
-            assert tensor.data_ptr() % 16 == 0, "an unaligned array recompiles Triton kernels mid-run"
-            assert tensor.tolist() == array.tolist()
+        groups = []
+        for dtype, shift in ((torch.int64, 0), (torch.int32, 1)):
+            arrays = [rng.integers(-5, 1000, size=n + shift) for n in sizes]
+            arrays.append(rng.integers(0, 9, size=(3, 5 + shift)))  # a 2-D array keeps its shape
+            groups.append((dtype, arrays))
+        out = buffer.transfer(groups)
+        assert len(out) == len(groups)
+        for (dtype, arrays), tensors in zip(groups, out):
+            assert len(tensors) == len(arrays)
+            for array, tensor in zip(arrays, tensors):
+                assert tensor.dtype == dtype and tuple(tensor.shape) == array.shape
+                assert tensor.data_ptr() % 16 == 0, "an unaligned array recompiles Triton kernels mid-run"
+                assert tensor.tolist() == array.tolist()
 
 
 def test_graph_size_ladders_cover_every_step_size():

@@ -1,8 +1,8 @@
 """Flatten one SchedulerOutput into the model's input tensors and attention metadata.
 
-Vectorised with numpy over tokens; the only Python loop is over scheduled sequences. All int64 arrays
-travel in one host-to-device copy and all int32 arrays in another, each from a persistent pinned
-staging buffer (pinning fresh memory every step costs more than the copy itself).
+Vectorised with numpy over tokens; the only Python loop is over scheduled sequences. All arrays (int64
+and int32) travel in one host-to-device copy from a persistent pinned staging buffer (pinning fresh
+memory every step costs more than the copy itself).
 """
 from __future__ import annotations
 
@@ -96,12 +96,17 @@ class ModelInputs:
     samples_every_row: bool = False    # logits_indices is 0, 1, ..., T - 1 (plain decode, verify steps)
 
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8}
+
+
 class StagingBuffer:
-    """Packs several host arrays of one dtype into one pinned buffer and copies them to the device at once.
+    """Packs host arrays of several dtypes into one pinned byte buffer and copies them to the device at once.
 
     Each array starts on a 16-byte boundary: Triton specialises kernels on whether pointers are 16-byte
     aligned, so an array landing at an odd offset in one step would recompile the kernels reading it
-    mid-run (a fresh compile costs a step ~200 ms).
+    mid-run (a fresh compile costs a step ~200 ms). One copy per step rather than one per dtype: at batch 1
+    every host-side torch call (a copy, an event, a view) is a visible share of a step (spec_decode.py
+    --profile, 907e600), so the device tensors come from one dtype view and one split per group.
 
     The copy is asynchronous; before the buffer is overwritten by the next step we wait on the event
     recorded after the previous copy, so a copy still in flight never reads half-new data.
@@ -109,39 +114,51 @@ class StagingBuffer:
 
     ALIGN_BYTES = 16
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.pinned = device.type == "cuda"
-        self.host = torch.empty(0, dtype=dtype)
+        self.host = torch.empty(0, dtype=torch.uint8)
         self.copied = torch.cuda.Event() if self.pinned else None
-        self.align = max(1, self.ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
-    def _offsets(self, sizes: list[int]) -> list[int]:
-        offsets, offset = [], 0
-        for n in sizes:
-            offsets.append(offset)
-            offset += -(-n // self.align) * self.align
-        return offsets + [offset]
-
-    def transfer(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        offsets = self._offsets(sizes)
-        total = offsets[-1]
-        if not self.pinned:
-            flat = torch.zeros(total, dtype=self.dtype)
-            for a, start, n in zip(arrays, offsets, sizes):
-                flat[start:start + n] = torch.from_numpy(np.ascontiguousarray(a).ravel())
-            flat = flat.to(self.device)
-        else:
+    def transfer(self, groups: list[tuple[torch.dtype, list[np.ndarray]]], stream=None) -> list[list[torch.Tensor]]:
+        """[(dtype, host arrays)] -> per group, the arrays as device tensors of that dtype (shapes kept).
+        `stream`: the stream the copy is queued on (the current one if None; passing it saves a lookup)."""
+        plan, total = [], 0
+        for dtype, arrays in groups:
+            np_dtype = _NUMPY_DTYPES[dtype]
+            itemsize = np.dtype(np_dtype).itemsize
+            align = self.ALIGN_BYTES // itemsize
+            arrays = [np.asarray(a, dtype=np_dtype) for a in arrays]
+            pieces = []   # element counts: each array, then the padding to the next boundary
+            for a in arrays:
+                pieces += [a.size, -a.size % align]
+            plan.append((dtype, np_dtype, arrays, total, pieces))
+            total += sum(pieces) * itemsize
+        if self.pinned:
             self.copied.synchronize()
             if self.host.numel() < total:
-                self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
-            host = self.host.numpy()
-            for a, start, n in zip(arrays, offsets, sizes):
-                host[start:start + n] = a.ravel()
-            flat = self.host[:total].to(self.device, non_blocking=True)
-            self.copied.record()
-        return [flat[start:start + n].view(a.shape) for a, start, n in zip(arrays, offsets, sizes)]
+                self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.uint8, pin_memory=True)
+            host = self.host[:total]
+        else:
+            host = torch.empty(total, dtype=torch.uint8)   # the returned CPU tensors alias it: fresh each step
+        host_bytes = host.numpy()
+        for _, np_dtype, arrays, start, pieces in plan:
+            region = host_bytes[start:start + sum(pieces) * np.dtype(np_dtype).itemsize].view(np_dtype)
+            offset = 0
+            for a, n, pad in zip(arrays, pieces[::2], pieces[1::2]):
+                region[offset:offset + n] = a.ravel()
+                offset += n + pad
+        if self.pinned:
+            flat = host.to(self.device, non_blocking=True)
+            self.copied.record(stream)
+        else:
+            flat = host
+        out = []
+        for dtype, np_dtype, arrays, start, pieces in plan:
+            region = flat[start:start + sum(pieces) * np.dtype(np_dtype).itemsize].view(dtype)
+            parts = region.split(pieces)[::2]
+            out.append([t if a.ndim == 1 else t.view(a.shape) for t, a in zip(parts, arrays)])
+        return out
 
 
 class PinnedBufferPool:
@@ -170,17 +187,10 @@ class PinnedBufferPool:
         self._free.extend(buffers)
 
 
-class InputStager:
-    """The two staging buffers of one runner (int64 ids/positions/slots, int32 lengths/block tables)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.int64 = StagingBuffer(torch.int64, device)
-        self.int32 = StagingBuffer(torch.int32, device)
-
-
-def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: InputStager,
-                   previous_samples: PreviousSamples | None = None) -> ModelInputs:
-    """`previous_samples`: the step still in flight, whose sampled ids fill pending input positions."""
+def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: StagingBuffer,
+                   previous_samples: PreviousSamples | None = None, stream=None) -> ModelInputs:
+    """`previous_samples`: the step still in flight, whose sampled ids fill pending input positions;
+    `stream`: the stream the step runs on (None: the current one)."""
     seqs = scheduler_output.seqs
     num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
@@ -243,18 +253,18 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: I
     spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
     if spec_host is not None:
         int64_arrays += list(spec_host[1:])
-    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = \
-        stager.int64.transfer(int64_arrays)
-    if fill_positions:
-        filled = previous_samples.token_ids[fill_rows_d]
-        # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
-        input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled
     int32_arrays = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
     max_query_len = int(num_scheduled.max())
     short_queries = 1 < max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
     if short_queries:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
-    query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = stager.int32.transfer(int32_arrays)
+    int64_d, int32_d = stager.transfer([(torch.int64, int64_arrays), (torch.int32, int32_arrays)], stream)
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = int64_d
+    query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = int32_d
+    if fill_positions:
+        filled = previous_samples.token_ids[fill_rows_d]
+        # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
+        input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping_d,
         query_start_loc=query_start_loc_d,

@@ -26,7 +26,7 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.worker.cuda_graph import CUDAGraphRunner
-from minivllm.worker.inputs import (InputStager, ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
+from minivllm.worker.inputs import (ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
                                    prepare_inputs)
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
@@ -126,9 +126,9 @@ class ModelRunner:
                     self.kv_cache_dtype, self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
-        self.stager = InputStager(self.device)
+        self.stager = StagingBuffer(self.device)
         self.host_buffers = PinnedBufferPool()
-        self.bitmask_stager = StagingBuffer(torch.int32, self.device)
+        self.bitmask_stager = StagingBuffer(self.device)
         self._previous_samples: PreviousSamples | None = None
         # Tensor parallelism: called with (blocks_to_copy, inputs) to ship each step to the other ranks.
         self.step_broadcaster = None
@@ -218,29 +218,33 @@ class ModelRunner:
         while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
         None), which decide the masks of verified positions. `timed`: the result knows when the step began on
         the device (`started`, a `StepStart`)."""
-        started = StepStart(self.device) if timed else None
-        pending = self._launch(scheduler_output, grammar_bitmask)
+        # One lookup of the stream per step: each event record or copy that looks it up again builds a
+        # Stream object, tens of microseconds a step on the H100's host (spec_decode.py --profile, 907e600).
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        started = StepStart(self.device, stream) if timed else None
+        pending = self._launch(scheduler_output, grammar_bitmask, stream)
         pending.started = started
         return pending
 
-    def _launch(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask) -> PendingModelOutput:
+    def _launch(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask,
+                stream: torch.cuda.Stream | None = None) -> PendingModelOutput:
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
-        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples)
+        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream)
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs)
         draft_ids, draft_probs = self._propose(inputs)
         drafts_on_host = None
         if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
-            drafts_on_host = self._start_copy_drafts_to_host(draft_ids)
+            drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
         hidden = self._forward(inputs)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
                                                   inputs.metadata.query_start_loc_cpu)
         if not inputs.sampling_rows:
             self._previous_samples = None
-            host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs)
+            host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs, stream)
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
         logits = self.model.compute_logits(hidden if inputs.samples_every_row else hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
@@ -248,12 +252,12 @@ class ModelRunner:
             grammar_bitmask = grammar_bitmask(None if drafts_on_host is None else
                                               self._drafts_by_seq(inputs, drafts_on_host))
         if grammar_bitmask is not None:  # pinned: a copy from pageable memory may wait for the forward pass
-            metadata.grammar_bitmask, = self.bitmask_stager.transfer([grammar_bitmask])
+            (metadata.grammar_bitmask,), = self.bitmask_stager.transfer([(torch.int32, [grammar_bitmask])], stream)
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq, inputs.spec is not None)
-        host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs)
+        host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs, stream)
         return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs)
 
     def _propose(self, inputs: ModelInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -271,13 +275,13 @@ class ModelRunner:
         return self.proposer.propose(inputs.input_ids, inputs.positions, inputs.metadata, spec, rows_per_step,
                                      last_hidden_index, spec.last_positions.tolist())
 
-    def _start_copy_drafts_to_host(self, draft_ids: torch.Tensor) -> tuple:
+    def _start_copy_drafts_to_host(self, draft_ids: torch.Tensor, stream: torch.cuda.Stream | None = None) -> tuple:
         """Queue the copy of the device proposer's drafts ahead of the target's forward."""
         if self.device.type != "cuda":
             return draft_ids, None, None
         host, buffer = self.host_buffers.copy_to_host(draft_ids)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(stream)
         return host, ready, buffer
 
     def _drafts_by_seq(self, inputs: ModelInputs, drafts_on_host: tuple) -> dict[int, list[int]]:
@@ -291,8 +295,8 @@ class ModelRunner:
         spec = inputs.spec
         return {int(i): ids[n][:int(k)] for n, (i, k) in enumerate(zip(spec.seq_index, spec.num_drafts))}
 
-    def _start_copy_to_host(self, output: SamplerOutput | None, prompt_logprobs: PromptLogprobs | None = None
-                            ) -> tuple[SamplerOutput | None, torch.cuda.Event | None, list[torch.Tensor]]:
+    def _start_copy_to_host(self, output: SamplerOutput | None, prompt_logprobs: PromptLogprobs | None = None,
+                            stream: torch.cuda.Stream | None = None) -> tuple[SamplerOutput | None, torch.cuda.Event | None, list[torch.Tensor]]:
         """Queue the copy of the sampled ids (and logprobs) to pinned host memory right behind the sampler.
         A plain `.tolist()` later would queue its copy behind the *next* step, already launched, and wait
         for that whole step too."""
@@ -311,7 +315,7 @@ class ModelRunner:
         host_output = None if output is None else SamplerOutput(*(to_host(t) for t in (
             output.token_ids, output.logprob_token_ids, output.logprobs, output.ranks)))
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(stream)
         return host_output, ready, buffers
 
     def _to_model_output(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> ModelOutput:
@@ -354,11 +358,11 @@ class StepStart:
     launched). From one step's start to the next's is what the step cost the pipeline: its device time,
     plus any time the device then idled waiting for the host."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.event = self.time = None
         if device.type == "cuda":
             self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record()
+            self.event.record(stream)
         else:
             self.time = time.perf_counter()
 
