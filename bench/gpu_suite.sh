@@ -38,6 +38,8 @@
 #   N: Gemma-2/3: the GPU tests of the sliding-window / soft-cap kernels and of the Gemma families (the engine on
 #      CUDA against transformers), then bench/models_bench.py on dummy gemma-2-9b and gemma-3-1b (W1 + single
 #      stream vs floor) -> gemma2/models_<gpu>.json (a subfolder, so stage M's file is not overwritten). ~5 min.
+#   P4: (carrying .carry/p, right after F2 while the model file is still there) stage P's int4 rows (rtn, gptq
+#      act-order, awq; asymmetric, group 32) and the bf16 baseline over 100k tokens -> quant_quality_int4_gpu.json.
 #   R: (carrying .carry/a) the quantized kernels' GPU tests, then bench/quant_bench.py on dummy Llama-3-8B for
 #      bf16, fp8, int4 and fp8kv (GEMM table + engine rows, quant_<gpu>.json). ~7 min. Then S2 (.carry/b).
 #   S2: speculative decoding, real model (no speculation vs n-gram, batch 1) and under load (W1 and 256 x 512
@@ -179,6 +181,21 @@ case "${1:-A}" in
   L)
     python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 2 --tag h100 --out "$OUT" \
       > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
+    ;;
+  P4)
+    # the int4 rows of stage P only, with the bf16 baseline again in the same file (quant_quality_int4_gpu.json)
+    Q=/tmp/quality; T=.carry/p; mkdir -p $Q
+    PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
+      --dtype bfloat16 --name quant_quality_int4_gpu.json --out $OUT"
+    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
+    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2$3" 2>&1 | grep ppl; }
+    timeout 100 $PPL --variant bf16= 2>&1 | grep ppl
+    timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
+    add int4-rtn-g32 rtn32
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
+    add int4-gptq-g32 gptq32
+    timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
+    add int4-awq-g32 awq32
     ;;
   R)
     timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
