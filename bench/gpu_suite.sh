@@ -162,7 +162,7 @@ case "${1:-A}" in
     PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
       --dtype bfloat16 --name quant_quality_gpu.json --out $OUT"
     QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
-    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2$3" 2>&1 | grep ppl; }
+    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2${3:-}" 2>&1 | grep ppl; }
     timeout 150 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
     timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
     add int4-rtn-g32 rtn32
@@ -188,7 +188,7 @@ case "${1:-A}" in
     PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
       --dtype bfloat16 --name quant_quality_int4_gpu.json --out $OUT"
     QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
-    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2$3" 2>&1 | grep ppl; }
+    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2${3:-}" 2>&1 | grep ppl; }
     timeout 100 $PPL --variant bf16= 2>&1 | grep ppl
     timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
     add int4-rtn-g32 rtn32

@@ -208,3 +208,18 @@ def test_cli_quantization_flags():
     assert (args.model, args.method, args.alpha) == (None, "smoothquant", 0.3)
     args = build_parser().parse_args(["eval-ppl", "m", "--text", "t.txt", "--quantization", "int8"])
     assert (args.window, args.stride, engine_config_from_args(args).quantization) == (1024, 512, "int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_loader_reads_format_onto_cuda(fmt, tmp_path):
+    """Checkpoint tensors are read on the CPU and land on the GPU: every loader path, GPTQ's g_idx shared
+    by the shards of packed layers included (its check compared a CUDA tensor with a CPU one)."""
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3")
+    expected = write_quantized(tmp_path, reference, fmt)
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cuda"))
+    for name, weight in expected.items():
+        parts = name.split(".")
+        ours = loaded_weight(model, int(parts[2]), parts[4]).cpu()
+        torch.testing.assert_close(ours, weight, rtol=0, atol=1e-6)

@@ -62,7 +62,7 @@ def shared_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> N
     """Tensors every shard of a packed layer stores alike (GPTQ's g_idx: all shards see the same
     input, so act-order permutes their inputs identically); a shard that differs is rejected."""
     if shard_id is not None and getattr(param, "loaded_once", False):
-        if not torch.equal(param.data, loaded.to(param.dtype)):
+        if not torch.equal(param.data, loaded.to(param.device, param.dtype)):   # checkpoints load on the CPU
             raise ValueError("shards of a packed layer disagree on a shared tensor (g_idx)")
         return
     _copy_checked(param.data, loaded, "")
