@@ -18,7 +18,8 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, QUIET_STEPS_LARGE_BATCH,
+from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, MAX_QUIET_STEPS_LARGE_BATCH, QUIET_BATCH,
+                                             QUIET_STEPS_LARGE_BATCH,
                                               SpeculationController)
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
@@ -239,6 +240,23 @@ def _decoding_batch(size: int) -> list:
     return seqs
 
 
+def test_a_quiet_period_chosen_under_load_ends_when_the_batch_shrinks():
+    """Under load k = 0 is decided again only every few steps; once the batch falls below QUIET_BATCH the
+    next step decides again (a lone user's repetitive request is not left waiting out a 256-batch wait)."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    seqs = _decoding_batch(256)
+    controller.observe_step(256, 256, 0.028, speculative=False)
+    controller.observe_step(8192, 16, 0.600, speculative=False)
+    evaluations = []
+    rates = controller.rates
+    controller.rates = lambda seqs: evaluations.append(len(seqs)) or rates(seqs)
+    assert controller.choose_k(seqs) == 0 and evaluations == [256]
+    assert controller.choose_k(seqs) == 0 and evaluations == [256]            # quiet
+    controller.choose_k(seqs[:QUIET_BATCH - 1])                               # the batch shrank: decided again
+    assert evaluations == [256, QUIET_BATCH - 1]
+
+
 def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
     """A verify step is priced as a plain step of its size plus the measured extra of verifying: a cheap
     try by 4 of 256 sequences (260 tokens, accepted) must not make a whole-batch verify step (512
@@ -269,8 +287,13 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     controller.rates = lambda seqs: evaluations.append(1) or rates(seqs)
     ks = [controller.choose_k(seqs) for _ in range(EXPLORE_EVERY)]
     assert ks[:-1] == [0] * (EXPLORE_EVERY - 1) and ks[-1] == 4
-    # At 256 sequences the estimate (host time per sequence) is redone only every QUIET_STEPS_LARGE_BATCH + 1 steps.
-    assert len(evaluations) == -(-EXPLORE_EVERY // (QUIET_STEPS_LARGE_BATCH + 1))
+    # At 256 sequences the estimate (host time per sequence) is redone after QUIET_STEPS_LARGE_BATCH steps,
+    # then after twice as many plus one while it keeps saying 0: steps 0, 8, 24 of the first 32.
+    evaluated_at, step, wait = [], 0, QUIET_STEPS_LARGE_BATCH
+    while step < EXPLORE_EVERY:
+        evaluated_at.append(step)
+        step, wait = step + wait + 1, min(2 * wait + 1, MAX_QUIET_STEPS_LARGE_BATCH)
+    assert evaluated_at == [0, 8, 24] and len(evaluations) == len(evaluated_at)
     tried = []
     for _ in range(3):   # each try: EXPLORE_SEQS sequences, the next ones each time
         controller._exploring = True

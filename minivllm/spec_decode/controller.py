@@ -28,7 +28,9 @@ doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer that never pays (a d
 target) costs almost nothing. The estimate runs every step over every sequence; when k = 0 wins by a wide
 margin (drafts would cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1
 steps, and at batches of `QUIET_BATCH` or more, where an estimate costs the host a fraction of a
-millisecond (0.6 ms at 256 sequences on the H100's host), every `QUIET_STEPS_LARGE_BATCH` + 1.
+millisecond (0.6 ms at 256 sequences on the H100's host), every `QUIET_STEPS_LARGE_BATCH` + 1, a wait
+that doubles while the answer stays 0 (up to `MAX_QUIET_STEPS_LARGE_BATCH` + 1) and ends when the batch
+shrinks below `QUIET_BATCH`.
 
 The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
 sequence whose newest token is still being sampled gets the continuation of the latest match of the
@@ -62,9 +64,10 @@ EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried a
 MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
 EXPLORE_SEQS = 4          # sequences that speculate in such a try
 # k = 0 because drafts would cost > 20% of throughput: decide again in 3 steps; at a batch where one estimate
-# costs the host more than 0.1 ms, in 7.
+# costs the host more than 0.1 ms, in 7, then 15, then 31 while the answer stays 0 (and at once if the
+# batch shrinks below that size).
 QUIET_MARGIN, QUIET_STEPS = 0.8, 3
-QUIET_BATCH, QUIET_STEPS_LARGE_BATCH = 32, 7
+QUIET_BATCH, QUIET_STEPS_LARGE_BATCH, MAX_QUIET_STEPS_LARGE_BATCH = 32, 7, 31
 
 
 @dataclass
@@ -106,6 +109,7 @@ class SpeculationController:
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
         self._quiet_steps = 0
+        self._quiet_large, self._quiet_large_steps = False, QUIET_STEPS_LARGE_BATCH
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
         self._fully_accepted: set[int] = set()   # sequences whose last verification accepted every draft
         self._full_after = {True: [0, 0], False: [0, 0]}   # (fully accepted, verifications) after one that was (not)
@@ -174,14 +178,16 @@ class SpeculationController:
 
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
-        decoding = [s for s in running if s.num_computed_tokens >= s.num_total_tokens - 1]
-        if not decoding:
-            return 0
+        if not any(s.num_computed_tokens >= s.num_total_tokens - 1 for s in running):
+            return 0   # nobody decodes (the first sequence usually does: no pass over the batch)
         if not self.config.adaptive:
             return self.max_k
+        if self._quiet_steps and self._quiet_large and len(running) < QUIET_BATCH:
+            self._quiet_steps = 0   # the batch the quiet period was chosen for is gone: decide again now
         if self._quiet_steps:   # off by a wide margin last time: its inputs move slowly, so skip a few
             self._quiet_steps -= 1
             return self._plain_step()
+        decoding = [s for s in running if s.num_computed_tokens >= s.num_total_tokens - 1]
         rates, hits = self.rates(decoding)
         caps = [self._cap(s) for s in decoding]
         plain_cost = self.plain_cost(len(running)) or 1.0
@@ -206,9 +212,12 @@ class SpeculationController:
                 best_k, best_rate = k, expected / cost
         if best_k:
             self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
+            self._quiet_large_steps = QUIET_STEPS_LARGE_BATCH
             return best_k
-        if len(decoding) >= QUIET_BATCH:
-            self._quiet_steps = QUIET_STEPS_LARGE_BATCH
+        self._quiet_large = len(decoding) >= QUIET_BATCH
+        if self._quiet_large:
+            self._quiet_steps = self._quiet_large_steps
+            self._quiet_large_steps = min(2 * self._quiet_large_steps + 1, MAX_QUIET_STEPS_LARGE_BATCH)
         elif best_speculative < QUIET_MARGIN * best_rate:
             self._quiet_steps = QUIET_STEPS
         return self._plain_step()
@@ -259,6 +268,11 @@ class SpeculationController:
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
+        if k == 0:   # most steps under load: only last step's drafts to clear
+            for seq in running:
+                if seq.spec_token_ids:
+                    seq.spec_token_ids = []
+            return 0
         count = 0
         trying = None
         if self._exploring and len(running) > EXPLORE_SEQS:   # a try: a few sequences, in turn
@@ -270,7 +284,7 @@ class SpeculationController:
                 seq.spec_token_ids = []
             # 1: its newest token is still in flight, maybe behind the drafts of a verify step in flight
             behind = seq.num_pending_tokens - len(seq.drafts_in_flight)
-            if (k == 0 or behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + seq.num_pending_tokens
+            if (behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + seq.num_pending_tokens
                     or seq.num_pending_forks or (trying is not None and id(seq) not in trying)):
                 continue
             if behind and not self.proposes_behind([seq]):
