@@ -83,6 +83,24 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# Quality stages (P, P4, P2): perplexity over 100k held-out tokens into $OUT/<file> ($PPL) and the offline
+# quantizer ($QUANTIZE); add NAME FOLDER [:QUANT] appends a folder's row as soon as the folder exists, so a
+# timeout loses only the rows after it.
+quality_setup() {
+  Q=/tmp/quality; T=.carry/p; mkdir -p $Q
+  PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
+    --dtype bfloat16 --name $1 --out $OUT"
+  QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
+}
+add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2${3:-}" 2>&1 | grep ppl; }
+int4_rows() {   # int4 rtn, gptq (act-order) and awq, asymmetric, group 32
+  timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
+  add int4-rtn-g32 rtn32
+  timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
+  add int4-gptq-g32 gptq32
+  timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
+  add int4-awq-g32 awq32
+}
 case "${1:-A}" in
   A)
     python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py -k "not default" 2>&1 | tee "$OUT/gpu_tests_A.log" | tail -3
@@ -157,21 +175,11 @@ case "${1:-A}" in
     timeout 300 python3 -m pytest -q -m gpu tests/test_quant_gguf.py 2>&1 | tee "$OUT/gpu_tests_G.log" | tail -3
     ;;
   P)
-    # each row is appended as soon as its folder exists, so a timeout loses only the rows after it
-    Q=/tmp/quality; T=.carry/p; mkdir -p $Q
-    PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
-      --dtype bfloat16 --name quant_quality_gpu.json --out $OUT"
-    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
-    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2${3:-}" 2>&1 | grep ppl; }
+    quality_setup quant_quality_gpu.json
     timeout 150 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
-    timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
-    add int4-rtn-g32 rtn32
     timeout 100 $QUANTIZE --method smoothquant --out $Q/sq 2>&1 | tail -1
     add int8-smoothquant sq :int8; add fp8-smoothquant sq :fp8
-    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
-    add int4-gptq-g32 gptq32
-    timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
-    add int4-awq-g32 awq32
+    int4_rows
     ;;
   K)
     python3 bench/soak.py --model llama-3-8b --load-format dummy --clients 256 --duration-s 300 --max-model-len 2048 \
@@ -183,19 +191,10 @@ case "${1:-A}" in
       > "$OUT/dashboard_cost_h100.log" 2>&1; tail -3 "$OUT/dashboard_cost_h100.log"
     ;;
   P4)
-    # the int4 rows of stage P only, with the bf16 baseline again in the same file (quant_quality_int4_gpu.json)
-    Q=/tmp/quality; T=.carry/p; mkdir -p $Q
-    PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
-      --dtype bfloat16 --name quant_quality_int4_gpu.json --out $OUT"
-    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
-    add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2${3:-}" 2>&1 | grep ppl; }
+    # the int4 rows of stage P only, with the bf16 baseline again in the same file
+    quality_setup quant_quality_int4_gpu.json
     timeout 100 $PPL --variant bf16= 2>&1 | grep ppl
-    timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
-    add int4-rtn-g32 rtn32
-    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
-    add int4-gptq-g32 gptq32
-    timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
-    add int4-awq-g32 awq32
+    int4_rows
     ;;
   R)
     timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
@@ -294,10 +293,7 @@ case "${1:-A}" in
     tail -6 "$OUT/spec_decode.log"
     ;;
   P2)
-    Q=/tmp/quality; T=.carry/p; mkdir -p $Q
-    PPL="python3 bench/perplexity.py --text $T/heldout.txt --max-tokens 100000 --window 1024 --stride 512 \
-      --dtype bfloat16 --name quant_quality_gpu.json --out $OUT"
-    QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
+    quality_setup quant_quality_gpu.json
     add() { [ -f "$Q/$2/config.json" ] && timeout 90 $PPL --append --variant "$1=$Q/$2" 2>&1 | grep ppl; }
     timeout 200 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
     timeout 60 $QUANTIZE --method rtn --w8a8 int8 --smoothquant-alpha ${SQ_ALPHA:-0.75} --out $Q/int8sq 2>&1 | tail -1

@@ -70,6 +70,11 @@ QUIET_MARGIN, QUIET_STEPS = 0.8, 3
 QUIET_BATCH, QUIET_STEPS_LARGE_BATCH, MAX_QUIET_STEPS_LARGE_BATCH = 32, 7, 31
 
 
+def _decodes(seq: Sequence) -> bool:
+    """Past its prompt: this step computes at most its newest token."""
+    return seq.num_computed_tokens >= seq.num_total_tokens - 1
+
+
 @dataclass
 class SpecDecodeStats:
     """Counters as vLLM names them (minivllm:spec_decode_*)."""
@@ -178,7 +183,7 @@ class SpeculationController:
 
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
-        if not any(s.num_computed_tokens >= s.num_total_tokens - 1 for s in running):
+        if not any(map(_decodes, running)):
             return 0   # nobody decodes (the first sequence usually does: no pass over the batch)
         if not self.config.adaptive:
             return self.max_k
@@ -187,7 +192,7 @@ class SpeculationController:
         if self._quiet_steps:   # off by a wide margin last time: its inputs move slowly, so skip a few
             self._quiet_steps -= 1
             return self._plain_step()
-        decoding = [s for s in running if s.num_computed_tokens >= s.num_total_tokens - 1]
+        decoding = [s for s in running if _decodes(s)]
         rates, hits = self.rates(decoding)
         caps = [self._cap(s) for s in decoding]
         plain_cost = self.plain_cost(len(running)) or 1.0

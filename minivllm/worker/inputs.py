@@ -123,7 +123,7 @@ class StagingBuffer:
     def transfer(self, groups: list[tuple[torch.dtype, list[np.ndarray]]], stream=None) -> list[list[torch.Tensor]]:
         """[(dtype, host arrays)] -> per group, the arrays as device tensors of that dtype (shapes kept).
         `stream`: the stream the copy is queued on (the current one if None; passing it saves a lookup)."""
-        plan, total = [], 0
+        plan, total = [], 0   # per group: (dtype, numpy dtype, arrays, first byte, end byte, element counts)
         for dtype, arrays in groups:
             np_dtype = _NUMPY_DTYPES[dtype]
             itemsize = np.dtype(np_dtype).itemsize
@@ -132,8 +132,9 @@ class StagingBuffer:
             pieces = []   # element counts: each array, then the padding to the next boundary
             for a in arrays:
                 pieces += [a.size, -a.size % align]
-            plan.append((dtype, np_dtype, arrays, total, pieces))
-            total += sum(pieces) * itemsize
+            end = total + sum(pieces) * itemsize
+            plan.append((dtype, np_dtype, arrays, total, end, pieces))
+            total = end
         if self.pinned:
             self.copied.synchronize()
             if self.host.numel() < total:
@@ -142,8 +143,8 @@ class StagingBuffer:
         else:
             host = torch.empty(total, dtype=torch.uint8)   # the returned CPU tensors alias it: fresh each step
         host_bytes = host.numpy()
-        for _, np_dtype, arrays, start, pieces in plan:
-            region = host_bytes[start:start + sum(pieces) * np.dtype(np_dtype).itemsize].view(np_dtype)
+        for _, np_dtype, arrays, start, end, pieces in plan:
+            region = host_bytes[start:end].view(np_dtype)
             offset = 0
             for a, n, pad in zip(arrays, pieces[::2], pieces[1::2]):
                 region[offset:offset + n] = a.ravel()
@@ -154,8 +155,8 @@ class StagingBuffer:
         else:
             flat = host
         out = []
-        for dtype, np_dtype, arrays, start, pieces in plan:
-            region = flat[start:start + sum(pieces) * np.dtype(np_dtype).itemsize].view(dtype)
+        for dtype, _, arrays, start, end, pieces in plan:
+            region = flat[start:end].view(dtype)
             parts = region.split(pieces)[::2]
             out.append([t if a.ndim == 1 else t.view(a.shape) for t, a in zip(parts, arrays)])
         return out
