@@ -70,8 +70,7 @@ def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
 
 class GcCollections:
     """Python's garbage collections while open: count and host milliseconds per generation. A full
-    collection walks every tracked object (about 0.1 s for an engine on this CPU), long enough to show
-    in a batch-1 run of under a second."""
+    collection walks every tracked object of an engine, which could show in a batch-1 run of under a second."""
 
     def __init__(self) -> None:
         self.counts, self.seconds, self._started = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
