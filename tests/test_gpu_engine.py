@@ -45,6 +45,36 @@ def test_fp32_tiny_model_token_identical(tmp_path):
     assert _greedy(llm, prompts, 40) == _hf_greedy(reference, prompts, 40)
 
 
+def test_small_decode_graphs_compute_their_rows_logits(tmp_path):
+    """Decode graphs of up to 16 rows return the logits of the rows they ran (what the LM head gives for
+    the graph's hidden states), larger ones none; greedy output still equals transformers'."""
+    from minivllm.worker.cuda_graph import LOGITS_IN_GRAPH_MAX_ROWS
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3").cuda()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in range(5, 45)]   # 40 sequences
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_model_len=256, max_num_seqs=48)
+    runner = llm.llm_engine.runner
+    graphs, seen = runner.graph_runner, []
+    run = graphs.run
+
+    def checked(inputs):
+        hidden, logits = run(inputs)
+        if inputs.metadata.is_decode_only:
+            rows = hidden.shape[0]
+            seen.append((rows, logits is not None))
+            if logits is not None:
+                torch.testing.assert_close(logits, runner.model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+        return hidden, logits
+    graphs.run = checked
+    expected = _hf_greedy(reference, prompts, 12)
+    assert _greedy(llm, prompts[:3], 12) == expected[:3]
+    assert _greedy(llm, prompts, 12) == expected
+    del graphs.run
+    assert {with_logits for rows, with_logits in seen if rows <= LOGITS_IN_GRAPH_MAX_ROWS} == {True}
+    assert {with_logits for rows, with_logits in seen if rows > LOGITS_IN_GRAPH_MAX_ROWS} == {False}
+
+
 def test_mixed_steps_replay_cuda_graphs_and_stay_token_identical(tmp_path):
     """Prompt chunks under a 96-token budget, decodes riding along with them, and prefix-cache hits all
     replay the mixed-step graphs (padded rows and sequences included); greedy output still equals

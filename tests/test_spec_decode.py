@@ -136,12 +136,12 @@ def test_greedy_verification_accepts_while_argmax_matches():
 
 
 def test_greedy_fast_path_matches_rejection_sampling():
-    """All speculating rows greedy: `greedy_verify` and its Triton kernel give the rows that rejection
-    sampling and the scatter give, for random drafts (some matching), draft counts and rows of sequences
+    """All speculating rows greedy: `greedy_verify`, its Triton kernel and its host version give the rows
+    that rejection sampling and the scatter give, for random drafts (some matching), draft counts and rows of sequences
     that do not speculate."""
     from minivllm.kernels.greedy_verify import greedy_verify_triton
     from minivllm.layers.sampler import Sampler
-    from minivllm.spec_decode.rejection_sampler import greedy_verify
+    from minivllm.spec_decode.rejection_sampler import greedy_verify, greedy_verify_host
     generator = torch.Generator().manual_seed(0)
     for _ in range(50):
         num_drafts = torch.randint(1, 6, (4,), generator=generator)
@@ -163,6 +163,11 @@ def test_greedy_fast_path_matches_rejection_sampling():
         assert torch.equal(greedy_verify(sampled, spec), reference)
         # the one-launch kernel (Triton interpreter here), which writes into its input
         assert torch.equal(greedy_verify_triton(sampled.clone(), row_index, num_drafts, drafts), reference)
+        # on the host, on the read-back argmaxes, when the sampler leaves them unverified
+        spec.uniform, spec.verify_on_host = None, True
+        read_back = Sampler._verify(sampled, None, spec).tolist()
+        greedy_verify_host(read_back, row_index.numpy(), num_drafts.numpy(), drafts.numpy())
+        assert read_back == reference.tolist()
 
 
 def test_sampler_verifies_greedy_drafts_next_to_random_rows():

@@ -218,11 +218,12 @@ class Sampler(nn.Module):
     @staticmethod
     def _verify(token_ids: torch.Tensor, probs: torch.Tensor | None,
                 spec: SpecDecodeMetadata | None) -> torch.Tensor:
-        """Replace the rows of speculating sequences by the outcome of verifying their drafts."""
+        """Replace the rows of speculating sequences by the outcome of verifying their drafts (unless the
+        runner verifies them on the host: `spec.verify_on_host`)."""
         if spec is None:
             return token_ids
         if spec.uniform is None:   # every speculating row greedy: no distributions needed
-            return greedy_verify(token_ids, spec)
+            return token_ids if spec.verify_on_host else greedy_verify(token_ids, spec)
         output, _ = rejection_sample(token_ids, probs, spec)
         # Padding entries of row_index repeat a sequence's last row: give them that row's value, so
         # the scatter writes each row one value (a boolean mask would cost a host sync).

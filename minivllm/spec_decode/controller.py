@@ -46,6 +46,7 @@ which are not on the host).
 """
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from array import array
@@ -88,9 +89,14 @@ def _bucket(num_tokens: int) -> int:
     return 1 << max(0, num_tokens - 1).bit_length()
 
 
-def _record(windows: dict[int, deque], medians: dict[int, float], bucket: int, value: float) -> None:
-    """Add `value` to its bucket's window of recent values and refresh that bucket's median."""
-    window = windows.setdefault(bucket, deque(maxlen=_COST_WINDOW))
+def _record(windows: dict[int, deque], medians: dict[int, float], bucket: int, value: float,
+            buckets: list[int]) -> None:
+    """Add `value` to its bucket's window of recent values and refresh that bucket's median (`buckets`:
+    the measured buckets, kept sorted)."""
+    window = windows.get(bucket)
+    if window is None:
+        window = windows[bucket] = deque(maxlen=_COST_WINDOW)
+        bisect.insort(buckets, bucket)
     window.append(value)
     medians[bucket] = statistics.median(window)
 
@@ -106,9 +112,12 @@ class SpeculationController:
         self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
         self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
         self._spec_extra: dict[int, deque] = {}              # sequence bucket -> verify steps' extra seconds
-        # Their medians, kept up to date as steps are observed: choose_k reads them several times a step.
+        # Their medians, kept up to date as steps are observed, and the measured buckets in order: choose_k
+        # reads them for every k of every step (at batch 1 its host time is a visible share of a step).
         self._plain_median: dict[int, float] = {}
         self._extra_median: dict[int, float] = {}
+        self._plain_buckets: list[int] = []
+        self._extra_buckets: list[int] = []
         self._histories: dict[int, array] = {}               # seq_id -> its token ids, for n-gram lookups
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
@@ -149,37 +158,41 @@ class SpeculationController:
 
     def plain_cost(self, num_tokens: int) -> float | None:
         """The median recent cost of plain steps in the largest measured bucket up to `num_tokens`."""
-        bucket = _bucket(num_tokens)
-        known = [b for b in self._plain_median if b <= bucket]
-        return self._plain_median[max(known)] if known else None
+        i = bisect.bisect_right(self._plain_buckets, _bucket(num_tokens))
+        return self._plain_median[self._plain_buckets[i - 1]] if i else None
 
     def _plain_cost_at(self, num_tokens: int) -> float | None:
         """Plain steps' cost interpolated at `num_tokens`: affine between the measured buckets around it
         (prefill chunks included), or the bucket below when none is above."""
-        bucket = _bucket(num_tokens)
-        medians = self._plain_median
-        low = max((b for b in medians if b <= bucket), default=None)
-        if low is None:
+        buckets, medians = self._plain_buckets, self._plain_median
+        i = bisect.bisect_right(buckets, _bucket(num_tokens))
+        if not i:
             return None
-        high = min((b for b in medians if b > bucket), default=None)
-        if high is None:
+        low = buckets[i - 1]
+        if i == len(buckets):
             return medians[low]
+        high = buckets[i]
         return medians[low] + (medians[high] - medians[low]) * (num_tokens - low) / (high - low)
 
-    def _estimated_verify_cost(self, num_tokens: int, num_seqs: int) -> float | None:
-        """A plain step of the same size plus what verifying adds: the median extra over the plain estimate
-        of recent verify steps of about as many sequences (the nearest measured bucket). The extra is
-        mostly host work per sequence that waits for the result, not per draft: keyed by tokens, the
-        draft lengths of one batch fell into different buckets whose few samples (chained verify steps
-        cost little, unchained ones a host step more) made k = 3 look cheaper than k = 5 at random. So a
-        try by a few sequences of a large batch prices the whole batch's verify step only by its extra,
-        the tokens being priced as a plain step."""
-        plain = self._plain_cost_at(num_tokens)
-        if plain is None or not self._extra_median:
-            return plain
+    def _verify_extra(self, num_seqs: int) -> float | None:
+        """What verifying adds to a plain step of the same size: the median extra over the plain estimate
+        of recent verify steps of about as many sequences (the nearest measured bucket; None before any).
+        The extra is mostly host work per sequence that waits for the result, not per draft: keyed by
+        tokens, the draft lengths of one batch fell into different buckets whose few samples (chained
+        verify steps cost little, unchained ones a host step more) made k = 3 look cheaper than k = 5 at
+        random. So a try by a few sequences of a large batch prices the whole batch's verify step only by
+        its extra, the tokens being priced as a plain step."""
+        if not self._extra_buckets:
+            return None
         bits = _bucket(num_seqs).bit_length()
-        nearest = min(self._extra_median, key=lambda b: (abs(b.bit_length() - bits), b))
-        return plain + max(0.0, self._extra_median[nearest])
+        nearest = min(self._extra_buckets, key=lambda b: (abs(b.bit_length() - bits), b))
+        return max(0.0, self._extra_median[nearest])
+
+    def _estimated_verify_cost(self, num_tokens: int, num_seqs: int) -> float | None:
+        """A plain step of `num_tokens` plus `_verify_extra(num_seqs)`."""
+        plain = self._plain_cost_at(num_tokens)
+        extra = self._verify_extra(num_seqs)
+        return plain if plain is None or extra is None else plain + extra
 
     def choose_k(self, running: list[Sequence]) -> int:
         """The draft length for this step's speculating sequences (0: plain decoding)."""
@@ -203,11 +216,13 @@ class SpeculationController:
         self._exploring = False
         # E[tokens](k) = sum over sequences of 1 + h (a + a^2 + ... + a^min(k, cap)): one more power per k.
         terms, expected, num_tokens = hits, float(len(decoding)), len(running)
+        extra = self._verify_extra(len(running)) or 0.0
         for k in range(1, self.max_k + 1):
             terms = [t * a if c >= k else 0.0 for t, a, c in zip(terms, rates, caps)]
             expected += sum(terms)
             num_tokens += sum(c >= k for c in caps)
-            verify_cost = max(self._estimated_verify_cost(num_tokens, len(running)) or 0.0, plain_cost)
+            plain = self._plain_cost_at(num_tokens)
+            verify_cost = max(0.0 if plain is None else plain + extra, plain_cost)
             cost = plain_cost + any_proposes * (verify_cost - plain_cost)
             # Drafts must earn a clear gain: lookups cost host time (11 ms a step for 256 sequences on
             # the H100's host), and as proposals get rare both the gain and the verify steps' share of
@@ -323,11 +338,11 @@ class SpeculationController:
     # ---- feedback ----------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, speculative: bool) -> None:
         if not speculative:
-            _record(self._plain_cost, self._plain_median, _bucket(num_tokens), seconds)
+            _record(self._plain_cost, self._plain_median, _bucket(num_tokens), seconds, self._plain_buckets)
             return
         plain = self._plain_cost_at(num_tokens)
         if plain is not None:
-            _record(self._spec_extra, self._extra_median, _bucket(num_seqs), seconds - plain)
+            _record(self._spec_extra, self._extra_median, _bucket(num_seqs), seconds - plain, self._extra_buckets)
 
     def observe_host_gap(self, seconds: float) -> None:
         """Host time from reading an unchained verify step back to launching the next step (the device idles)."""

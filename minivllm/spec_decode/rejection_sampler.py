@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
@@ -35,6 +36,9 @@ class SpecDecodeMetadata:
     is_greedy: torch.Tensor | None        # [N] bool (None: every speculating sequence is greedy)
     uniform: torch.Tensor | None          # [N, K] U(0, 1) for the acceptance tests (None: all greedy)
     residual_noise: torch.Tensor | None   # [N, V] Exp(1) for drawing from the residual (None: all greedy)
+    # Every speculating row greedy and the drafts known on the host: the sampler leaves the argmaxes as
+    # they are and the runner verifies them once read back (`greedy_verify_host`), a launch fewer a step.
+    verify_on_host: bool = False
 
     @property
     def max_num_drafts(self) -> int:
@@ -54,6 +58,20 @@ def greedy_verify(sampled: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tens
     of `rejection_sample`'s output): one kernel launch on CUDA, about ten tensor ops elsewhere."""
     verify = greedy_verify_triton if sampled.is_cuda else greedy_verify_reference
     return verify(sampled, spec.row_index, spec.num_drafts, spec.draft_token_ids)
+
+
+def greedy_verify_host(token_ids: list[int], row_index: np.ndarray, num_drafts: np.ndarray,
+                       draft_token_ids: np.ndarray) -> None:
+    """`greedy_verify` on the host, in place on a step's read-back argmaxes (shapes as in
+    SpecDecodeMetadata). At batch 1 a kernel launch costs the host more than this loop over k + 1 ids,
+    and the result is needed on the host only: a step chained behind the verification reads the last row,
+    which matters only when every draft was accepted (else that step is discarded)."""
+    for rows, n, drafts in zip(row_index.tolist(), num_drafts.tolist(), draft_token_ids.tolist()):
+        for j in range(n):
+            if token_ids[rows[j]] != drafts[j]:
+                for row in rows[j + 1:n + 1]:
+                    token_ids[row] = -1
+                break
 
 
 def rejection_sample(sampled: torch.Tensor, probs: torch.Tensor | None, spec: SpecDecodeMetadata

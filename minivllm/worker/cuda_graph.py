@@ -17,10 +17,17 @@ A step of short queries (a verify step: 1 + k tokens per sequence) replays a dec
 per token: row t attends to its sequence's first `positions[t] + 1` tokens (its own KV is written just
 before, as in any step), which is exactly causal attention. On SmolLM2-135M at batch 1 (H100) such a
 step took 2.0 ms of device time through the 64-token mixed graph against 1.1 ms for a decode step.
+
+Decode graphs of up to `LOGITS_IN_GRAPH_MAX_ROWS` rows also compute the logits (without tensor
+parallelism, whose LM head gathers to one rank). Such steps are bound by the host's launches: at batch 1
+on SmolLM2 the logits' own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host
+(`spec_decode.py --parts steps --trace`, cc5262b). Larger batches are bound by the device, where copying
+their logits out of the graph would cost time instead.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,6 +36,8 @@ from minivllm.attention.metadata import AttentionMetadata, set_forward_context
 from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs
 
 logger = logging.getLogger(__name__)
+
+LOGITS_IN_GRAPH_MAX_ROWS = 16
 
 
 def decode_row_block_tables(metadata: AttentionMetadata) -> torch.Tensor:
@@ -68,8 +77,11 @@ def mixed_capture_sizes(max_tokens: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
                  max_model_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_mixed_tokens: int = 0) -> None:
+                 max_mixed_tokens: int = 0, compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
+        """`compute_logits`: hidden -> logits, captured in the small decode graphs (None: never)."""
         self.model = model
+        self.compute_logits = compute_logits
         self.sizes = capture_sizes(max_num_seqs)
         self.mixed_sizes = mixed_capture_sizes(max_mixed_tokens)
         self.max_batch = self.sizes[-1]
@@ -83,6 +95,7 @@ class CUDAGraphRunner:
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_batch + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.logits: torch.Tensor | None = None   # [LOGITS_IN_GRAPH_MAX_ROWS, vocab], sized at capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -100,14 +113,24 @@ class CUDAGraphRunner:
             seq_lens=self.seq_lens, block_tables=self.block_tables,
             max_query_len=min(num_tokens, self.max_model_len), max_seq_len=self.max_model_len)
 
-    def _capture_one(self, num_tokens: int, metadata: AttentionMetadata) -> torch.cuda.CUDAGraph:
+    def _logits_in_graph(self, num_tokens: int) -> bool:
+        return self.compute_logits is not None and num_tokens <= LOGITS_IN_GRAPH_MAX_ROWS
+
+    def _capture_one(self, num_tokens: int, metadata: AttentionMetadata, decode: bool = False) -> torch.cuda.CUDAGraph:
+        with_logits = decode and self._logits_in_graph(num_tokens)
         with set_forward_context(metadata):
             ids, positions = self.input_ids[:num_tokens], self.positions[:num_tokens]
             self.hidden[:num_tokens] = self.model(ids, positions)  # warm-up: compiles kernels, sizes buffers
+            if with_logits:
+                logits = self.compute_logits(self.hidden[:num_tokens])
+                if self.logits is None:
+                    self.logits = logits.new_empty(LOGITS_IN_GRAPH_MAX_ROWS, logits.shape[1])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.hidden[:num_tokens] = self.model(ids, positions)
+                if with_logits:
+                    self.logits[:num_tokens] = self.compute_logits(self.hidden[:num_tokens])
         if self.pool is None:
             self.pool = graph.pool()
         return graph
@@ -121,7 +144,7 @@ class CUDAGraphRunner:
             self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
         for batch in reversed(self.sizes):
             self.seq_lens[:batch] = 1
-            self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch))
+            self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch), decode=True)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs)",
@@ -140,7 +163,8 @@ class CUDAGraphRunner:
             return True
         return bool(self.mixed_sizes) and inputs.input_ids.shape[0] <= self.mixed_sizes[-1]
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
+    def run(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the step's graph: (hidden states, the logits of every row if the graph computed them)."""
         meta = inputs.metadata
         batch, num_tokens = meta.num_seqs, inputs.input_ids.shape[0]
         rows = self._as_decode_rows(inputs)
@@ -168,10 +192,12 @@ class CUDAGraphRunner:
             if padded > batch:
                 self.seq_lens[batch:padded].zero_()
             self.graphs[padded].replay()
+            if self._logits_in_graph(padded):
+                return self.hidden[:num_tokens], self.logits[:num_tokens]
         else:
             # Padding sequences own no query rows (they all start at the real token count) and no context.
             self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
             self.query_start_loc[batch + 1:].fill_(num_tokens)
             self.seq_lens[batch:].zero_()
             self.mixed_graphs[padded].replay()
-        return self.hidden[:num_tokens]
+        return self.hidden[:num_tokens], None

@@ -32,7 +32,7 @@ def run_step(runner: ModelRunner, header: tuple) -> None:
     blocks_to_copy, inputs = receive_step(header, runner.device)
     if blocks_to_copy:
         runner._copy_blocks(blocks_to_copy)
-    hidden = runner._forward(inputs)
+    hidden, _ = runner._forward(inputs)   # no logits from graphs under tensor parallelism
     if inputs.logits_indices.numel():
         runner.model.compute_logits(hidden[inputs.logits_indices])  # this rank's part of the gather
 

@@ -55,7 +55,7 @@ class PreviousSamples:
     (a verifying sequence's last row: its token if every draft is accepted, else -1)."""
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
-    verified: bool = False   # the step verified drafts: its rows may hold -1
+    verified: bool = False   # the step verified drafts on the device: its rows may hold -1
 
 
 @dataclass
@@ -262,7 +262,11 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     int64_d, int32_d = stager.transfer([(torch.int64, int64_arrays), (torch.int32, int32_arrays)], stream)
     input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = int64_d
     query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = int32_d
-    if fill_positions:
+    if len(fill_positions) == 1 and not previous_samples.verified:
+        # Batch 1: one slice copy, a launch fewer than gather + scatter (the host is a step's bottleneck here).
+        position, row = fill_positions[0], fill_rows[0]
+        input_ids_d[position:position + 1].copy_(previous_samples.token_ids[row:row + 1], non_blocking=True)
+    elif fill_positions:
         filled = previous_samples.token_ids[fill_rows_d]
         # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
         input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled

@@ -18,13 +18,14 @@ from minivllm.attention.torch_backend import fp8_as_bytes
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import SampleLogprobs
-from minivllm.distributed import min_over_ranks
+from minivllm.distributed import get_tp_size, min_over_ranks
 from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.models.loader import ModelSource, load_model, resolve_model
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
+from minivllm.spec_decode.rejection_sampler import greedy_verify_host
 from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import (ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
                                    prepare_inputs)
@@ -159,7 +160,8 @@ class ModelRunner:
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
                                             self.hf_config.hidden_size, self.dtype, self.device,
-                                            min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens))
+                                            min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens),
+                                            self.model.compute_logits if get_tp_size() == 1 else None)
         self.graph_runner.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
 
@@ -199,11 +201,12 @@ class ModelRunner:
         cache = fp8_as_bytes(self.kv_cache)
         cache[:, :, dst] = cache[:, :, src]
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, every row's logits when a CUDA graph computed them, else None)."""
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
             return self.graph_runner.run(inputs)
         with set_forward_context(inputs.metadata):
-            return self.model(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions), None
 
     def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask = None) -> ModelOutput:
         return self.execute_async(scheduler_output, grammar_bitmask).result()
@@ -239,14 +242,17 @@ class ModelRunner:
         drafts_on_host = None
         if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
-        hidden = self._forward(inputs)
+        hidden, all_logits = self._forward(inputs)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
                                                   inputs.metadata.query_start_loc_cpu)
         if not inputs.sampling_rows:
             self._previous_samples = None
             host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs, stream)
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
-        logits = self.model.compute_logits(hidden if inputs.samples_every_row else hidden[inputs.logits_indices])
+        if all_logits is not None:
+            logits = all_logits if inputs.samples_every_row else all_logits[inputs.logits_indices]
+        else:
+            logits = self.model.compute_logits(hidden if inputs.samples_every_row else hidden[inputs.logits_indices])
         metadata = SamplingMetadata.build(inputs.sampling_rows, self.vocab_size, self.device)
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask(None if drafts_on_host is None else
@@ -256,9 +262,12 @@ class ModelRunner:
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)
-        self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq, inputs.spec is not None)
+        verify_on_host = spec is not None and spec.verify_on_host   # then the rows hold argmaxes, never -1
+        self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq,
+                                                 spec is not None and not verify_on_host)
         host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs, stream)
-        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs)
+        return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs,
+                                  verify_on_host)
 
     def _propose(self, inputs: ModelInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the device proposer (drafts written into `inputs.input_ids`); (None, None) without one."""
@@ -318,11 +327,15 @@ class ModelRunner:
         ready.record(stream)
         return host_output, ready, buffers
 
-    def _to_model_output(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, output) -> ModelOutput:
+    def _to_model_output(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, output,
+                         verify_on_host: bool = False) -> ModelOutput:
         sampled: list[list[int]] = [[] for _ in scheduler_output.seqs]
         if output is None:
             return ModelOutput(sampled_token_ids=sampled)
         token_ids = output.token_ids.tolist()
+        if verify_on_host:   # the rows hold the argmaxes (see SpecDecodeMetadata.verify_on_host)
+            spec = inputs.spec
+            greedy_verify_host(token_ids, spec.row_index_cpu, spec.num_drafts, spec.draft_token_ids)
         per_row_logprobs = self._logprobs_to_host(output, inputs)
         logprobs: list[list[SampleLogprobs]] | None = [[] for _ in scheduler_output.seqs] \
             if per_row_logprobs is not None else None
@@ -380,16 +393,18 @@ class PendingModelOutput:
 
     def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
                  output: SamplerOutput | None, ready: torch.cuda.Event | None,
-                 host_buffers: list[torch.Tensor], prompt_logprobs: PromptLogprobs | None = None) -> None:
+                 host_buffers: list[torch.Tensor], prompt_logprobs: PromptLogprobs | None = None,
+                 verify_on_host: bool = False) -> None:
         self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
         self._output, self._ready, self._host_buffers = output, ready, host_buffers
-        self._prompt_logprobs = prompt_logprobs
+        self._prompt_logprobs, self._verify_on_host = prompt_logprobs, verify_on_host
 
     def result(self) -> ModelOutput:
         """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""
         if self._ready is not None:
             self._ready.synchronize()
-        model_output = self._runner._to_model_output(self._scheduler_output, self._inputs, self._output)
+        model_output = self._runner._to_model_output(self._scheduler_output, self._inputs, self._output,
+                                                     self._verify_on_host)
         if self._prompt_logprobs is not None:
             model_output.prompt_logprobs = self._prompt_logprobs.entries()
         self._runner.host_buffers.release(self._host_buffers)  # read into Python lists: reusable now
