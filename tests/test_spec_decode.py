@@ -262,6 +262,29 @@ def test_a_quiet_period_chosen_under_load_ends_when_the_batch_shrinks():
     assert evaluations == [256, QUIET_BATCH - 1]
 
 
+def test_every_draft_winning_by_a_wide_margin_is_decided_again_after_a_few_steps():
+    """At batch 1 with cheap verification and drafts that are mostly accepted, k = max is kept for
+    SURE_STEPS steps without a new estimate, and decided again at once when the batch changes size; the
+    optimistic start (nothing measured) is never held."""
+    from minivllm.spec_decode.controller import SURE_STEPS
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    seqs = _decoding_batch(2)
+    evaluations = []
+    rates = controller.rates
+    controller.rates = lambda seqs: evaluations.append(len(seqs)) or rates(seqs)
+    assert [controller.choose_k(seqs[:1]) for _ in range(2)] == [4, 4] and evaluations == [1, 1]
+    controller.observe_step(1, 1, 0.010, speculative=False)
+    for _ in range(20):
+        controller.observe_verification(seqs[0], 4, 4)
+    controller.observe_step(5, 1, 0.011, speculative=True)
+    evaluations.clear()
+    assert [controller.choose_k(seqs[:1]) for _ in range(SURE_STEPS + 2)] == [4] * (SURE_STEPS + 2)
+    assert evaluations == [1, 1]                     # decided, held for SURE_STEPS, decided again
+    controller.choose_k(seqs)                        # the batch grew: decided at once
+    assert evaluations == [1, 1, 2]
+
+
 def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
     """A verify step is priced as a plain step of its size plus the measured extra of verifying: a cheap
     try by 4 of 256 sequences (260 tokens, accepted) must not make a whole-batch verify step (512
