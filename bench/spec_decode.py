@@ -237,9 +237,23 @@ def run_load(args) -> list[dict]:
         row = {"workload": str(workload), "order": list(LOAD_ORDER), "off_runs": [], "on_runs": []}
         for i, mode in enumerate(LOAD_ORDER):
             engine.spec = None if mode == "off" else controller
+            tracer = None
+            if args.trace:   # per step kind: host time, device time, and the device's idle time before each step
+                from bench.profile_step import StepTracer
+                tracer = StepTracer(engine)
+            collections = GcCollections()
             result = timed_generate(llm, random_prompts(workload, vocab, seed=len(rows) * 100 + i),
                                     workload.output_len)
+            collections.close()
             row[f"{mode}_runs"].append(result["output_tokens_per_s"])
+            row.setdefault(f"{mode}_gc", []).append(collections.summary())
+            if tracer is not None:
+                tracer.close()
+                summary = tracer.summary()
+                row.setdefault(f"{mode}_trace", []).append(
+                    {kind: {k: round(v, 3) for k, v in summary[kind].items() if k.startswith(("steps", "sum_"))}
+                     for kind in ("prefill", "decode", "verify") if kind in summary})
+                del tracer
         engine.spec = controller
         off = statistics.median(row["off_runs"])
         row["off_tokens_per_s"], row["on_tokens_per_s"] = off, statistics.median(row["on_runs"])
@@ -393,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--collect-before-timing", action="store_true",
                         help="real part: one full garbage collection after each engine's warm-up, before timing")
     parser.add_argument("--trace", action="store_true",
-                        help="real and steps parts: trace each step (bench/profile_step.py's StepTracer)")
+                        help="real, steps and load parts: trace each step (bench/profile_step.py's StepTracer)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]

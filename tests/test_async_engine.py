@@ -120,6 +120,26 @@ def test_streams_cumulative_outputs_from_one_engine_thread():
     assert fake.shut_down and fake.aborted == []
 
 
+def test_the_engine_loop_runs_with_the_heap_frozen_and_hands_it_back_at_shutdown():
+    """Full collections while serving skip the heap loaded before (gc.freeze, see engine/gc_heap.py); the
+    heap is unfrozen once the loop stops, so what it held can be collected again."""
+    import gc
+    fake = ScriptedEngine()
+    frozen_at_step = []
+    step = fake.step
+    fake.step = lambda: frozen_at_step.append(gc.get_freeze_count()) or step()
+
+    async def main():
+        engine = AsyncEngine(fake)
+        engine.start()
+        [out async for out in engine.generate([1], SamplingParams(max_tokens=3), "a")]
+        await engine.shutdown()
+
+    run(main())
+    assert len(frozen_at_step) == 3 and min(frozen_at_step) > 1000   # asyncio, pytest, the engine ...
+    assert gc.get_freeze_count() == 0
+
+
 def test_admission_errors_surface_to_the_caller_and_the_loop_keeps_serving():
     # "a" stays queued for 20 slow steps, so "b" meets a full queue however late the test thread runs.
     fake = ScriptedEngine(max_waiting=1, step_delay=0.02)

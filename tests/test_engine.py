@@ -127,6 +127,23 @@ def test_logits_match_transformers_prefill_and_decode(llm, prompt_ids, hf_model)
     assert (ours - ref).abs().max().item() <= 1e-3 * max(1.0, scale)
 
 
+def test_generate_runs_with_the_heap_frozen_and_hands_it_back(llm):
+    """Full collections during generate() skip the heap that existed before it (gc.freeze: one took 210-340
+    ms on the H100's host, engine/gc_heap.py); afterwards the heap is unfrozen, so an engine dropped later,
+    even in a reference cycle, is still collected."""
+    import gc
+    frozen_at_step = []
+    step = llm.llm_engine.step
+    llm.llm_engine.step = lambda: frozen_at_step.append(gc.get_freeze_count()) or step()
+    try:
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    finally:
+        del llm.llm_engine.step
+    assert frozen_at_step and min(frozen_at_step) > 10_000   # torch, transformers and the model's objects
+    assert gc.get_freeze_count() == 0
+
+
 def test_continuous_batching_join_and_leave(llm):
     from minivllm.core.sequence import SequenceStatus
     engine = llm.llm_engine

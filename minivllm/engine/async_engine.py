@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from minivllm.engine.gc_heap import frozen_heap
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -278,7 +279,8 @@ class AsyncEngine:
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._loop_until_stopped()
+            with frozen_heap():   # full collections skip the heap loaded before serving (gc_heap.py)
+                self._loop_until_stopped()
             error: BaseException = EngineDeadError("engine was shut down")
         except BaseException as e:  # a bug in the engine: fail every request, report it, stay dead
             logger.exception("engine loop crashed")

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineConfig
+from minivllm.engine.gc_heap import frozen_heap
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -88,7 +89,7 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with frozen_heap(), tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(finished) < len(wanted) and self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
                     if output.finished and output.request_id in wanted:
