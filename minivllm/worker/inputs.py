@@ -52,7 +52,8 @@ MAX_DECODE_ROWS_QUERY_LEN = 16
 @dataclass
 class PreviousSamples:
     """The sampled ids of the step in flight, on the device, and which row holds each sequence's own token
-    (a verifying sequence's last row: its token if every draft is accepted, else -1)."""
+    (a verifying sequence's last row: its token if every draft is accepted; otherwise -1, or an argmax that
+    the host's verification drops, and the step reading it is discarded)."""
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
     verified: bool = False   # the step verified drafts on the device: its rows may hold -1
