@@ -1,5 +1,6 @@
-"""Attention kernel benchmark: our Triton paged kernels against torch SDPA (and flex_attention when
-it compiles) on the same shapes, related to what the hardware can do.
+"""Attention kernel benchmark: our Triton paged kernels (and, for steps of fresh prompts, the Hopper
+Gluon kernel) against torch SDPA (and flex_attention when it compiles) on the same shapes, related to
+what the hardware can do.
 
 Decode is memory-bound, so it reports achieved GB/s (K/V bytes read / time) next to the device's
 copy bandwidth (bytes read + written by a large device-to-device copy); prefill is compute-bound, so
@@ -192,9 +193,18 @@ def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, fl
     k, v = contiguous_kv(k_cache, v_cache, block_tables, query_len)
     key, value = step_kv(k, v, query_len)
 
-    def ours():   # as the layer calls it: this step's K/V given beside the cache
+    def fresh():   # as the layer calls it for a step of fresh prompts: the Hopper kernel where one runs
+        return paged_prefill_attention(*inputs, scale, max_query_len=query_len, key=key, value=value,
+                                       fresh_prompts=True)
+
+    def ours():   # a step the host cannot vouch for (prefix hits, later chunks): the Triton kernel
         return paged_prefill_attention(*inputs, scale, max_query_len=query_len, key=key, value=value)
 
+    from minivllm.kernels.prefill_attention_sm90 import fresh_prefill_supported
+    fresh_impl = ("minivllm (fresh prompts: Hopper kernel)" if fresh_prefill_supported(query, key, value)
+                  else "minivllm (fresh prompts: no Hopper kernel here, Triton)")
+    record(fresh_impl, fresh)
+    record(f"{fresh_impl} graph", graphed(fresh))
     record("minivllm triton (paged varlen)", ours)
     record("minivllm triton (paged varlen) graph", graphed(ours))
     record("minivllm triton (paged varlen, chunk from cache)", lambda: paged_prefill_attention(

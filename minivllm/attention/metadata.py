@@ -29,6 +29,9 @@ class AttentionMetadata:
     # Host copies the reference backend iterates over (None on the fast path to avoid syncs).
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Every sequence's queries are its whole context (fresh prompts: no prefix hit, no earlier chunk),
+    # so attention needs only this step's K/V. A host-side fact; graphs captured for any step leave it False.
+    fresh_prompts: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -2,7 +2,8 @@
 
 Imported only when the 'triton' backend is selected, so the CPU path never needs Triton. Dispatch:
 decode-only batches (every query length 1) go to the split-K decode kernel; anything else (prefill,
-chunked prefill, prefix-cache hits, decodes mixed with prefill chunks) goes to the varlen kernel.
+chunked prefill, prefix-cache hits, decodes mixed with prefill chunks) goes to the varlen kernel, which
+hands steps of fresh prompts to the Hopper kernel where one runs.
 Must agree with `TorchAttentionBackend` on any valid metadata.
 """
 from __future__ import annotations
@@ -46,4 +47,5 @@ class TritonAttentionBackend(AttentionBackend):
                                        metadata.seq_lens, metadata.block_tables, scale,
                                        max_query_len=metadata.max_query_len,
                                        k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-                                       logits_soft_cap=logits_soft_cap, key=key, value=value)
+                                       logits_soft_cap=logits_soft_cap, key=key, value=value,
+                                       fresh_prompts=metadata.fresh_prompts)

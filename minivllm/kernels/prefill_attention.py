@@ -328,7 +328,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             config: PrefillConfig | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, key: torch.Tensor | None = None,
-                            value: torch.Tensor | None = None) -> torch.Tensor:
+                            value: torch.Tensor | None = None, fresh_prompts: bool = False) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape (rows not covered by
     `query_start_loc` are left unwritten). `max_query_len` (a host-side hint, e.g. the metadata's)
     only picks the tile shape; `config` replaces that choice (benchmarks) and `block_m` (query rows
@@ -337,7 +337,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     `sliding_window` W: a row at position p sees keys p - W < k <= p only; `logits_soft_cap` c:
     scores s become c * tanh(s / c) (None: off). `key`/`value` [num_tokens, num_kv_heads, head_dim]:
     this step's K/V as written into the cache; given (and the cache not fp8, whose rounding the
-    reference sees), the keys inside each query chunk are read from them instead of the pages."""
+    reference sees), the keys inside each query chunk are read from them instead of the pages.
+    `fresh_prompts`: the caller knows on the host that no sequence has context before its chunk; with
+    `key`/`value` given and no per-layer option, such a step runs the Hopper kernel where it can
+    (`prefill_attention_sm90`); `config`, `block_m` or `block_n` keep it on this one."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -350,6 +353,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if (fresh_prompts and key is not None and config is None and block_m is None and block_n is None
+            and sliding_window is None and logits_soft_cap is None and k_cache.dtype == query.dtype):
+        from minivllm.kernels import prefill_attention_sm90 as sm90   # Gluon: compiled for Hopper only
+        if sm90.fresh_prefill_supported(query, key, value):
+            return sm90.fresh_prefill_attention(query, key, value, query_start_loc, scale)
     num_queries_per_kv = num_heads // num_kv_heads
     config = config or _tile_config(head_dim, query.dtype, max_query_len)
     block_m = block_m or config.block_m
