@@ -157,10 +157,11 @@ def paged_queries(batch, context, query_len, num_heads, num_kv_heads, head_dim):
 
 
 def step_kv(k: torch.Tensor, v: torch.Tensor, query_len: int):
-    """This step's K/V as the attention layer hands them to the backend ([tokens, kv_heads, dim]):
-    the last `query_len` positions of the [batch, kv_heads, context, dim] contexts."""
+    """This step's K/V as the attention layer hands them to the backend ([tokens, kv_heads, dim], each
+    token's heads packed, as in the split of the qkv projection): the last `query_len` positions of the
+    [batch, kv_heads, context, dim] contexts."""
     def rows(x):
-        return x[:, :, -query_len:].transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+        return x[:, :, -query_len:].transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).contiguous()
     return rows(k), rows(v)
 
 

@@ -141,7 +141,7 @@ def test_engine_prompt_logprobs_through_the_hopper_kernel_match_the_triton_kerne
     from minivllm.kernels import prefill_attention_sm90 as sm90
 
     make_tiny_hf_checkpoint(tmp_path, "llama3", hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=256)
+                            head_dim=128, intermediate_size=256)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 130, 251)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

@@ -272,7 +272,7 @@ def _fresh_prefill_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, query_start_l
 
 def fresh_prefill_supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Hopper, 16-bit, head_dim 64 or 128, heads packed and rows 16-byte aligned (TMA)."""
-    if not (query.is_cuda and torch.cuda.get_device_capability(query.device) == (9, 0)):
+    if not (query.is_cuda and _capability(query.device) == (9, 0)):
         return False
     head_dim = query.shape[-1]
     return (query.dtype in (torch.bfloat16, torch.float16) and key.dtype == value.dtype == query.dtype
@@ -285,6 +285,11 @@ def fresh_prefill_supported(query: torch.Tensor, key: torch.Tensor, value: torch
 def _layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
                                                 else gl.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
