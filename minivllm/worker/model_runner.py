@@ -157,6 +157,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.config.attention_backend == "torch":
             return
         started = time.perf_counter()
+        self._warm_up_fresh_prompts()
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
                                             self.hf_config.hidden_size, self.dtype, self.device,
@@ -166,14 +167,18 @@ class ModelRunner:
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
 
     @torch.inference_mode()
-    def _profile_peak_memory(self, num_tokens: int) -> int:
-        """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
-        if self.device.type != "cuda":
-            return 0
-        gc.collect()  # engines dropped but still in reference cycles give their memory back first
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        # Sequences of at most 512 tokens, and never longer than the model's positions allow.
+    def _warm_up_fresh_prompts(self) -> None:
+        """One eager step of fresh prompts with the KV cache in place (slots -1: nothing written). Graphs
+        capture the steps of up to `cuda_graph_max_tokens`; larger steps of fresh prompts run eagerly
+        through their own kernel (on Hopper, the Gluon prefill kernel), compiled here rather than inside
+        the first timed or served step."""
+        input_ids, positions, metadata = self._fresh_prompts_batch(min(1024, self.max_num_batched_tokens))
+        with set_forward_context(metadata):
+            self.model(input_ids, positions)
+
+    def _fresh_prompts_batch(self, num_tokens: int):
+        """(input ids, positions, metadata) of fresh prompts of at most 512 tokens filling `num_tokens`,
+        never longer than the model's positions allow; slots -1, so no cache row is written."""
         chunk = min(512, getattr(self.hf_config, "max_position_embeddings", 512) or 512)
         lens = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
         starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -184,8 +189,19 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens),
-            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens)
+            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens, fresh_prompts=True)
         input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
+        return input_ids, positions, metadata
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self, num_tokens: int) -> int:
+        """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
+        if self.device.type != "cuda":
+            return 0
+        gc.collect()  # engines dropped but still in reference cycles give their memory back first
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        input_ids, positions, metadata = self._fresh_prompts_batch(num_tokens)
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[-min(num_tokens, 256):])
