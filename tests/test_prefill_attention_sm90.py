@@ -38,7 +38,8 @@ def test_kernel_compiles_for_sm90_to_wgmma_tma_and_register_budgets(head_dim, dt
                      qk_scale="fp32", num_seqs="i32", num_heads="i32", num_queries_per_kv="i32",
                      out_stride="i32", num_tiles_total="i32", BLOCK_N="constexpr", HEAD_DIM="constexpr",
                      STAGES="constexpr", CONSUMER_REGS="constexpr", PRODUCER_REGS="constexpr")
-    constants = dict(BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, CONSUMER_REGS=240, PRODUCER_REGS=24)
+    constants = dict(BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, CONSUMER_REGS=sm90.CONSUMER_REGS,
+                     PRODUCER_REGS=sm90.PRODUCER_REGS)
     compiled = triton.compile(GluonASTSource(sm90._fresh_prefill_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]

@@ -16,8 +16,9 @@ the other. This kernel lays out the FlashAttention-3 schedule by hand:
   are issued together, and the softmax of S_j runs while P_{j-1} V_{j-1} is still on the tensor
   cores; O is rescaled once that product has landed.
 
-Tiles are numbered as in the Triton kernel (sequence i's from `query_start_loc[i] // BLOCK_M + i`,
-found on device, surplus programs exit) and run heaviest first. Rows past a sequence's end read
+Query tiles are numbered as in the Triton kernel (sequence i's from `query_start_loc[i] // BLOCK_M + i`,
+found on device; surplus numbers are skipped), heaviest first, and a persistent grid of one program per
+SM walks them, so one tile's epilogue overlaps the next tile's loads. Rows past a sequence's end read
 other tokens' queries and are never stored; keys past a row's position are masked (causality
 also hides the next sequence's keys that a tile may reach).
 """
@@ -26,16 +27,20 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from minivllm.kernels import prefill_attention
+from minivllm.kernels.decode_attention import LOG2_E
+from minivllm.kernels.split_k import num_sms
+
 WG_ROWS = gl.constexpr(64)    # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two warpgroups
-SEARCH_BLOCK = gl.constexpr(64)
+SEARCH_BLOCK = gl.constexpr(prefill_attention.SEARCH_BLOCK)
+CONSUMER_REGS, PRODUCER_REGS = 240, 24   # registers per thread of the two partitions (setmaxnreg)
 
 
 # Gluon's own sum/max/cdiv wrap triton.jit helpers, which turn into interpreter objects under
@@ -292,15 +297,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def fresh_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, block_n: int = 128,
-                            stages: int = 2, consumer_regs: int = 240,
-                            producer_regs: int = 24, programs: int | None = None) -> torch.Tensor:
+                            stages: int = 2, programs: int | None = None) -> torch.Tensor:
     """query [tokens, heads, D], key/value [tokens, kv_heads, D] of fresh prompts whose token
     ranges `query_start_loc` lists -> output [tokens, heads, D] (rows outside them unwritten)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -315,12 +314,12 @@ def fresh_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                                 _layout(rows, head_dim, x.dtype))
 
     num_tiles_total = (num_tokens // BLOCK_M.value + num_seqs) * num_heads
-    programs = programs or _num_sms(query.device)
+    programs = programs or num_sms(query.device)
     _fresh_prefill_kernel[(min(programs, num_tiles_total),)](
         descriptor(query, num_heads, WG_ROWS.value), descriptor(key, num_kv_heads, block_n),
         descriptor(value, num_kv_heads, block_n), descriptor(out, num_heads, WG_ROWS.value), out,
-        query_start_loc, scale * 1.4426950408889634,
+        query_start_loc, scale * LOG2_E,
         num_seqs, num_heads, num_heads // num_kv_heads, out.stride(0), num_tiles_total,
-        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, num_warps=4)
+        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out
