@@ -1,4 +1,4 @@
-"""Attention kernel benchmark: our Triton paged kernels (and, for steps of fresh prompts, the Hopper
+"""Attention kernel benchmark: our Triton paged kernels (and, for prompts and chunks, the Hopper
 Gluon kernel) against torch SDPA (and flex_attention when it compiles) on the same shapes, related to
 what the hardware can do.
 
@@ -30,6 +30,7 @@ from bench.common import git_commit  # noqa: E402
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
+MAX_NUM_SEQS = 256   # the engine's default: mixed CUDA graphs pad their sequence count to it
 
 
 def parse_args(argv=None):
@@ -178,48 +179,90 @@ def recorder(rows, kind, shape, quick, measures):
     return record
 
 
-def bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
+def bench_prefill(batch, context, query_len, num_heads, num_kv_heads, head_dim, quick, flex):
+    """`batch` sequences computing their last `query_len` of `context` tokens: fresh prompts when the
+    two are equal, else a chunk after a cached prefix (a later chunk of a long prompt, a prefix hit)."""
     from minivllm.kernels import paged_prefill_attention
-    inputs = paged_queries(batch, query_len, query_len, num_heads, num_kv_heads, head_dim)
-    query, k_cache, v_cache, _, _, block_tables = inputs
+    from minivllm.kernels import prefill_attention_sm90 as sm90
+    from torch.nn.attention.bias import causal_lower_right
+    inputs = paged_queries(batch, context, query_len, num_heads, num_kv_heads, head_dim)
+    query, k_cache, v_cache, query_start_loc, seq_lens, block_tables = inputs
     scale = head_dim ** -0.5
     # Two matmuls of 2 flops per multiply-add over the causally visible (query, key) pairs.
-    flops = 4 * num_heads * head_dim * batch * query_len * (query_len + 1) // 2
+    pairs = batch * sum(context - query_len + i + 1 for i in range(query_len))
+    flops = 4 * num_heads * head_dim * pairs
     shape = {"batch": batch, "query_len": query_len, "num_heads": num_heads,
              "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
+    if context != query_len:
+        shape["context"] = context
     rows = []
     record = recorder(rows, "prefill", shape, quick,
                       lambda ms: {"flops": flops, "tflop_per_s": flops / ms / 1e9})
 
-    k, v = contiguous_kv(k_cache, v_cache, block_tables, query_len)
+    k, v = contiguous_kv(k_cache, v_cache, block_tables, context)
     key, value = step_kv(k, v, query_len)
+    plan = sm90.plan_query_tiles(query_start_loc, seq_lens, query.shape[0])
 
-    def fresh():   # as the layer calls it for a step of fresh prompts: the Hopper kernel where one runs
-        return paged_prefill_attention(*inputs, scale, max_query_len=query_len, key=key, value=value,
-                                       fresh_prompts=True)
+    def engine():   # as the backend calls it: the Hopper kernel takes the long query runs where it runs
+        return paged_prefill_attention(*inputs, scale, max_query_len=query_len, min_query_len=query_len,
+                                       key=key, value=value, query_tile_plan=plan)
 
-    def ours():   # a step the host cannot vouch for (prefix hits, later chunks): the Triton kernel
+    def ours():   # the Triton kernel alone (any GPU; per-layer options; fp8 caches)
         return paged_prefill_attention(*inputs, scale, max_query_len=query_len, key=key, value=value)
 
-    from minivllm.kernels.prefill_attention_sm90 import fresh_prefill_supported
-    fresh_impl = ("minivllm (fresh prompts: Hopper kernel)" if fresh_prefill_supported(query, key, value)
-                  else "minivllm (fresh prompts: no Hopper kernel here, Triton)")
-    record(fresh_impl, fresh)
-    record(f"{fresh_impl} graph", graphed(fresh))
+    hopper = sm90.supported(query, key, value, k_cache, v_cache)
+    engine_impl = "minivllm (Hopper kernel)" if hopper else "minivllm (no Hopper kernel here: Triton)"
+    record(engine_impl, engine)
+    record(f"{engine_impl} graph", graphed(engine))
+    if hopper:   # the plan is built once per step and shared by every layer: its own row
+        record("query-tile plan of the Hopper kernel (once per step) graph", graphed(
+            lambda: sm90.plan_query_tiles(query_start_loc, seq_lens, query.shape[0])))
+        padded = padded_step(inputs, key, value, MAX_NUM_SEQS)
+        record(f"minivllm (Hopper kernel, {MAX_NUM_SEQS} sequences as a runner's graph pads them, plan "
+               "included) graph", graphed(padded))
     record("minivllm triton (paged varlen)", ours)
     record("minivllm triton (paged varlen) graph", graphed(ours))
     record("minivllm triton (paged varlen, chunk from cache)", lambda: paged_prefill_attention(
         *inputs, scale, max_query_len=query_len))
     q = query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous()
-    record("torch sdpa (causal, enable_gqa)", lambda: F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=True))
-    if flex is not None:
+    if context == query_len:
+        record("torch sdpa (causal, enable_gqa)", lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True))
+    else:
+        record("torch sdpa (causal lower-right, enable_gqa)", lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(query_len, context), scale=scale, enable_gqa=True))
+    if flex is not None and context == query_len:
         flex_attention, create_block_mask = flex
         mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
                                  query_len, query_len, device="cuda")
         record("flex_attention (causal block mask)", lambda: flex_attention(
             q, k, v, block_mask=mask, scale=scale, enable_gqa=True))
     return rows
+
+
+def padded_step(inputs, key, value, max_num_seqs):
+    """The engine's call inside a mixed CUDA graph: the sequence count padded to `max_num_seqs` with
+    empty sequences (no query rows, no context) and the plan built in the same graph."""
+    from minivllm.attention.metadata import AttentionMetadata
+    from minivllm.attention.triton_backend import TritonAttentionBackend
+    query, k_cache, v_cache, query_start_loc, seq_lens, block_tables = inputs
+    batch = seq_lens.shape[0]
+    padded_starts = torch.full((max_num_seqs + 1,), int(query_start_loc[-1]), dtype=torch.int32, device="cuda")
+    padded_starts[:batch + 1] = query_start_loc
+    padded_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device="cuda")
+    padded_lens[:batch] = seq_lens
+    padded_tables = torch.zeros(max_num_seqs, block_tables.shape[1], dtype=torch.int32, device="cuda")
+    padded_tables[:batch] = block_tables
+    backend = TritonAttentionBackend()
+    scale = query.shape[-1] ** -0.5
+    max_seq_len = int(seq_lens.max())
+
+    def step():
+        metadata = AttentionMetadata(slot_mapping=None, query_start_loc=padded_starts, seq_lens=padded_lens,
+                                     block_tables=padded_tables, max_query_len=query.shape[0],
+                                     max_seq_len=max_seq_len)
+        return backend.attend(query, k_cache, v_cache, metadata, scale, key=key, value=value)
+    return step
 
 
 def bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim, quick):
@@ -288,7 +331,8 @@ def print_table(device: str, rows: list[dict]) -> None:
             shape = (f"B{row['batch']} ctx{row['context']} H{row['num_heads']}/"
                      f"{row['num_kv_heads']} D{row['head_dim']}")
         else:
-            shape = (f"{row['batch']}x{row['query_len']} H{row['num_heads']}/"
+            after = f" after {row['context'] - row['query_len']}" if "context" in row else ""
+            shape = (f"{row['batch']}x{row['query_len']}{after} H{row['num_heads']}/"
                      f"{row['num_kv_heads']} D{row['head_dim']}")
         if "error" in row:
             print(f"{row['kind']:8} {row['impl']:44} {shape:34} {'-':>9} {'failed':>14}  {row['error']}")
@@ -307,14 +351,15 @@ def main(argv=None) -> None:
     flex = try_flex(not (args.quick or args.no_flex))
     num_heads, num_kv_heads, head_dim = 32, 8, 128            # Llama-3-8B's attention
     decode_shapes = [(64, 4096)] if args.quick else [(64, 4096), (8, 4096), (1, 32768)]
-    prefill_shapes = [(8, 512), (1, 4096)]
+    # (batch, context, query_len): fresh prompts, then chunks after a cached prefix
+    prefill_shapes = [(8, 512, 512), (1, 4096, 4096), (1, 4096, 512), (8, 1024, 512)]
     verify_shapes = [(64, 4096, 6)]   # 64 sequences verifying k = 5 drafts (+ 1) after 4,096 tokens
     rows = [copy_bandwidth(args.quick)]
     for batch, context in decode_shapes:
         rows += bench_decode(batch, context, num_heads, num_kv_heads, head_dim, args.quick, flex)
         torch.cuda.empty_cache()
-    for batch, query_len in prefill_shapes:
-        rows += bench_prefill(batch, query_len, num_heads, num_kv_heads, head_dim, args.quick, flex)
+    for batch, context, query_len in prefill_shapes:
+        rows += bench_prefill(batch, context, query_len, num_heads, num_kv_heads, head_dim, args.quick, flex)
         torch.cuda.empty_cache()
     for batch, context, num_queries in verify_shapes:
         rows += bench_verify(batch, context, num_queries, num_heads, num_kv_heads, head_dim, args.quick)

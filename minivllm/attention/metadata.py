@@ -13,7 +13,7 @@ must not be written).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +29,11 @@ class AttentionMetadata:
     # Host copies the reference backend iterates over (None on the fast path to avoid syncs).
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # Every sequence's queries are its whole context (fresh prompts: no prefix hit, no earlier chunk),
-    # so attention needs only this step's K/V. A host-side fact; graphs captured for any step leave it False.
-    fresh_prompts: bool = False
+    # The shortest sequence's query length, where the host knows it (graphs captured for any step do not).
+    min_query_len: int | None = None
+    # What the attention backend derives from this metadata once per step and reuses in every layer
+    # (the Hopper prefill kernel's query-tile plan); a graph's capture must start it empty.
+    backend_state: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -3,7 +3,8 @@
 Imported only when the 'triton' backend is selected, so the CPU path never needs Triton. Dispatch:
 decode-only batches (every query length 1) go to the split-K decode kernel; anything else (prefill,
 chunked prefill, prefix-cache hits, decodes mixed with prefill chunks) goes to the varlen kernel, which
-hands steps of fresh prompts to the Hopper kernel where one runs.
+on Hopper hands the sequences with long query runs to the Gluon kernel; this backend builds that
+kernel's query-tile plan once per step.
 Must agree with `TorchAttentionBackend` on any valid metadata.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention.backend import AttentionBackend
+from minivllm.kernels import prefill_attention_sm90
 from minivllm.attention.metadata import AttentionMetadata
 
 try:
@@ -46,6 +48,21 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                        metadata.seq_lens, metadata.block_tables, scale,
                                        max_query_len=metadata.max_query_len,
+                                       min_query_len=metadata.min_query_len,
                                        k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
                                        logits_soft_cap=logits_soft_cap, key=key, value=value,
-                                       fresh_prompts=metadata.fresh_prompts)
+                                       query_tile_plan=self._query_tile_plan(query, key, value, k_cache,
+                                                                             v_cache, metadata))
+
+    @staticmethod
+    def _query_tile_plan(query, key, value, k_cache, v_cache, metadata: AttentionMetadata):
+        """The Hopper kernel's plan for this step (None where that kernel cannot run or has no
+        sequence), built by the first layer that needs it."""
+        if (key is None or metadata.max_query_len < prefill_attention_sm90.MIN_QUERY_LEN
+                or not prefill_attention_sm90.supported(query, key, value, k_cache, v_cache)):
+            return None
+        plan = metadata.backend_state.get("query_tile_plan")
+        if plan is None:
+            plan = metadata.backend_state["query_tile_plan"] = prefill_attention_sm90.plan_query_tiles(
+                metadata.query_start_loc, metadata.seq_lens, query.shape[0])
+        return plan

@@ -172,23 +172,26 @@ def _attend_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_column, 
 
 
 # Batch size and block-table width change every step; specialising on them would recompile mid-run.
-@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
+@triton.jit(do_not_specialize=["num_seqs", "block_table_stride", "long_query_len"])
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, k_desc, v_desc, out_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        qk_scale, v_scale, softcap_scale, sliding_window,
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, plan_ptr,
+        qk_scale, v_scale, softcap_scale, sliding_window, long_query_len,
         num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, key_stride_t, key_stride_h,
         block_table_stride, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         TRANS_K: tl.constexpr, HEAVY_FIRST: tl.constexpr, CONTIGUOUS_KV: tl.constexpr,
-        TMA: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+        TMA: tl.constexpr, PLANNED: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
     # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
     # run from the highest number down, so the long rows at the end of a prompt start first and
     # the short ones fill the tail of the launch.
+    if PLANNED:   # the Hopper kernel's plan counts the sequences left here: none, nothing to search
+        if tl.load(plan_ptr + 1) == 0:
+            return
     program = tl.program_id(0)
     kv_head = program % num_kv_heads
     tile = program // num_kv_heads
@@ -207,7 +210,9 @@ def _prefill_kernel(
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     first_token = (tile - (query_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first_token >= query_len:  # surplus program: its sequence has fewer tiles than the bound
+    # A surplus program (its sequence has fewer tiles than the bound), or a sequence the Hopper kernel
+    # takes in the same step.
+    if first_token >= query_len or query_len >= long_query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len   # cached tokens before this step's query chunk
@@ -323,24 +328,28 @@ def _descriptor_compatible(key: torch.Tensor, block_d: int) -> bool:
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float,
-                            max_query_len: int | None = None, block_m: int | None = None,
+                            max_query_len: int | None = None, min_query_len: int | None = None,
+                            block_m: int | None = None,
                             block_n: int | None = None,
                             config: PrefillConfig | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, key: torch.Tensor | None = None,
-                            value: torch.Tensor | None = None, fresh_prompts: bool = False) -> torch.Tensor:
+                            value: torch.Tensor | None = None,
+                            query_tile_plan: torch.Tensor | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape (rows not covered by
     `query_start_loc` are left unwritten). `max_query_len` (a host-side hint, e.g. the metadata's)
-    only picks the tile shape; `config` replaces that choice (benchmarks) and `block_m` (query rows
+    only picks the tile shape, and `min_query_len` (another, or None) only spares a launch; `config`
+    replaces that choice (benchmarks) and `block_m` (query rows
     x heads per tile) and `block_n` override its tile sizes, powers of two, for tests. The cache has
     the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values).
     `sliding_window` W: a row at position p sees keys p - W < k <= p only; `logits_soft_cap` c:
     scores s become c * tanh(s / c) (None: off). `key`/`value` [num_tokens, num_kv_heads, head_dim]:
     this step's K/V as written into the cache; given (and the cache not fp8, whose rounding the
     reference sees), the keys inside each query chunk are read from them instead of the pages.
-    `fresh_prompts`: the caller knows on the host that no sequence has context before its chunk; with
-    `key`/`value` given and no per-layer option, such a step runs the Hopper kernel where it can
-    (`prefill_attention_sm90`); `config`, `block_m` or `block_n` keep it on this one."""
+    `query_tile_plan`: the step's `prefill_attention_sm90.plan_query_tiles`, built once per step by the
+    caller; given, with `key`/`value` and no per-layer option, the sequences of at least
+    `prefill_attention_sm90.MIN_QUERY_LEN` query rows go to the Hopper kernel where it runs, and this
+    kernel takes the rest of the step; `config`, `block_m` or `block_n` keep the whole step here."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -353,11 +362,18 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if (fresh_prompts and key is not None and config is None and block_m is None and block_n is None
-            and sliding_window is None and logits_soft_cap is None and k_cache.dtype == query.dtype):
+    long_query_len = 1 << 30   # sequences with this many query rows or more are another kernel's
+    if (query_tile_plan is not None and key is not None and config is None and block_m is None
+            and block_n is None and sliding_window is None and logits_soft_cap is None):
         from minivllm.kernels import prefill_attention_sm90 as sm90   # Gluon: compiled for Hopper only
-        if sm90.fresh_prefill_supported(query, key, value):
-            return sm90.fresh_prefill_attention(query, key, value, query_start_loc, scale)
+        if sm90.supported(query, key, value, k_cache, v_cache):
+            sm90.prefill_attention(query, key, value, k_cache, v_cache, block_tables, query_tile_plan, scale,
+                                   out=out)
+            if min_query_len is not None and min_query_len >= sm90.MIN_QUERY_LEN:
+                return out
+            long_query_len = sm90.MIN_QUERY_LEN
+            if max_query_len is not None:   # this kernel's tile shape is for the short rows it has left
+                max_query_len = min(max_query_len, long_query_len - 1)
     num_queries_per_kv = num_heads // num_kv_heads
     config = config or _tile_config(head_dim, query.dtype, max_query_len)
     block_m = block_m or config.block_m
@@ -383,7 +399,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                            [block_n, head_dim]) for x in (key, value))
     _prefill_kernel[grid](
         query, k_cache, v_cache, key, value, k_desc, v_desc, out, block_tables, seq_lens, query_start_loc,
-        qk_scale, v_scale, softcap_scale, sliding_window or 0,
+        query_tile_plan if long_query_len < (1 << 30) else None, qk_scale, v_scale, softcap_scale, sliding_window or 0, long_query_len,
         num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -391,7 +407,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_tables.stride(0), BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first,
-        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, SEARCH_BLOCK=SEARCH_BLOCK,
+        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, PLANNED=long_query_len < (1 << 30),
+        SEARCH_BLOCK=SEARCH_BLOCK,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)

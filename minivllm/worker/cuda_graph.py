@@ -126,6 +126,9 @@ class CUDAGraphRunner:
                 if self.logits is None:
                     self.logits = logits.new_empty(LOGITS_IN_GRAPH_MAX_ROWS, logits.shape[1])
             torch.cuda.synchronize()
+            # What the backend derived in the warm-up is recomputed inside the graph, or replays would
+            # reuse the warm-up's values.
+            metadata.backend_state.clear()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.hidden[:num_tokens] = self.model(ids, positions)

@@ -280,7 +280,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=query_start_loc.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
-        fresh_prompts=not bool(starts.any()),
+        min_query_len=int(num_scheduled.min()),
     )
     return ModelInputs(
         input_ids=input_ids_d,

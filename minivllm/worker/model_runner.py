@@ -157,7 +157,6 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.config.attention_backend == "torch":
             return
         started = time.perf_counter()
-        self._warm_up_fresh_prompts()
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
                                             self.hf_config.hidden_size, self.dtype, self.device,
@@ -165,16 +164,6 @@ class ModelRunner:
                                             self.model.compute_logits if get_tp_size() == 1 else None)
         self.graph_runner.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
-
-    @torch.inference_mode()
-    def _warm_up_fresh_prompts(self) -> None:
-        """One eager step of fresh prompts with the KV cache in place (slots -1: nothing written). Graphs
-        capture the steps of up to `cuda_graph_max_tokens`; larger steps of fresh prompts run eagerly
-        through their own kernel (on Hopper, the Gluon prefill kernel), compiled here rather than inside
-        the first timed or served step."""
-        input_ids, positions, metadata = self._fresh_prompts_batch(min(1024, self.max_num_batched_tokens))
-        with set_forward_context(metadata):
-            self.model(input_ids, positions)
 
     def _fresh_prompts_batch(self, num_tokens: int):
         """(input ids, positions, metadata) of fresh prompts of at most 512 tokens filling `num_tokens`,
@@ -189,7 +178,7 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens),
-            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens, fresh_prompts=True)
+            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens, min_query_len=min(lens))
         input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
         return input_ids, positions, metadata
 
