@@ -272,7 +272,9 @@ def _consumer(wg, q_smem, k_smem, v_smem, o_smem, bars, o_desc, out_ptr, out_str
     tma.store_wait(0)
 
 
-@gluon.jit
+# The block-table width changes from step to step: specialising on it (its divisibility by 16) would
+# recompile the kernel in the middle of a run.
+@gluon.jit(do_not_specialize=["block_table_stride"])
 def _prefill_kernel(q_desc, k_desc, v_desc, kp_desc, vp_desc, o_desc, out_ptr, plan_ptr, block_tables_ptr,
                     block_table_stride, qk_scale, num_heads,
                     num_queries_per_kv, out_stride, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
