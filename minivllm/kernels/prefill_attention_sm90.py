@@ -14,7 +14,7 @@ the other. This kernel lays out the FlashAttention-3 schedule by hand:
   stage guarded by full/empty mbarriers (K and V apart, so QK^T starts before V lands); a tile of
   the prefix arrives as one TMA box per 16-token page and 64 columns, placed by the block table;
 - two consumer warpgroups own 64 query rows each of a 128-row tile (one query head) and share
-  every K/V stage;
+  every K/V stage; the queries have two slots, so the next tile's load while this one runs;
 - inside a warpgroup the products are asynchronous wgmma: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
   are issued together, and the softmax of S_j runs while P_{j-1} V_{j-1} is still on the tensor
   cores; O is rescaled once that product has landed.
@@ -120,13 +120,15 @@ def _producer(q_desc, k_desc, v_desc, kp_desc, vp_desc, q_smem, k_smem, v_smem, 
         last_page = gl.maximum(context_len - 1, 0) // PAGE
         block_table = block_tables_ptr + seq * block_table_stride
         kv_col = (head // num_queries_per_kv) * HEAD_DIM
-        # The query buffer is free once both warpgroups issued their last QK^T of the last tile.
-        mbarrier.wait(q_empty, (n & 1) ^ 1)
-        mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [query_start + first_row, head * HEAD_DIM], q_full,
-                                        q_smem.index(0))
+        # Query slot n % 2 is free once both warpgroups issued their last QK^T of tile n - 2: the next
+        # tile's queries load while this one runs.
+        slot = n % 2
+        mbarrier.wait(q_empty.index(slot), ((n // 2) & 1) ^ 1)
+        mbarrier.expect(q_full.index(slot), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [query_start + first_row, head * HEAD_DIM],
+                                        q_full.index(slot), q_smem.index(2 * slot))
         tma.async_copy_global_to_shared(q_desc, [query_start + first_row + WG_ROWS, head * HEAD_DIM],
-                                        q_full, q_smem.index(1))
+                                        q_full.index(slot), q_smem.index(2 * slot + 1))
         for j in range(num_tiles):
             stage = it % STAGES
             phase = (it // STAGES) & 1
@@ -225,7 +227,6 @@ def _consumer(wg, q_smem, k_smem, v_smem, o_smem, bars, o_desc, out_ptr, out_str
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
-    q = q_smem.index(wg)
     o_buf = o_smem.index(wg)
     it = 0
     n = 0
@@ -233,6 +234,8 @@ def _consumer(wg, q_smem, k_smem, v_smem, o_smem, bars, o_desc, out_ptr, out_str
     for t in range(gl.program_id(0), num_tiles_total, gl.num_programs(0)):
         _, query_start, query_len, context_len, tile_row = _tile(plan_ptr, t, num_heads)
         head = t % num_heads
+        slot = n % 2
+        mbarrier.wait(q_full.index(slot), (n // 2) & 1)
         num_prefix_tiles = _cdiv(context_len, BLOCK_N)
         num_tiles = num_prefix_tiles + _cdiv(gl.minimum(tile_row + BLOCK_M, query_len), BLOCK_N)
         first_row = tile_row + wg * WG_ROWS
@@ -241,10 +244,9 @@ def _consumer(wg, q_smem, k_smem, v_smem, o_smem, bars, o_desc, out_ptr, out_str
         my_tiles = num_prefix_tiles + _cdiv(gl.minimum(first_row + WG_ROWS, query_len), BLOCK_N)
         if first_row >= query_len:
             my_tiles = gl.maximum(num_prefix_tiles, 1)
-        mbarrier.wait(q_full, n & 1)
-        acc, l_i = _attend(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, it, first_row, my_tiles,
-                           num_prefix_tiles, context_len, qk_scale, s_layout, o_layout)
-        mbarrier.arrive(q_empty, count=1)
+        acc, l_i = _attend(q_smem.index(2 * slot + wg), k_smem, v_smem, k_full, v_full, k_empty, v_empty, it,
+                           first_row, my_tiles, num_prefix_tiles, context_len, qk_scale, s_layout, o_layout)
+        mbarrier.arrive(q_empty.index(slot), count=1)
         # Tiles only the other warpgroup needs: released once loaded (their full barrier having
         # fired, both warpgroups are done with the stage's previous round).
         for j in range(my_tiles, num_tiles):
@@ -279,18 +281,20 @@ def _prefill_kernel(q_desc, k_desc, v_desc, kp_desc, vp_desc, o_desc, out_ptr, p
                     block_table_stride, qk_scale, num_heads,
                     num_queries_per_kv, out_stride, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
+    # Two query slots (a tile's rows for each warpgroup), so the next tile's queries load during this one.
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, WG_ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, WG_ROWS, HEAD_DIM], o_desc.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_full, count=1)
-    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
