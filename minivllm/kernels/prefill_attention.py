@@ -6,7 +6,9 @@ is read through the block table; the chunk's own keys either also through it (th
 already be written to the cache) or, when the caller passes this step's `key`/`value` and the tile
 table asks for it, from those contiguous tensors (by pointer, or as TMA tensor-descriptor tiles):
 then a fresh prompt is a plain varlen attention whose key rows need no page lookups. Each source
-is swept in its own tile loops, counted from its first key.
+is swept in its own tile loops, counted from its first key. On Hopper, given the step's query-tile
+plan, the sequences with long query runs go to `prefill_attention_sm90` instead and this kernel takes
+the rest of the step.
 
 FlashAttention-2 style: a program owns BLOCK_Q query tokens of one sequence times all query heads of
 one KV head (GQA heads are folded into the M dimension, so a K/V tile is loaded once per group and a

@@ -14,14 +14,14 @@ the other. This kernel lays out the FlashAttention-3 schedule by hand:
   stage guarded by full/empty mbarriers (K and V apart, so QK^T starts before V lands); a tile of
   the prefix arrives as one TMA box per 16-token page and 64 columns, placed by the block table;
 - two consumer warpgroups own 64 query rows each of a 128-row tile (one query head) and share
-  every K/V stage; the queries have two slots, so the next tile's load while this one runs;
+  every K/V stage; queries have two slots, so the next tile's load while this one runs;
 - inside a warpgroup the products are asynchronous wgmma: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
   are issued together, and the softmax of S_j runs while P_{j-1} V_{j-1} is still on the tensor
   cores; O is rescaled once that product has landed.
 
-Which query tiles exist is decided once per step, on the device, by `plan_query_tiles` (a few torch
-ops, so it is captured in CUDA graphs like the layers): a list of (sequence, tile) entries, heaviest
-first, which a persistent grid of one program per SM walks, heads fastest. Rows past a sequence's end
+Which query tiles exist is decided once per step, on the device, by `plan_query_tiles` (one small
+Triton kernel, so it is captured in CUDA graphs like the layers): a row per tile (sequence, offsets,
+prefix length), heaviest first, which a persistent grid of one program per SM walks, heads fastest. Rows past a sequence's end
 read other tokens' queries and are never stored; keys past a row's position are masked (causality
 also hides the next sequence's keys that a tile may reach), and so are the prefix's last page's rows
 past the prefix.
