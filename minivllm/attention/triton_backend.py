@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention.backend import AttentionBackend
-from minivllm.kernels import prefill_attention_sm90
 from minivllm.attention.metadata import AttentionMetadata
 
 try:
-    from minivllm.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+    from minivllm.kernels import paged_decode_attention, paged_prefill_attention, prefill_attention_sm90, write_kv
 except ModuleNotFoundError as error:  # pragma: no cover - depends on the machine
     if error.name != "triton" and not (error.name or "").startswith("triton."):
         raise
@@ -56,13 +55,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _query_tile_plan(query, key, value, k_cache, v_cache, metadata: AttentionMetadata):
-        """The Hopper kernel's plan for this step (None where that kernel cannot run or has no
-        sequence), built by the first layer that needs it."""
-        if (key is None or metadata.max_query_len < prefill_attention_sm90.MIN_QUERY_LEN
-                or not prefill_attention_sm90.supported(query, key, value, k_cache, v_cache)):
-            return None
-        plan = metadata.backend_state.get("query_tile_plan")
-        if plan is None:
-            plan = metadata.backend_state["query_tile_plan"] = prefill_attention_sm90.plan_query_tiles(
-                metadata.query_start_loc, metadata.seq_lens, query.shape[0])
-        return plan
+        """The Hopper kernel's plan for this step (None where that kernel cannot run or no sequence is
+        long enough), decided and built by the first layer and reused by the rest (paged_prefill_attention
+        still checks each layer's tensors before it runs the kernel)."""
+        state = metadata.backend_state
+        if "query_tile_plan" not in state:
+            usable = (key is not None and metadata.max_query_len >= prefill_attention_sm90.MIN_QUERY_LEN
+                      and prefill_attention_sm90.supported(query, key, value, k_cache, v_cache))
+            state["query_tile_plan"] = prefill_attention_sm90.plan_query_tiles(
+                metadata.query_start_loc, metadata.seq_lens, query.shape[0]) if usable else None
+        return state["query_tile_plan"]

@@ -188,12 +188,12 @@ def _prefill_kernel(
         TMA: tl.constexpr, PLANNED: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
-    # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
-    # run from the highest number down, so the long rows at the end of a prompt start first and
-    # the short ones fill the tail of the launch.
     if PLANNED:   # the Hopper kernel's plan counts the sequences left here: none, nothing to search
         if tl.load(plan_ptr + 1) == 0:
             return
+    # Consecutive programs take the same query tile for every KV head; with HEAVY_FIRST the tiles
+    # run from the highest number down, so the long rows at the end of a prompt start first and
+    # the short ones fill the tail of the launch.
     program = tl.program_id(0)
     kv_head = program % num_kv_heads
     tile = program // num_kv_heads
@@ -364,6 +364,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    hopper_plan = None   # the plan, once the Hopper kernel has taken the sequences it lists
     long_query_len = 1 << 30   # sequences with this many query rows or more are another kernel's
     if (query_tile_plan is not None and key is not None and config is None and block_m is None
             and block_n is None and sliding_window is None and logits_soft_cap is None):
@@ -373,7 +374,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                    out=out)
             if min_query_len is not None and min_query_len >= sm90.MIN_QUERY_LEN:
                 return out
-            long_query_len = sm90.MIN_QUERY_LEN
+            hopper_plan, long_query_len = query_tile_plan, sm90.MIN_QUERY_LEN
             if max_query_len is not None:   # this kernel's tile shape is for the short rows it has left
                 max_query_len = min(max_query_len, long_query_len - 1)
     num_queries_per_kv = num_heads // num_kv_heads
@@ -401,7 +402,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                            [block_n, head_dim]) for x in (key, value))
     _prefill_kernel[grid](
         query, k_cache, v_cache, key, value, k_desc, v_desc, out, block_tables, seq_lens, query_start_loc,
-        query_tile_plan if long_query_len < (1 << 30) else None, qk_scale, v_scale, softcap_scale, sliding_window or 0, long_query_len,
+        hopper_plan, qk_scale, v_scale, softcap_scale, sliding_window or 0, long_query_len,
         num_seqs, num_kv_heads, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -409,7 +410,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_tables.stride(0), BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         TRANS_K=config.trans_k, HEAVY_FIRST=config.heavy_first,
-        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, PLANNED=long_query_len < (1 << 30),
+        CONTIGUOUS_KV=contiguous_kv, TMA=k_desc is not None, PLANNED=hopper_plan is not None,
         SEARCH_BLOCK=SEARCH_BLOCK,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,

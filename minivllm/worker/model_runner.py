@@ -165,9 +165,15 @@ class ModelRunner:
         self.graph_runner.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
 
-    def _fresh_prompts_batch(self, num_tokens: int):
-        """(input ids, positions, metadata) of fresh prompts of at most 512 tokens filling `num_tokens`,
-        never longer than the model's positions allow; slots -1, so no cache row is written."""
+    @torch.inference_mode()
+    def _profile_peak_memory(self, num_tokens: int) -> int:
+        """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
+        if self.device.type != "cuda":
+            return 0
+        gc.collect()  # engines dropped but still in reference cycles give their memory back first
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        # Sequences of at most 512 tokens, and never longer than the model's positions allow.
         chunk = min(512, getattr(self.hf_config, "max_position_embeddings", 512) or 512)
         lens = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
         starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -180,17 +186,6 @@ class ModelRunner:
             max_query_len=max(lens), max_seq_len=max(lens),
             query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens, min_query_len=min(lens))
         input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
-        return input_ids, positions, metadata
-
-    @torch.inference_mode()
-    def _profile_peak_memory(self, num_tokens: int) -> int:
-        """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
-        if self.device.type != "cuda":
-            return 0
-        gc.collect()  # engines dropped but still in reference cycles give their memory back first
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        input_ids, positions, metadata = self._fresh_prompts_batch(num_tokens)
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[-min(num_tokens, 256):])
