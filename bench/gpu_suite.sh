@@ -76,6 +76,9 @@
 #      100k tokens on the GPU: bf16, GGUF Q4_1, online fp8 / int8, then offline W8A8 folders quantized here
 #      (int8 after SmoothQuant with alpha ${SQ_ALPHA:-0.75}, chosen on a validation text; fp8 with GPTQ rounding)
 #      -> quant_quality_gpu.json, rows appended as they finish. ~6 min.
+#   PB: where a batch-1 decode step of dummy Llama-3-8B spends its time, in bf16, fp8 and int4 (GPTQ layout):
+#      bench/profile_step.py --batch 1 --kernels per format -> $OUT/profile/step_profile*.json (each kernel's
+#      launches and microseconds per step, from CUDA graphs as the engine runs them). ~4 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -244,6 +247,15 @@ case "${1:-A}" in
       --rounds ${ROUNDS:-3} --collect-before-timing --out "$OUT/collect" > "$OUT/spec_decode_collect.log" 2>&1
     tail -4 "$OUT/spec_decode_collect.log"
     bash "$0" Q8
+    ;;
+  PB)
+    mkdir -p "$OUT/profile"
+    for q in none fp8 gptq; do
+      flag=(); [ "$q" != none ] && flag=(--quantization "$q")
+      timeout 170 python3 bench/profile_step.py --batch 1 --steps 30 --kernels "${flag[@]}" --out "$OUT/profile" \
+        > "$OUT/profile/profile_$q.log" 2>&1
+      grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_$q.log"
+    done
     ;;
   Q8)
     timeout 120 python3 -m pytest -q -m gpu tests/test_quant_w8a8.py 2>&1 | tee "$OUT/gpu_tests_Q8.log" | tail -3

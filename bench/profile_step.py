@@ -71,11 +71,13 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[st
     return medians
 
 
-def kernel_table(llm: LLM, prompt_len: int, batch: int) -> None:
-    """torch.profiler's top CUDA kernels for one prefill step of `batch` prompts and 10 decode steps."""
+def kernel_table(llm: LLM, prompt_len: int, batch: int) -> dict:
+    """torch.profiler's CUDA kernels for one prefill step of `batch` prompts and 10 decode steps: printed
+    (top 40 by time) and returned per decode step, each kernel's name with its launches and microseconds."""
     from torch.profiler import ProfilerActivity, profile
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    decode: dict = {}
     for warm in (True, False):
         for i in range(batch):
             engine.add_request(f"k{warm}-{i}", torch.randint(0, 1000, (prompt_len,)).tolist(), params)
@@ -92,14 +94,22 @@ def kernel_table(llm: LLM, prompt_len: int, batch: int) -> None:
                     n_tokens = out.total_num_scheduled_tokens
                     engine.scheduler.update(out, engine.runner.execute(out))
                 torch.cuda.synchronize()
-            print(f"--- {label}: {n_tokens} tokens in the last step, {1e3 * (time.perf_counter() - start):.1f} ms "
-                  f"wall (profiled)")
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+            wall_ms = 1e3 * (time.perf_counter() - start)
+            print(f"--- {label}: {n_tokens} tokens in the last step, {wall_ms:.1f} ms wall (profiled)")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+            if steps > 1:
+                kernels = [{"name": e.key, "launches_per_step": e.count / steps,
+                            "us_per_step": e.self_device_time_total / steps}
+                           for e in prof.key_averages() if e.self_device_time_total > 0]
+                kernels.sort(key=lambda k: -k["us_per_step"])
+                decode = {"batch": batch, "steps": steps, "wall_ms_per_step": wall_ms / steps,
+                          "kernel_us_per_step": sum(k["us_per_step"] for k in kernels), "kernels": kernels}
             while steps == 1 and engine.scheduler.waiting:  # finish prefill before profiling decode
                 out = engine.scheduler.schedule()
                 engine.scheduler.update(out, engine.runner.execute(out))
         while engine.has_unfinished_requests():
             engine.step()
+    return decode
 
 
 class StepTracer:
@@ -279,25 +289,27 @@ def main(argv=None) -> dict:
                         help="trace N requests of P prompt tokens -> O output tokens through the engine loop")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8, gptq (dummy weights in that format)")
     args = parser.parse_args(argv)
     if args.trace:
         return main_trace(args)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, device=args.device,
-              max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 64,
+              quantization=args.quantization, max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 64,
               enforce_eager=args.enforce_eager, kv_cache_memory=None if args.device != "cpu" else 256 * 2**20)
     meta = run_metadata(llm.llm_engine.runner.device)
-    print(f"step profile | {meta['device']} | commit {meta['commit']} | {args.model} | eager={args.enforce_eager}")
+    print(f"step profile | {meta['device']} | commit {meta['commit']} | {args.model} | "
+          f"quantization={args.quantization} | eager={args.enforce_eager}")
     rows = {}
     print(f"{'batch':>6} " + " ".join(f"{p:>15}" for p in PHASES) + f" {'total ms':>9}")
     for batch in batches:
         rows[batch] = profile_decode(llm, batch, args.prompt_len, args.steps)
         print(f"{batch:>6} " + " ".join(f"{rows[batch][p]:>15.3f}" for p in PHASES) + f" {rows[batch]['total']:>9.3f}")
+    result = {**meta, "model": args.model, "quantization": args.quantization, "phases_ms": rows}
     if args.kernels and llm.llm_engine.runner.device.type == "cuda":
-        kernel_table(llm, args.prompt_len, max(batches))
-    result = {**meta, "model": args.model, "phases_ms": rows}
+        result["decode_kernels"] = kernel_table(llm, args.prompt_len, max(batches))
     if args.out:
-        write_json(Path(args.out) / "step_profile.json", result)
+        write_json(Path(args.out) / f"step_profile{'_' + args.quantization if args.quantization else ''}.json", result)
     return result
 
 
