@@ -79,6 +79,8 @@
 #   PB: where a batch-1 decode step of dummy Llama-3-8B spends its time, in bf16, fp8 and int4 (GPTQ layout):
 #      bench/profile_step.py --batch 1 --kernels per format -> $OUT/profile/step_profile*.json (each kernel's
 #      launches and microseconds per step, from CUDA graphs as the engine runs them). ~4 min.
+#   PA: batch-1 decode overheads: GPU tests of the chunked argmax and the decode kernels, the decode split-K
+#      partition sweep (decode_split_<gpu>.json), then stage PB. ~6 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -247,6 +249,11 @@ case "${1:-A}" in
       --rounds ${ROUNDS:-3} --collect-before-timing --out "$OUT/collect" > "$OUT/spec_decode_collect.log" 2>&1
     tail -4 "$OUT/spec_decode_collect.log"
     bash "$0" Q8
+    ;;
+  PA)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_argmax.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests_PA.log" | tail -3
+    timeout 180 python3 bench/decode_split_sweep.py --out "$OUT" 2>&1 | tee "$OUT/decode_split.log" | grep batch
+    bash "$0" PB
     ;;
   PB)
     mkdir -p "$OUT/profile"

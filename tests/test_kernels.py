@@ -148,14 +148,20 @@ def test_decode_split_and_unsplit_agree_and_zero_an_empty_context():
 
 
 def test_decode_partition_choice_depends_on_occupancy():
+    from minivllm.kernels.decode_attention import MAX_PROGRAMS_PER_SM, MIN_PARTITION_SIZE
     # Plenty of (sequence, kv head) programs already: no split.
     assert choose_decode_partition_size(64, 8, 4096, 132) is None
-    # One sequence with a long context: split into enough partitions to cover the SMs.
-    partition = choose_decode_partition_size(1, 8, 32768, 132)
-    assert partition is not None and partition & (partition - 1) == 0 and partition >= 256
-    assert 8 * triton.cdiv(32768, partition) >= 132
-    # A context too short to split usefully stays whole.
-    assert choose_decode_partition_size(1, 8, 256, 132) is None
+    # One sequence: split as finely as the program budget allows, whatever the longest context.
+    for max_context in (768, 8192, 32768, 131072):
+        partition = choose_decode_partition_size(1, 8, max_context, 132)
+        assert partition is not None and partition & (partition - 1) == 0 and partition >= MIN_PARTITION_SIZE
+        programs = 8 * triton.cdiv(max_context, partition)
+        assert 132 <= programs <= 2 * MAX_PROGRAMS_PER_SM * 132 or partition == MIN_PARTITION_SIZE
+    assert choose_decode_partition_size(1, 8, 768, 132) == MIN_PARTITION_SIZE
+    # Fewer splits per sequence as the batch fills the SMs.
+    assert choose_decode_partition_size(16, 8, 4096, 132) > choose_decode_partition_size(1, 8, 4096, 132)
+    # A context no longer than one partition stays whole.
+    assert choose_decode_partition_size(1, 8, MIN_PARTITION_SIZE, 132) is None
 
 
 # (seq_lens, query_lens, group, head_dim, dtype, block_m, block_n): plain prefill, chunked prefill

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
-from minivllm.layers.sampler import SamplingMetadata, apply_temperature, apply_top_k_top_p_min_p, random_sample
+from minivllm.layers.sampler import (SamplingMetadata, apply_temperature, apply_top_k_top_p_min_p, greedy_argmax,
+                                     random_sample)
 from minivllm.spec_decode.seeding import exponential_noise
 
 
@@ -113,7 +114,7 @@ class DraftModelProposer:
 def sample_draft(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens for one position of each sequence: argmax on greedy rows, else a draw from q
     (temperature, min-p, top-k, top-p). Returns (ids [N], q [N, V] or None when every row is greedy)."""
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_argmax(logits)
     if metadata.all_greedy:
         return greedy, None
     logits = apply_temperature(logits.float(), metadata.temperature)
