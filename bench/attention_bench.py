@@ -105,15 +105,14 @@ def try_flex(enabled: bool):
 
 
 def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, quick, flex):
-    from minivllm.kernels import choose_decode_partition_size, paged_decode_attention
+    from minivllm.kernels import choose_decode_splits, paged_decode_attention
     from minivllm.kernels.decode_attention import _num_sms
     k_cache, v_cache, block_tables = paged_cache(batch, context, num_kv_heads, head_dim)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")
     scale = head_dim ** -0.5
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
-    partition = choose_decode_partition_size(batch, num_kv_heads, block_tables.shape[1] * BLOCK_SIZE,
-                                             _num_sms(query.device))
+    splits = choose_decode_splits(batch, num_kv_heads, block_tables.shape[1] * BLOCK_SIZE, _num_sms(query.device))
     shape = {"batch": batch, "context": context, "num_heads": num_heads,
              "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(DTYPE)}
     rows = []
@@ -130,9 +129,9 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, quick, flex)
     def ours():
         return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
 
-    record(f"minivllm triton (partition={partition})", ours)
-    record(f"minivllm triton (partition={partition}) graph", graphed(ours))
-    if partition is None:
+    record(f"minivllm triton (splits={splits})", ours)
+    record(f"minivllm triton (splits={splits}) graph", graphed(ours))
+    if splits is None:
         record("minivllm triton (forced split 1024)", lambda: paged_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale, partition_size=1024))
     k, v = contiguous_kv(k_cache, v_cache, block_tables, context)

@@ -2,7 +2,7 @@
 (so the keys come from HBM, not L2) called in turn from one CUDA graph, Llama-3-8B's heads (32 query, 8 KV,
 head_dim 128, bf16). Rows: batch x actual context x the graph's longest context (the block-table width),
 for the partition the old rule chose (256-token floor, just enough programs to fill the SMs), the current
-rule (`choose_decode_partition_size`), fixed sizes, and no split.
+rule (per-sequence partitions: `choose_decode_splits`, `sequence_partition_size`), fixed sizes, and no split.
 
     python bench/decode_split_sweep.py --out DIR      # -> decode_split_<gpu>.json
 """
@@ -18,7 +18,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_slug, run_metadata, write_json  # noqa: E402
-from minivllm.kernels.decode_attention import choose_decode_partition_size, paged_decode_attention  # noqa: E402
+from minivllm.kernels.decode_attention import (choose_decode_splits, paged_decode_attention,  # noqa: E402
+                                              sequence_partition_size)
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
@@ -44,9 +45,10 @@ def make_case(batch: int, context: int, max_context: int):
     return caches, tables, seq_lens, query
 
 
-def time_case(case, partition: int | None) -> float:
+def time_case(case, partition: int | str | None) -> float:
+    """partition: tokens, "auto" (the current rule) or None (no split)."""
     caches, tables, seq_lens, query = case
-    size = partition if partition is not None else 1 << 30   # >= max_context: one partition
+    size = None if partition == "auto" else partition if partition is not None else 1 << 30
 
     def step():
         for k, v in caches:
@@ -65,16 +67,18 @@ def main(argv=None) -> dict:
         for context, max_context in ((600, 768), (600, 8192), (4000, 4096), (4000, 32768)):
             if batch * max_context * LAYERS * KV_HEADS * HEAD_DIM * 4 > 40e9:
                 continue
-            rules = {"old rule": old_rule(batch, max_context, sms),
-                     "current rule": choose_decode_partition_size(batch, KV_HEADS, max_context, sms)}
+            splits = choose_decode_splits(batch, KV_HEADS, max_context, sms)
+            current = sequence_partition_size(context, splits) if splits else None
+            rules = {"old rule": old_rule(batch, max_context, sms), "current rule": "auto"}
             sizes = dict(rules, **{str(p): p for p in (64, 128, 256, 512)}, **{"no split": None})
             times, case = {}, make_case(batch, context, max_context)
             for label, partition in sizes.items():
                 times[label] = 1e6 * time_case(case, partition)
                 rows.append({"batch": batch, "context": context, "max_context": max_context, "label": label,
-                             "partition": partition, "us_per_layer": times[label]})
+                             "partition": current if partition == "auto" else partition,
+                             "us_per_layer": times[label]})
             print(f"batch {batch:>3} context {context:>5} / {max_context:>6}: old {rules['old rule']} "
-                  f"{times['old rule']:.2f} us, current {rules['current rule']} {times['current rule']:.2f} us; "
+                  f"{times['old rule']:.2f} us, current {current} {times['current rule']:.2f} us; "
                   + ", ".join(f"{k} {v:.2f}" for k, v in times.items() if k not in rules), flush=True)
             del case
             torch.cuda.empty_cache()

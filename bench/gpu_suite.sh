@@ -81,6 +81,8 @@
 #      launches and microseconds per step, from CUDA graphs as the engine runs them). ~4 min.
 #   PA: batch-1 decode overheads: GPU tests of the chunked argmax and the decode kernels, the decode split-K
 #      partition sweep (decode_split_<gpu>.json), then stage PB. ~6 min.
+#   PC: as PA's tests and sweep, then bench/quant_bench.py's engine rows (batch-1 decode, W1, KV capacity) for
+#      bf16, fp8 and int4 on dummy Llama-3-8B, no GEMM table ($OUT/quant/quant_<gpu>.json). ~7 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -254,6 +256,13 @@ case "${1:-A}" in
     timeout 150 python3 -m pytest -q -m gpu tests/test_argmax.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests_PA.log" | tail -3
     timeout 180 python3 bench/decode_split_sweep.py --out "$OUT" 2>&1 | tee "$OUT/decode_split.log" | grep batch
     bash "$0" PB
+    ;;
+  PC)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_argmax.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests_PC.log" | tail -3
+    timeout 150 python3 bench/decode_split_sweep.py --out "$OUT" 2>&1 | tee "$OUT/decode_split.log" | grep batch
+    mkdir -p "$OUT/quant"
+    timeout 330 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8,int4 --out "$OUT/quant" > "$OUT/quant/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -8
     ;;
   PB)
     mkdir -p "$OUT/profile"

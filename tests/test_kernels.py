@@ -19,7 +19,7 @@ from minivllm.attention.torch_backend import (  # noqa: E402
     TorchAttentionBackend, paged_attention_reference, write_kv_reference)
 from minivllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from minivllm.kernels import (  # noqa: E402
-    choose_decode_partition_size, fused_add_rms_norm, fused_add_rms_norm_reference,
+    choose_decode_splits, fused_add_rms_norm, fused_add_rms_norm_reference,
     paged_decode_attention, paged_prefill_attention, rms_norm, rms_norm_reference, silu_and_mul,
     silu_and_mul_reference, write_kv)
 from minivllm.kernels.prefill_attention import PrefillConfig, _tile_config  # noqa: E402
@@ -147,21 +147,47 @@ def test_decode_split_and_unsplit_agree_and_zero_an_empty_context():
     assert torch.equal(split[1], torch.zeros_like(split[1]))
 
 
-def test_decode_partition_choice_depends_on_occupancy():
-    from minivllm.kernels.decode_attention import MAX_PROGRAMS_PER_SM, MIN_PARTITION_SIZE
+def test_decode_split_choice_depends_on_occupancy_and_length():
+    from minivllm.kernels.decode_attention import MIN_PARTITION_SIZE, sequence_partition_size
     # Plenty of (sequence, kv head) programs already: no split.
-    assert choose_decode_partition_size(64, 8, 4096, 132) is None
-    # One sequence: split as finely as the program budget allows, whatever the longest context.
-    for max_context in (768, 8192, 32768, 131072):
-        partition = choose_decode_partition_size(1, 8, max_context, 132)
-        assert partition is not None and partition & (partition - 1) == 0 and partition >= MIN_PARTITION_SIZE
-        programs = 8 * triton.cdiv(max_context, partition)
-        assert 132 <= programs <= 2 * MAX_PROGRAMS_PER_SM * 132 or partition == MIN_PARTITION_SIZE
-    assert choose_decode_partition_size(1, 8, 768, 132) == MIN_PARTITION_SIZE
-    # Fewer splits per sequence as the batch fills the SMs.
-    assert choose_decode_partition_size(16, 8, 4096, 132) > choose_decode_partition_size(1, 8, 4096, 132)
+    assert choose_decode_splits(64, 8, 4096, 132) is None
+    # One sequence: enough splits to give the SMs two programs each (fewer when the context is short).
+    assert choose_decode_splits(1, 8, 32768, 132) == 33
+    assert choose_decode_splits(1, 8, 768, 132) == 768 // MIN_PARTITION_SIZE
+    assert choose_decode_splits(4, 8, 32768, 132) == 9
     # A context no longer than one partition stays whole.
-    assert choose_decode_partition_size(1, 8, MIN_PARTITION_SIZE, 132) is None
+    assert choose_decode_splits(1, 8, MIN_PARTITION_SIZE, 132) is None
+    # Each sequence: the smallest power of two >= one tile that needs at most `splits` partitions.
+    for seq_len in (1, 63, 64, 65, 600, 4000, 32768):
+        partition = sequence_partition_size(seq_len, 33)
+        assert partition & (partition - 1) == 0 and partition >= MIN_PARTITION_SIZE
+        assert triton.cdiv(seq_len, partition) <= 33
+        assert partition == MIN_PARTITION_SIZE or triton.cdiv(seq_len, partition // 2) > 33
+    assert sequence_partition_size(600, 33) == 64 and sequence_partition_size(4000, 33) == 128
+
+
+def test_decode_split_per_sequence_lengths():
+    """Per-sequence partitions (short and long contexts in one batch, a graph-sized block table) give
+    the reference's output: the kernel's device-side rule and the reduction agree on the partitions."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, kv_heads, group, head_dim = 16, 1, 2, 32
+    seq_lens = [5, 70, 300, 1]
+    blocks_per_seq = 32   # max_context 512: the split count comes from it, not from these lengths
+    num_blocks = len(seq_lens) * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE)
+    tables = torch.randperm(num_blocks, generator=gen).view(len(seq_lens), blocks_per_seq).to(torch.int32).to(DEVICE)
+    query = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    whole = paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, partition_size=1 << 20)
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+    for i, n in enumerate(seq_lens):   # against plain softmax attention over the gathered context
+        rows = (tables[i].long()[:, None] * block_size + torch.arange(block_size, device=DEVICE)).flatten()[:n]
+        k = k_cache.flatten(0, 1)[rows, 0]
+        v = v_cache.flatten(0, 1)[rows, 0]
+        expected = torch.softmax(query[i] @ k.t() * head_dim ** -0.5, dim=-1) @ v
+        torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-4)
 
 
 # (seq_lens, query_lens, group, head_dim, dtype, block_m, block_n): plain prefill, chunked prefill

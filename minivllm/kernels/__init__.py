@@ -38,7 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # The kernel modules come after the interpreter fix so that it is in place before any launch.
 from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from minivllm.kernels.decode_attention import (  # noqa: E402
-    choose_decode_partition_size, paged_decode_attention)
+    choose_decode_splits, paged_decode_attention)
 from minivllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
 from minivllm.kernels.kv_write import write_kv  # noqa: E402
 from minivllm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -46,7 +46,7 @@ from minivllm.kernels.rmsnorm import (  # noqa: E402
     fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference)
 
 __all__ = [
-    "choose_decode_partition_size", "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_experts",
+    "choose_decode_splits", "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_experts",
     "fused_experts_reference",
     "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rms_norm_reference",
     "silu_and_mul", "silu_and_mul_reference", "write_kv",

@@ -8,7 +8,10 @@ Design:
   group and the group's heads form the M dimension of a small matrix product.
 - Split-K ("flash-decoding"): the context is cut into partitions handled by separate programs, each
   writing its running max, softmax sum and normalised partial output; a second kernel combines them.
-  This keeps the GPU busy when batch x kv_heads is small and contexts are long.
+  This keeps the GPU busy when batch x kv_heads is small. Each sequence's partition size follows its
+  own length (`sequence_partition_size`), so a short context in a graph captured for long ones is still
+  cut finely (a 600-token context at batch 1: 8.5 instead of 12.5 us a layer on an H100,
+  bench/results/decode_split_h100.json).
 - fp8 caches (float8_e4m3fn) are loaded at one byte per element and widened to the query's dtype in
   registers (exact: every e4m3 value is a bf16 value); the per-layer scales are folded into the
   softmax scale (keys) and the output (values), so dequantizing costs no extra multiply per element.
@@ -16,8 +19,8 @@ Design:
   loop at seq_len - W (split-K partitions wholly before it write an empty partial result), and a
   logit soft cap maps each score s to c * tanh(s / c) before the softmax.
 - CUDA-graph safe: no host syncs, and the grids depend only on shapes (batch, kv heads and a split
-  count derived from `block_tables.shape[1]`, the most blocks any sequence can own); programs whose
-  partition starts past their sequence's length exit at once.
+  count derived from them and `block_tables.shape[1]`, the most blocks any sequence can own); programs
+  whose partition starts past their sequence's length exit at once.
 """
 from __future__ import annotations
 
@@ -30,8 +33,16 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
-PROGRAMS_PER_SM = 2        # split when batch x kv_heads gives fewer programs per SM than this
-MAX_PROGRAMS_PER_SM = 8    # the finest split: at most this many programs per SM if every context were full
+PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
+
+
+@triton.jit
+def _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION: tl.constexpr):
+    """`sequence_partition_size` on the device, or the forced size when there is one (> 0)."""
+    partition = seq_len * 0 + MIN_PARTITION
+    while partition * splits < seq_len:
+        partition *= 2
+    return tl.where(fixed_partition > 0, fixed_partition, partition)
 
 
 @triton.jit
@@ -58,8 +69,8 @@ def _decode_partition_kernel(
         qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
-        partial_stride_seq, partial_stride_head,
-        PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        partial_stride_seq, partial_stride_head, fixed_partition,
+        SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
@@ -68,10 +79,11 @@ def _decode_partition_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:
-        start = split * PARTITION_SIZE
+        partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
+        start = split * partition
         if start >= seq_len:  # this partition lies past the context: no work, nothing written
             return
-        end = tl.minimum(start + PARTITION_SIZE, seq_len)
+        end = tl.minimum(start + partition, seq_len)
     else:
         start = 0
         end = seq_len
@@ -137,29 +149,27 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_reduce_kernel(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
-        head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head,
-        PARTITION_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+        head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
+        MIN_PARTITION: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_used = (seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE   # only these were written
+    partition = _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION)
+    num_used = (seq_len + partition - 1) // partition   # only these were written
     base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
-    splits = tl.arange(0, MAX_SPLITS)
-    used = splits < num_used
-    maxes = tl.load(partial_max_ptr + base + splits, mask=used, other=float("-inf"))
-    sums = tl.load(partial_sum_ptr + base + splits, mask=used, other=0.0)
+    split_ids = tl.arange(0, MAX_SPLITS)
+    used = split_ids < num_used
+    maxes = tl.load(partial_max_ptr + base + split_ids, mask=used, other=float("-inf"))
+    sums = tl.load(partial_sum_ptr + base + split_ids, mask=used, other=0.0)
     global_max = tl.where(num_used > 0, tl.max(maxes, 0), 0.0)   # no -inf - -inf when empty
     weights = tl.where(used, tl.math.exp2(maxes - global_max) * sums, 0.0)
     total = tl.sum(weights, 0)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(0, num_used):
-        weight = tl.math.exp2(tl.load(partial_max_ptr + base + split) - global_max) \
-            * tl.load(partial_sum_ptr + base + split)
-        partial = tl.load(partial_out_ptr + (base + split) * head_dim + dims, mask=dim_mask, other=0.0)
-        acc += weight * partial
-    out = acc / tl.where(total > 0, total, 1.0)
+    # All partitions' rows in one load (a loop over them was a chain of dependent loads)
+    partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
+                       mask=used[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * partials, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -171,23 +181,28 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: any small number keeps split decisions realistic
 
 
-def choose_decode_partition_size(batch: int, num_kv_heads: int, max_context: int,
-                                 num_sms: int) -> int | None:
-    """Tokens per split-K partition, or None when one partition per (sequence, KV head) already
-    gives two programs per SM. Depends only on shapes, so a CUDA graph captured with it stays valid
-    for any sequence lengths up to `max_context`.
-
-    The split is as fine as MAX_PROGRAMS_PER_SM allows, not just enough to fill the SMs when every
-    context is full: `max_context` is the graph's (the longest any sequence may reach), real contexts
-    are usually far shorter, and partitions past a context exit at once. A program walks its
-    partition one key tile at a time, each tile a chain of dependent loads; at batch 1 with 256-token
-    partitions (the earlier floor) one layer's attention took 12 us of a 3.7 ms Llama-3-8B step."""
+def choose_decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                         min_partition: int = MIN_PARTITION_SIZE) -> int | None:
+    """Split-K programs per (sequence, KV head), or None when batch x kv_heads already gives
+    PROGRAMS_PER_SM programs per SM. Depends only on shapes, so a CUDA graph captured with it stays
+    valid for any sequence lengths up to `max_context`; each sequence's partition then follows its own
+    length (`sequence_partition_size`)."""
     programs = batch * num_kv_heads
-    if programs >= PROGRAMS_PER_SM * num_sms:
+    target = PROGRAMS_PER_SM * num_sms
+    if programs >= target or max_context <= min_partition:
         return None
-    max_splits = triton.cdiv(MAX_PROGRAMS_PER_SM * num_sms, programs)
-    partition = max(MIN_PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, max_splits)))
-    return None if partition >= max_context else partition
+    return min(triton.cdiv(target, programs), triton.cdiv(max_context, min_partition))
+
+
+def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_PARTITION_SIZE) -> int:
+    """Tokens per partition of one sequence: the smallest power of two (at least `min_partition`, one key
+    tile) that cuts its context into at most `splits` partitions. The earlier rule sized partitions for
+    the graph's longest context and never below 256 tokens; at batch 1 a 600-token context then took
+    three programs of four tiles each, a chain of dependent loads (12.5 us a layer on an H100; now 8.5)."""
+    partition = min_partition
+    while partition * splits < seq_len:
+        partition *= 2
+    return partition
 
 
 def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
@@ -223,8 +238,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
-    partition; None picks it from the shapes (`choose_decode_partition_size`), and a value of at least
-    `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
+    partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
+    `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
     read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
     its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
@@ -240,20 +255,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     num_queries_per_kv = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
-    if partition_size is None:
-        partition_size = choose_decode_partition_size(batch, num_kv_heads, max_context,
-                                                      _num_sms(query.device))
-    elif partition_size >= max_context:
-        partition_size = None
-    else:
-        assert partition_size >= 16 and partition_size & (partition_size - 1) == 0
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(num_queries_per_kv))   # tl.dot needs M >= 16
     block_n, num_warps, num_stages = _decode_config(block_d, query.dtype)
-    if partition_size is not None:
+    if partition_size is None:   # per sequence, at least one key tile
+        fixed_partition = 0
+        num_splits = choose_decode_splits(batch, num_kv_heads, max_context, _num_sms(query.device), block_n)
+    elif partition_size >= max_context:
+        fixed_partition, num_splits = 0, None
+    else:
+        assert partition_size >= 16 and partition_size & (partition_size - 1) == 0
+        fixed_partition, num_splits = partition_size, triton.cdiv(max_context, partition_size)
         block_n = min(block_n, partition_size)
-    split = partition_size is not None
-    num_splits = triton.cdiv(max_context, partition_size) if split else 1
+    split = num_splits is not None
+    num_splits = num_splits or 1
     if split:
         partial_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                                   device=query.device)
@@ -269,8 +284,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads * num_splits, num_splits,
-        PARTITION_SIZE=partition_size or 0, SPLIT=split, BLOCK_SIZE=block_size,
+        num_heads * num_splits, num_splits, fixed_partition,
+        SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
@@ -278,7 +293,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
-            head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
-            PARTITION_SIZE=partition_size, MAX_SPLITS=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+            head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
+            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 4)
     return out
