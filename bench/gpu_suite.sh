@@ -83,6 +83,9 @@
 #      partition sweep (decode_split_<gpu>.json), then stage PB. ~6 min.
 #   PC: as PA's tests and sweep, then bench/quant_bench.py's engine rows (batch-1 decode, W1, KV capacity) for
 #      bf16, fp8 and int4 on dummy Llama-3-8B, no GEMM table ($OUT/quant/quant_<gpu>.json). ~7 min.
+#   PD: W8A8 inputs quantized by their producers and split-K sums in the GEMM: the GPU tests of the quantized
+#      kernels and the argmax, quant_bench's engine rows for bf16, fp8 and int4 ($OUT/quant), then the batch-1
+#      fp8 kernel profile ($OUT/profile). ~8 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -263,6 +266,16 @@ case "${1:-A}" in
     mkdir -p "$OUT/quant"
     timeout 330 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8,int4 --out "$OUT/quant" > "$OUT/quant/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -8
+    ;;
+  PD)
+    timeout 200 python3 -m pytest -q -m gpu tests/test_quant_w8a8.py tests/test_quant_kernels.py tests/test_argmax.py 2>&1 \
+      | tee "$OUT/gpu_tests_PD.log" | tail -3
+    mkdir -p "$OUT/quant" "$OUT/profile"
+    timeout 300 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8,int4 --out "$OUT/quant" > "$OUT/quant/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -8
+    timeout 100 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization fp8 --out "$OUT/profile" \
+      > "$OUT/profile/profile_fp8.log" 2>&1
+    grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_fp8.log"
     ;;
   PB)
     mkdir -p "$OUT/profile"

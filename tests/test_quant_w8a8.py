@@ -95,9 +95,12 @@ def test_w8a8_cuda_matches_reference(dtype, M):
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("M,K,N,config", [(1, 200, 72, W8A8Tile(16, 32, 64, 4, 2, 1)),
                                           (5, 200, 72, W8A8Tile(16, 32, 64, 4, 2, 3)),
-                                          (33, 136, 40, W8A8Tile(32, 16, 32, 4, 2, 2))])
+                                          (33, 136, 40, W8A8Tile(32, 16, 32, 4, 2, 2)),
+                                          (5, 200, 72, W8A8Tile(16, 32, 64, 4, 2, 3, True)),
+                                          (33, 136, 40, W8A8Tile(32, 16, 32, 4, 2, 2, True))])
 def test_w8a8_triton_kernel_matches_reference(dtype, M, K, N, config):
-    """The split-K Triton GEMM (interpreter on CPU) on odd shapes: ragged K tiles and splits, N and M tails."""
+    """The split-K Triton GEMM (interpreter on CPU) on odd shapes: ragged K tiles and splits, N and M tails;
+    the partials summed by a second kernel or by each tile's last slice (twice: the tickets reset)."""
     generator = torch.Generator().manual_seed(M)
     x_codes, x_scale = quantize_rows(torch.randn(M, K, generator=generator), dtype)
     w_codes, w_scale = quantize_rows(torch.randn(N, K, generator=generator) * 0.02, dtype)
@@ -106,3 +109,77 @@ def test_w8a8_triton_kernel_matches_reference(dtype, M, K, N, config):
     ours = w8a8_triton(*args, torch.float32, config)
     reference = w8a8_reference(x_codes, x_scale, w_codes, w_scale.view(-1), torch.float32)
     torch.testing.assert_close(ours.cpu(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    assert torch.equal(w8a8_triton(*args, torch.float32, config), ours)
+
+
+def _fused_input_cases():
+    from minivllm.kernels.activation import silu_and_mul
+    from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    weight = torch.rand(96) + 0.5
+    return {"rms_norm": (lambda x, q: rms_norm(x, weight.to(x.device, x.dtype), 1e-6, q), 96),
+            "fused_add_rms_norm": (lambda x, q: fused_add_rms_norm(x, x.flip(0), weight.to(x.device, x.dtype),
+                                                                   1e-6, q), 96),
+            "silu_and_mul": (lambda x, q: silu_and_mul(x, q), 2 * 80)}
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul"])
+@pytest.mark.parametrize("dtype", [FP8, torch.int8])
+def test_producer_kernels_quantize_as_quantize_rows(name, dtype):
+    """A norm or activation asked for W8A8 input (`quant_dtype`) returns exactly the codes and scales that
+    quantizing its 16-bit output would give; the residual stream is unchanged (interpreted on CPU)."""
+    from minivllm.kernels.quant_rows import QuantizedRows, quantize_rows_triton
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fn, width = _fused_input_cases()[name]
+    x = (torch.randn(5, width, generator=torch.Generator().manual_seed(1)) * 3).to(torch.float16).to(device)
+    x[2, 7] = 40.0   # an outlier channel sets one row's scale
+    plain, fused = fn(x, None), fn(x, dtype)
+    if name == "fused_add_rms_norm":
+        (plain, plain_residual), (fused, fused_residual) = plain, fused
+        assert torch.equal(plain_residual, fused_residual)
+    assert isinstance(fused, QuantizedRows) and fused.shape == plain.shape and fused.dtype == plain.dtype
+    codes, scales = quantize_rows_triton(plain.reshape(-1, plain.shape[-1]), dtype)
+    assert torch.equal(fused.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(fused.scales, scales)
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_fused_input_quantization_pairs_and_logits(method, tmp_path):
+    """Loading a W8A8 model hands each layer's qkv_proj, gate_up_proj and down_proj their input already
+    quantized by the norm / activation in front of them, and the logits equal those of the same model
+    quantizing inside each linear layer."""
+    from minivllm.layers.fusion import fuse_input_quantization
+    make_tiny_hf_checkpoint(tmp_path, "llama3")
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), quantization=method)
+    producers = [m for m in model.modules() if getattr(m, "quantize_output", None) is not None]
+    assert len(producers) == 3 * len(model.model.layers)
+    assert model.model.norm.quantize_output is None    # feeds the unquantized lm_head
+    with torch.no_grad():
+        fused = PagedRun(model, len(SEQUENCES), 8).step(SEQUENCES)
+        for m in producers:
+            m.quantize_output = None
+        plain = PagedRun(model, len(SEQUENCES), 8).step(SEQUENCES)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    assert fuse_input_quantization(model) == len(producers)
+    unquantized = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    assert fuse_input_quantization(unquantized) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize("dtype", [FP8, torch.int8])
+def test_gpu_producer_kernels_quantize_as_quantize_rows(rows, dtype):
+    from minivllm.kernels.activation import silu_and_mul
+    from minivllm.kernels.rmsnorm import fused_add_rms_norm
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    (plain, _), (fused, _) = fused_add_rms_norm(x, residual, weight, 1e-5), \
+        fused_add_rms_norm(x, residual, weight, 1e-5, dtype)
+    codes, scales = quantize_rows(plain, dtype)
+    assert torch.equal(fused.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(fused.scales, scales)
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    fused, codes_scales = silu_and_mul(gate_up, dtype), quantize_rows(silu_and_mul(gate_up), dtype)
+    assert torch.equal(fused.codes.view(torch.uint8), codes_scales[0].view(torch.uint8))
+    assert torch.equal(fused.scales, codes_scales[1])

@@ -1,7 +1,9 @@
 """SiLU-and-mul for gated MLPs: x = [gate | up] along the last dim -> silu(gate) * up.
 
 Rounds like Hugging Face's `act_fn(gate_proj(x)) * up_proj(x)`: silu is computed
-in fp32 and rounded to the input dtype, then the product is rounded again. Owns only this function.
+in fp32 and rounded to the input dtype, then the product is rounded again. With `quant_dtype` the row is
+also quantized for the W8A8 down projection, in one program per row (see kernels/rmsnorm.py). Owns only
+this function.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from minivllm.kernels.quant_rows import QuantizedRows, empty_quantized, quant_params, quantize_row_block
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -30,14 +34,39 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate_size, x_stride,
     tl.store(out_ptr + row * intermediate_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * intermediate] -> [..., intermediate], as `silu_and_mul_reference`."""
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, codes_ptr, scales_ptr, intermediate_size, x_stride,
+                               BLOCK: tl.constexpr, QMAX: tl.constexpr,
+                               IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < intermediate_size
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + intermediate_size + cols, mask=mask, other=0.0)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    v, scale = quantize_row_block(out.to(tl.float32), QMAX, IS_FP8, EMULATED_CAST)
+    tl.store(codes_ptr + row * intermediate_size + cols, v.to(codes_ptr.dtype.element_ty), mask=mask)
+    tl.store(scales_ptr + row, scale)
+
+
+def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
+    """x [..., 2 * intermediate] -> [..., intermediate], as `silu_and_mul_reference` (a QuantizedRows of
+    that with `quant_dtype`)."""
     if x.shape[-1] % 2:
         raise ValueError(f"last dimension {x.shape[-1]} is not even: expected [gate | up]")
     intermediate_size = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if quant_dtype is not None:
+        codes, scales = empty_quantized(x2.shape[0], intermediate_size, quant_dtype, x.device)
+        if x2.shape[0] > 0 and intermediate_size > 0:
+            block = triton.next_power_of_2(intermediate_size)
+            _silu_and_mul_quant_kernel[(x2.shape[0],)](
+                x2, codes, scales, intermediate_size, x2.stride(0), BLOCK=block,
+                **quant_params(quant_dtype), num_warps=max(1, min(16, block // 1024)))
+        return QuantizedRows(codes, scales, torch.Size((*x.shape[:-1], intermediate_size)), x.dtype)
     out = torch.empty((x2.shape[0], intermediate_size), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and intermediate_size > 0:
         block = min(1024, triton.next_power_of_2(intermediate_size))

@@ -37,7 +37,8 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
-from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
+from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
+                                     sum_slices_in_last, tile_tickets)
 
 
 # ---- the layout and the plain-PyTorch reference ------------------------------------------------------------
@@ -221,19 +222,9 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
     row = tl.program_id(0)
     tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
              mask=mask_n)
-    if FUSED_SUM:
-        # The K slices of a tile meet here instead of in a second kernel: the last to take a ticket sums the
-        # fp32 partials in slice order (deterministic) into y and resets the ticket for the next call.
-        tl.debug_barrier()   # every thread's partial is stored before the ticket releases them
-        ticket_ptr = tickets_ptr + row * tl.num_programs(1) + tl.program_id(1)
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == tl.num_programs(2) - 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for split in range(0, tl.num_programs(2)):   # read from L2: other SMs wrote them
-                acc += tl.load(out_ptr + split * stride_os + row * stride_om + offs_n, mask=mask_n, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(y_ptr + row * N + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(ticket_ptr, 0)
+    if FUSED_SUM:   # the K slices of a tile meet here instead of in a second kernel
+        sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, row * tl.num_programs(1) + tl.program_id(1),
+                           row * stride_om + offs_n, row * N + offs_n, mask_n, stride_os)
 
 
 @triton.jit
@@ -361,20 +352,6 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
     return sum_partials(out, x.dtype)
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _gemv_tickets(device: torch.device, count: int) -> torch.Tensor | None:
-    """A zeroed int32 counter per output tile, kept zero by the kernels that use it (None: not available
-    while a CUDA graph is being captured, as its memory would belong to the graph)."""
-    tickets = _tickets.get(device)
-    if tickets is None or tickets.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        tickets = _tickets[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return tickets
-
-
 def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
@@ -383,7 +360,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     k_per_split, split_k = k_slices(K, split_k, config.block_k)
     grid = (M, triton.cdiv(N, config.block_n), split_k)
     out = partials_buffer(split_k, M, N, x.device, x.dtype)
-    tickets = _gemv_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
+    tickets = tile_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,

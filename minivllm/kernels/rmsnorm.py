@@ -3,13 +3,19 @@
 HF's LlamaRMSNorm normalises in fp32, casts back to the input dtype, then multiplies by the weight
 (so the result has the promoted dtype of input and weight). The fused variant first forms
 `x + residual` in the input dtype (one rounding, as torch does), which becomes the new residual, and
-normalises that rounded sum. Owns only these functions; the layers decide where to use them.
+normalises that rounded sum. With `quant_dtype` the kernel also quantizes its output row for a W8A8
+linear layer (`quant_rows.QuantizedRows`, the same codes as quantize_rows on the 16-bit output) and skips
+writing the 16-bit row: one kernel instead of two in front of every such layer. Owns only these functions;
+the layers decide where to use them.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_row_block,
+                                         quantize_rows_reference)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,10 +31,19 @@ def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
+def quantized_reference(out: torch.Tensor, quant_dtype: torch.dtype | None):
+    """The reference of a norm or activation whose output a W8A8 layer takes already quantized."""
+    if quant_dtype is None:
+        return out
+    codes, scales = quantize_rows_reference(out.reshape(-1, out.shape[-1]), quant_dtype)
+    return QuantizedRows(codes, scales, out.shape, out.dtype)
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr,
+def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr, codes_ptr, scales_ptr,
                      hidden_size, eps, x_stride, residual_stride,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                     QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -41,18 +56,30 @@ def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr,
     variance = tl.sum(hidden * hidden, 0) / hidden_size
     normed = (hidden * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed.to(tl.float32) * weight.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if QUANT:   # the 16-bit row, quantized as quantize_rows would (masked lanes are 0)
+        v, scale = quantize_row_block(out.to(tl.float32), QMAX, IS_FP8, EMULATED_CAST)
+        tl.store(codes_ptr + row * hidden_size + cols, v.to(codes_ptr.dtype.element_ty), mask=mask)
+        tl.store(scales_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * hidden_size + cols, out, mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant_dtype: torch.dtype | None = None):
     hidden_size = x.shape[-1]
     if weight.shape != (hidden_size,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not match hidden size {hidden_size}")
     x2 = x.reshape(-1, hidden_size)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if quant_dtype is None:
+        out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+        codes = scales = out   # unused by the kernel
+    else:
+        codes, scales = empty_quantized(x2.shape[0], hidden_size, quant_dtype, x.device)
+        out = torch.empty(0, dtype=out_dtype, device=x.device)   # not written: only its dtype is read
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError("residual must match x in shape and dtype")
@@ -65,19 +92,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(hidden_size)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, residual2, new_residual, weight, out, hidden_size, eps, x2.stride(0),
-            residual2.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)))
-    return out.view(x.shape), (new_residual.view(x.shape) if residual is not None else None)
+            x2, residual2, new_residual, weight, out, codes, scales, hidden_size, eps, x2.stride(0),
+            residual2.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, QUANT=quant_dtype is not None,
+            **quant_params(quant_dtype or torch.float8_e4m3fn), num_warps=min(16, max(1, block // 512)))
+    result = out.view(x.shape) if quant_dtype is None else QuantizedRows(codes, scales, x.shape, out_dtype)
+    return result, (new_residual.view(x.shape) if residual is not None else None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., hidden] -> RMSNorm(x) * weight, as `rms_norm_reference`."""
-    return _launch(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype | None = None):
+    """x [..., hidden] -> RMSNorm(x) * weight, as `rms_norm_reference` (a QuantizedRows with `quant_dtype`)."""
+    return _launch(x, None, weight, eps, quant_dtype)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (RMSNorm(x + residual) * weight, x + residual), as `fused_add_rms_norm_reference`.
-    Out of place: neither input is modified."""
-    return _launch(x, residual, weight, eps)
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       quant_dtype: torch.dtype | None = None):
+    """-> (RMSNorm(x + residual) * weight, x + residual), as `fused_add_rms_norm_reference` (the first a
+    QuantizedRows with `quant_dtype`). Out of place: neither input is modified."""
+    return _launch(x, residual, weight, eps, quant_dtype)

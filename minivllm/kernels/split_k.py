@@ -1,6 +1,8 @@
 """Split-K, shared by the quantized GEMMs: how many K slices, each program's tile and K range, and the
 last step, out[m, n] = sum over s of partials[s, m, n] cast to the output dtype, in one kernel (torch's
-sum then cast took two, each a few microseconds at decode sizes). Reference: `partials.sum(0).to(dtype)`.
+sum then cast took two, each a few microseconds at decode sizes) or inside the GEMM: each tile's last K
+slice to finish sums them (`sum_slices_in_last`, a ticket counter per tile from `tile_tickets`), saving
+the second kernel at batch 1. Reference: `partials.sum(0).to(dtype)`.
 """
 from __future__ import annotations
 
@@ -43,6 +45,38 @@ def _sum_partials_kernel(partials_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOC
     for s in tl.static_range(SPLIT):
         acc += tl.load(partials_ptr + s * numel + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sum_slices_in_last(partials_ptr, y_ptr, tickets_ptr, tile, partial_offs, y_offs, mask, stride_slice):
+    """Called by every K slice (grid axis 2) of a tile after storing its fp32 partial at `partial_offs`: the
+    last to take the tile's ticket sums the partials in slice order (deterministic) into y and resets the
+    ticket for the next call. Offsets and mask are of any tile shape, the same for every slice."""
+    tl.debug_barrier()   # every thread's partial is stored before the ticket releases them
+    ticket_ptr = tickets_ptr + tile
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(2) - 1:
+        # read from L2 (.cg): other SMs wrote them
+        acc = tl.load(partials_ptr + partial_offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for split in range(1, tl.num_programs(2)):
+            acc += tl.load(partials_ptr + split * stride_slice + partial_offs, mask=mask, other=0.0,
+                           cache_modifier=".cg")
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(ticket_ptr, 0)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_tickets(device: torch.device, count: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per output tile for `sum_slices_in_last`, kept zero by the kernels that use it
+    (None: not available while a CUDA graph is being captured, as its memory would belong to the graph)."""
+    tickets = _tickets.get(device)
+    if tickets is None or tickets.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        tickets = _tickets[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return tickets
 
 
 def partials_buffer(split_k: int, rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,8 @@ to the library GEMMs (torch._scaled_mm with row-wise scales, torch._int_mm), whi
 there. At decode sizes those launch too few tiles and read the weights at about 1 TB/s on an H100 (the
 8B layer shapes; bench/results/quant_h100.json), so for M <= 64 a Triton kernel splits K across programs:
 each multiplies a BLOCK_M x BLOCK_K tile of codes by a BLOCK_K x BLOCK_N tile of weight codes on the
-tensor cores and writes its partial already scaled; one more kernel sums the partials (kernels/split_k.py).
+tensor cores and writes its partial already scaled; one more kernel sums the partials, or each tile's last
+slice does (kernels/split_k.py; a candidate like any tile).
 At batch 1 every kernel counts: the first version scaled and cast after the sum in four torch ops, which
 cost more than the GEMM on the small layers. The configuration
 (tile, split) is timed per shape against the library path (kernels/tuning.py).
@@ -21,7 +22,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.split_k import choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials
+from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
+                                     sum_slices_in_last, tile_tickets)
 
 FP8 = torch.float8_e4m3fn
 TRITON_MAX_M = 64
@@ -46,10 +48,10 @@ def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                      stride_os, stride_om,
+def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, tickets_ptr, M, N, K, k_per_split,
+                      stride_xm, stride_wn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IS_INT: tl.constexpr, WIDEN: tl.constexpr):
+                      IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
@@ -70,17 +72,23 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, 
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-    out_ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tile = offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + tl.program_id(2) * stride_os + tile, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if FUSED_SUM:
+        sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                           tile, tile, mask, stride_os)
 
 
 class W8A8Tile(NamedTuple):
+    """fused_sum: split-K partials summed by each tile's last slice, not by a second kernel."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     split_k: int
+    fused_sum: bool = False
 
 
 def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | None]:
@@ -97,23 +105,26 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | 
     for block_n, block_k, warps, stages in tiles:
         for fill in fills:
             split = choose_split_k(M, N, K, block_m, block_n, block_k, num_sms(device), fill)
-            out.append(W8A8Tile(block_m, block_n, block_k, warps, stages, split))
+            tile = W8A8Tile(block_m, block_n, block_k, warps, stages, split)
+            out += [tile, tile._replace(fused_sum=True)] if split > 1 else [tile]
     return list(dict.fromkeys(out))
 
 
 def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
     M, K = x_codes.shape
     N = w_codes.shape[0]
-    block_m, block_n, block_k, warps, stages, split_k = config
-    k_per_split, split_k = k_slices(K, split_k, block_k)
+    k_per_split, split_k = k_slices(K, config.split_k, config.block_k)
     out = partials_buffer(split_k, M, N, x_codes.device, out_dtype)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
+    grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n), split_k)
+    tickets = tile_tickets(x_codes.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
+    y = out if tickets is None else torch.empty(M, N, device=x_codes.device, dtype=out_dtype)
     _w8a8_gemm_kernel[grid](
-        x_codes, w_codes, x_scale, w_scale, out, M, N, K, k_per_split, x_codes.stride(0), w_codes.stride(0),
-        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IS_INT=x_codes.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps, num_stages=stages)
-    return sum_partials(out, out_dtype)
+        x_codes, w_codes, x_scale, w_scale, out, y, out if tickets is None else tickets, M, N, K, k_per_split,
+        x_codes.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=x_codes.dtype == torch.int8,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return sum_partials(out, out_dtype) if tickets is None else y
 
 
 def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:

@@ -6,21 +6,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.activation import silu_and_mul_reference
+from minivllm.kernels.rmsnorm import quantized_reference
 from minivllm.layers.fusion import fusions_enabled
 
 
 class SiluAndMul(nn.Module):
     """x [..., 2d] -> silu(x[..., :d]) * x[..., d:] (SwiGLU)."""
+    can_quantize_output = True   # see RMSNorm
 
     def __init__(self) -> None:
         super().__init__()
         self.use_triton = fusions_enabled()
+        self.quantize_output: torch.dtype | None = None   # as RMSNorm's (fusion.fuse_input_quantization)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         if self.use_triton and x.is_cuda:
             from minivllm.kernels.activation import silu_and_mul as triton_silu_and_mul
-            return triton_silu_and_mul(x)
-        return silu_and_mul_reference(x)
+            return triton_silu_and_mul(x, self.quantize_output)
+        return quantized_reference(silu_and_mul_reference(x), self.quantize_output)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.kernels.rmsnorm import rms_norm_reference
+from minivllm.kernels.rmsnorm import quantized_reference, rms_norm_reference
 from minivllm.layers.fusion import fusions_enabled
 from minivllm.layers.linear import default_weight_loader
 
@@ -22,12 +22,17 @@ def norm_layer_input(norm: nn.Module, hidden_states: torch.Tensor, residual: tor
 
 
 class RMSNorm(nn.Module):
+    can_quantize_output = True   # honours `quantize_output` (subclasses with their own forward say no)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         self.use_triton = fusions_enabled()
+        # Set by `fusion.fuse_input_quantization` when the only consumer is a W8A8 linear layer: the
+        # normalised output then comes quantized per row (a QuantizedRows), in the same kernel.
+        self.quantize_output: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual) — the second
@@ -35,12 +40,12 @@ class RMSNorm(nn.Module):
         if self.use_triton and x.is_cuda:
             from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm as triton_rms_norm
             if residual is None:
-                return triton_rms_norm(x, self.weight, self.eps)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return triton_rms_norm(x, self.weight, self.eps, self.quantize_output)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.quantize_output)
         if residual is None:
-            return rms_norm_reference(x, self.weight, self.eps)
+            return quantized_reference(rms_norm_reference(x, self.weight, self.eps), self.quantize_output)
         x = x + residual
-        return rms_norm_reference(x, self.weight, self.eps), x
+        return quantized_reference(rms_norm_reference(x, self.weight, self.eps), self.quantize_output), x
 
 
 class LayerNorm(nn.Module):
@@ -63,6 +68,7 @@ class LayerNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: weights stored as an offset from one, `(1 + w)`, and applied in fp32 before the
     single rounding to the input dtype (Llama rounds first, then scales)."""
+    can_quantize_output = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:

@@ -91,6 +91,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def input_quant_pairs(self):
+        """(producer, its only consumer) for layers/fusion.py."""
+        return (("act_fn", "down_proj"),)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, rotary_emb: nn.Module, mlp: nn.Module | None = None):
@@ -99,6 +103,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(hf_config)   # MoE models plug in theirs
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def input_quant_pairs(self):
+        """(producer, its only consumer) for layers/fusion.py: each norm's output feeds one packed
+        projection (with Llama's own MLP; another MLP declares its own pairs)."""
+        pairs = [("input_layernorm", "self_attn.qkv_proj")]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append(("post_attention_layernorm", "mlp.gate_up_proj"))
+        return pairs
 
     def forward(self, positions, hidden_states, residual):
         """Returns (this layer's output, residual stream before it); the next norm adds the two."""

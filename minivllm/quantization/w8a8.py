@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, quantize_rows,  # noqa: F401
+from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, QuantizedRows, quantize_rows,  # noqa: F401
                                          quantize_rows_reference)
 from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_reference
 from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
@@ -59,6 +59,9 @@ class W8A8LinearMethod:
     def __init__(self, config: W8A8Config):
         self.config = config
         self.dtype = config.weight_dtype
+        # the producer of this layer's input may quantize it per row itself (a QuantizedRows; see
+        # layers/fusion.py), saving the quantization kernel in front of the GEMM
+        self.input_quant_dtype = self.dtype
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         if not self.config.serialized:
@@ -87,9 +90,12 @@ class W8A8LinearMethod:
             replace_param(layer, "weight", codes)
             layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        x_codes, x_scale = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
+        if isinstance(x, QuantizedRows):
+            x_codes, x_scale = x.codes, x.scales
+        else:
+            x_codes, x_scale = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
         gemm = w8a8_gemm if x.is_cuda else w8a8_reference
         out = gemm(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if bias is not None:
