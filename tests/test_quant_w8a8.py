@@ -124,13 +124,14 @@ def _fused_input_cases():
 
 @pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul"])
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
-def test_producer_kernels_quantize_as_quantize_rows(name, dtype):
+@pytest.mark.parametrize("rows", [3, 17])   # silu_and_mul fuses the quantization from 16 rows on
+def test_producer_kernels_quantize_as_quantize_rows(name, dtype, rows):
     """A norm or activation asked for W8A8 input (`quant_dtype`) returns exactly the codes and scales that
     quantizing its 16-bit output would give; the residual stream is unchanged (interpreted on CPU)."""
     from minivllm.kernels.quant_rows import QuantizedRows, quantize_rows_triton
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fn, width = _fused_input_cases()[name]
-    x = (torch.randn(5, width, generator=torch.Generator().manual_seed(1)) * 3).to(torch.float16).to(device)
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(1)) * 3).to(torch.float16).to(device)
     x[2, 7] = 40.0   # an outlier channel sets one row's scale
     plain, fused = fn(x, None), fn(x, dtype)
     if name == "fused_add_rms_norm":
