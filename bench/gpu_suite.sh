@@ -86,6 +86,8 @@
 #   PD: W8A8 inputs quantized by their producers and split-K sums in the GEMM: the GPU tests of the quantized
 #      kernels and the argmax, quant_bench's engine rows for bf16, fp8 and int4 ($OUT/quant), then the batch-1
 #      fp8 kernel profile ($OUT/profile). ~8 min.
+#   PE: (carrying .carry/a and .whl) the closing serving and quantization rows: F3, then quant_bench's engine
+#      rows for bf16, fp8, int4 and fp8kv ($OUT/quant), then the batch-1 int4 kernel profile ($OUT/profile). ~8 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -276,6 +278,16 @@ case "${1:-A}" in
     timeout 100 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization fp8 --out "$OUT/profile" \
       > "$OUT/profile/profile_fp8.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_fp8.log"
+    ;;
+  PE)
+    bash "$0" F3
+    mkdir -p "$OUT/quant" "$OUT/profile"
+    timeout 200 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8,int4,fp8kv --out "$OUT/quant" \
+      > "$OUT/quant/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -8
+    timeout 80 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization gptq --out "$OUT/profile" \
+      > "$OUT/profile/profile_gptq.log" 2>&1
+    grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
     ;;
   PB)
     mkdir -p "$OUT/profile"
