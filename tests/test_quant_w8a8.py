@@ -171,16 +171,31 @@ def test_fused_input_quantization_pairs_and_logits(method, tmp_path):
 @pytest.mark.parametrize("rows", [1, 64, 300])
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 def test_gpu_producer_kernels_quantize_as_quantize_rows(rows, dtype):
+    """Against quant_rows on the plain kernels' 16-bit output, over many rows and seeds: the fused norm's own
+    16-bit row (never stored) may differ from the plain kernel's by one bf16 step in about 1 value in 10^6
+    (another summation order of the variance), so a code may be one grid step off there, nowhere else."""
     from minivllm.kernels.activation import silu_and_mul
     from minivllm.kernels.rmsnorm import fused_add_rms_norm
-    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn_like(x)
-    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    (plain, _), (fused, _) = fused_add_rms_norm(x, residual, weight, 1e-5), \
-        fused_add_rms_norm(x, residual, weight, 1e-5, dtype)
-    codes, scales = quantize_rows(plain, dtype)
-    assert torch.equal(fused.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(fused.scales, scales)
-    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-    fused, codes_scales = silu_and_mul(gate_up, dtype), quantize_rows(silu_and_mul(gate_up), dtype)
-    assert torch.equal(fused.codes.view(torch.uint8), codes_scales[0].view(torch.uint8))
-    assert torch.equal(fused.scales, codes_scales[1])
+
+    def check(fused, plain):
+        codes, scales = quantize_rows(plain, dtype)
+        assert torch.equal(fused.scales, scales)
+        ours, theirs = fused.codes.float(), codes.float()
+        off = ours != theirs
+        assert off.float().mean().item() < 1e-4
+        step = 1.0 if dtype == torch.int8 else theirs.abs() / 8 + 2.0 ** -9   # one e4m3 step at that binade
+        assert ((ours - theirs).abs() <= step)[off].all()
+        return int(off.sum())
+
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    total_off = 0
+    for _ in range(8):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=generator)
+        residual = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=generator)
+        weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16, generator=generator) + 0.5
+        (plain, _), (fused, _) = fused_add_rms_norm(x, residual, weight, 1e-5), \
+            fused_add_rms_norm(x, residual, weight, 1e-5, dtype)
+        total_off += check(fused, plain)
+        gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=generator)
+        total_off += check(silu_and_mul(gate_up, dtype), silu_and_mul(gate_up))
+    assert total_off <= 1e-5 * 8 * rows * (4096 + 14336)

@@ -5,8 +5,10 @@ HF's LlamaRMSNorm normalises in fp32, casts back to the input dtype, then multip
 `x + residual` in the input dtype (one rounding, as torch does), which becomes the new residual, and
 normalises that rounded sum. With `quant_dtype` the kernel also quantizes its output row for a W8A8
 linear layer (`quant_rows.QuantizedRows`, the same codes as quantize_rows on the 16-bit output) and skips
-writing the 16-bit row: one kernel instead of two in front of every such layer. Owns only these functions;
-the layers decide where to use them.
+writing the 16-bit row: one kernel instead of two in front of every such layer. The codes are exactly
+quant_rows' of the row this kernel computes; on an H100 that row differs from the plain variant's in about
+1 value in 10^6 by one bf16 step (most likely the variance summed in another order), so as many codes
+are one grid step apart. Owns only these functions; the layers decide where to use them.
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, residual2, new_residual, weight, out, codes, scales, hidden_size, eps, x2.stride(0),
             residual2.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, QUANT=quant_dtype is not None,
-            **quant_params(quant_dtype or torch.float8_e4m3fn), num_warps=min(16, max(1, block // 512)))
+            **quant_params(quant_dtype or torch.float8_e4m3fn),
+            num_warps=min(16, max(1, block // 512)))
     result = out.view(x.shape) if quant_dtype is None else QuantizedRows(codes, scales, x.shape, out_dtype)
     return result, (new_residual.view(x.shape) if residual is not None else None)
 
