@@ -196,6 +196,12 @@ def add_quantization_commands(sub) -> None:
                                "activations (compressed-tensors), instead of a weight-only folder")
     quantize.add_argument("--smoothquant-alpha", type=float, default=None,
                           help="rtn/gptq: apply SmoothQuant with this migration strength before rounding")
+    quantize.add_argument("--sequential", action="store_true",
+                          help="gptq: calibrate layer by layer on the outputs of the already quantized linears")
+    quantize.add_argument("--fp8-inputs", action="store_true",
+                          help="gptq --sequential --w8a8 fp8: round calibration activations per token to fp8 as served")
+    quantize.add_argument("--target-full-precision", action="store_true",
+                          help="gptq --sequential: fit each linear to the unquantized model's outputs (GPTAQ-style)")
     quantize.add_argument("--out", required=True, help="output folder")
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a text through the engine's prompt logprobs")
@@ -216,7 +222,8 @@ def _run_quantization_command(args: argparse.Namespace) -> None:
         from minivllm.quantization.quantizer import quantize_model
         folder = quantize_model(args.model, args.method, args.out, args.bits, args.group_size, args.calib,
                                 args.num_samples, args.seq_len, args.sym, args.desc_act, args.w8a8,
-                                args.smoothquant_alpha)
+                                args.smoothquant_alpha, args.sequential, args.fp8_inputs,
+                                args.target_full_precision)
         print(f"wrote {folder}")
         return
     import json

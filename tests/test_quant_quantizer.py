@@ -14,9 +14,11 @@ import transformers
 
 from tests.conftest import tiny_hf_config
 from minivllm.models.loader import load_model, resolve_model
-from minivllm.quantization.algorithms import awq_search_clip, output_error, quantize_rtn
+from minivllm.quantization.algorithms import awq_search_clip, fake_quantize, output_error, quantize_rtn
 from minivllm.quantization.packing import dequantize
-from minivllm.quantization.quantizer import calibration_windows, collect_input_stats, quantize_model
+from minivllm.quantization.quantizer import (INPUT_OF, LINEARS, calibration_windows, collect_input_stats,
+                                             quantize_model)
+from minivllm.quantization.sequential import SITE_MODULES, SequentialCalibration, fit_to_full_precision
 
 GROUP = 32
 
@@ -262,3 +264,75 @@ def test_awq_clipping_search_lowers_the_output_error_of_rounding():
     (full_groups, full), (clipped_groups, clipped) = errors(None), errors(clip)
     assert (clipped_groups <= full_groups * (1 + 1e-5)).all()
     assert clipped < 0.9 * full and (clip < 1).float().mean() > 0.3
+
+
+def test_sequential_calibration_sees_the_quantized_model_inputs(tiny_model):
+    """Each site's H, and each layer's input hidden states, are those of the model whose linears
+    quantized before it (earlier layers, earlier sites of the same layer) are rounded, the others not."""
+    import copy
+    folder, reference, calib = tiny_model
+    model = copy.deepcopy(reference)
+    windows = calibration_windows(calib.read_text(), transformers.AutoTokenizer.from_pretrained(str(folder)), 6, 32)
+    calibration = SequentialCalibration(model, windows, batch_size=4)
+    seen_stats, seen_hidden = {}, {}
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            seen_hidden[index] = torch.cat(calibration.hidden)
+            for site in SITE_MODULES:
+                seen_stats[(index, site)] = calibration.input_stats(index, site)
+                for name in (name for name in LINEARS if INPUT_OF[name] == site):
+                    linear = layer.get_submodule(SITE_MODULES[site].replace(site, name))
+                    linear.weight.copy_(fake_quantize(linear.weight, 4, GROUP, True))
+            calibration.advance(index)
+    actual_hidden = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, args, i=i: actual_hidden.setdefault(i, []).append(args[0]))
+             for i, layer in enumerate(model.model.layers)]
+    actual_stats = collect_input_stats(model, windows, batch_size=4)
+    for handle in hooks:
+        handle.remove()
+    for index in seen_hidden:
+        torch.testing.assert_close(seen_hidden[index], torch.cat(actual_hidden[index]), rtol=1e-5, atol=1e-5)
+    for key, (H, mean_abs, amax, cross) in seen_stats.items():
+        assert cross is None
+        for seen, actual in zip((H, mean_abs, amax), actual_stats[key]):
+            torch.testing.assert_close(seen, actual, rtol=1e-4, atol=1e-5, msg=str(key))
+    # the rounding made a difference downstream, so the comparison above could have failed
+    fresh = collect_input_stats(reference, windows, batch_size=4)
+    assert not torch.allclose(fresh[(0, "o_proj")][0], actual_stats[(0, "o_proj")][0], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("w8a8, extra", [(None, {}), ("fp8", {"fp8_inputs": True}),
+                                         (None, {"target_full_precision": True})])
+def test_sequential_gptq_folder_loads_and_beats_rtn(tiny_model, tmp_path, w8a8, extra):
+    """The sequential folder loads; on the inputs it was calibrated on (the quantized model's own), its
+    weights have a lower output error than round-to-nearest's."""
+    folder, reference, calib = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path / "rtn"), group_size=GROUP, w8a8=w8a8)
+    quantize_model(str(folder), "gptq", str(tmp_path / "gptq"), group_size=GROUP, calib=str(calib), num_samples=8,
+                   seq_len=64, desc_act=True, w8a8=w8a8, sym=w8a8 is not None, sequential=True, **extra)
+    rtn, gptq = loaded_linears(tmp_path / "rtn"), loaded_linears(tmp_path / "gptq")
+    assert len(gptq) == 14
+    import copy
+    quantized = copy.deepcopy(reference)
+    with torch.no_grad():
+        for name, w in gptq.items():
+            quantized.get_parameter(name + ".weight").copy_(w)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    stats = collect_input_stats(quantized, calibration_windows(calib.read_text(), tokenizer, 8, 64))
+    for name in rtn:
+        if extra.get("target_full_precision"):   # fitted to other targets: only the layer-0 inputs agree
+            continue
+        layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
+        H = stats[(layer, INPUT_OF[proj])][0]
+        original = reference.get_parameter(name + ".weight")
+        assert output_error(gptq[name] - original, H) < output_error(rtn[name] - original, H), name
+
+
+def test_fit_to_full_precision_is_the_least_squares_fit():
+    torch.manual_seed(0)
+    x_fp = torch.randn(400, 24)
+    x_q = x_fp + 0.1 * torch.randn(400, 24)
+    w = torch.randn(8, 24)
+    fitted = fit_to_full_precision(w, x_q.t() @ x_q, (x_fp - x_q).t() @ x_q, damp_percent=0.0)
+    expected = torch.linalg.lstsq(x_q, x_fp @ w.t()).solution.t()
+    torch.testing.assert_close(fitted, expected, rtol=1e-4, atol=1e-4)

@@ -20,6 +20,7 @@ from minivllm.quantization.algorithms import (awq_search_clip, awq_search_scale,
                                               quantize_rtn)
 from minivllm.quantization.awq import AWQ_ORDER
 from minivllm.quantization.packing import pack_cols, pack_rows
+from minivllm.quantization.sequential import SequentialCalibration, fit_to_full_precision
 from minivllm.quantization.smoothquant import smooth_layers
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,12 +128,13 @@ def w8a8_quantization_config(kind: str, method: str) -> dict:
                 "input_activations": {**numbers, "strategy": "token", "dynamic": True}}}}
 
 
-def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc_act: bool) -> dict:
+def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc_act: bool,
+                        sequential: bool = False) -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "w_bit": bits, "q_group_size": group_size}
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": "gptq", "static_groups": False, "true_sequential": False,
+            "checkpoint_format": "gptq", "static_groups": False, "true_sequential": sequential,
             "damp_percent": 0.01, "quantizer": f"minivllm-{method}"}
 
 
@@ -140,8 +142,12 @@ def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc
 def quantize_model(model: str | None, method: str, out: str, bits: int = 4, group_size: int = 128,
                    calib: str | None = None, num_samples: int = 32, seq_len: int = 256,
                    sym: bool | None = None, desc_act: bool = False, w8a8: str | None = None,
-                   smooth_alpha: float | None = None) -> Path:
-    """Quantize `model` (HF folder or .gguf; None: the default model) into the folder `out`."""
+                   smooth_alpha: float | None = None, sequential: bool = False, fp8_inputs: bool = False,
+                   target_full_precision: bool = False) -> Path:
+    """Quantize `model` (HF folder or .gguf; None: the default model) into the folder `out`. gptq only:
+    `sequential` calibrates each linear on the outputs of the already quantized ones (sequential.py);
+    with it, `fp8_inputs` rounds the calibration activations per token to fp8 as served W8A8 fp8 does,
+    and `target_full_precision` fits each linear to the unquantized model's outputs (GPTAQ-style)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -164,6 +170,12 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     if (method != "rtn" or smooth_alpha is not None) and not calib:
         raise ValueError(f"{method}{' with smoothing' if smooth_alpha is not None else ''} needs calibration text "
                          "(--calib FILE)")
+    if (sequential or fp8_inputs or target_full_precision) and method != "gptq":
+        raise ValueError("sequential calibration applies to gptq only")
+    if (fp8_inputs or target_full_precision) and not sequential:
+        raise ValueError("fp8 inputs and full-precision targets need sequential calibration (--sequential)")
+    if fp8_inputs and w8a8 != "fp8":
+        raise ValueError("fp8 input rounding emulates W8A8 fp8 serving; it needs --w8a8 fp8")
     sym = (method != "awq") if sym is None else sym
     if method == "awq" and sym:
         raise ValueError("awq's format is asymmetric (zero points); drop --sym")
@@ -172,14 +184,19 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
         raise ValueError(f"{model!r} has no weights or no tokenizer to quantize with")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(source.tokenizer_dir)
-    stats = {}
+    stats, sequential_calibration = {}, None
     if method != "rtn" or smooth_alpha is not None:
         text = Path(calib).read_text(encoding="utf-8", errors="replace")
         windows = calibration_windows(text, tokenizer, num_samples, seq_len)
-        stats = collect_input_stats(hf_model, windows)
+        if smooth_alpha is not None or not sequential:
+            stats = collect_input_stats(hf_model, windows)
         if smooth_alpha is not None:
             smooth_layers(hf_model, stats, smooth_alpha)
-            stats = collect_input_stats(hf_model, windows)   # GPTQ needs the smoothed inputs' H
+            if not sequential:
+                stats = collect_input_stats(hf_model, windows)   # GPTQ needs the smoothed inputs' H
+        if sequential:
+            sequential_calibration = SequentialCalibration(hf_model, windows, fp8_inputs=fp8_inputs,
+                                                           target_full_precision=target_full_precision)
     min_zero = 0 if (sym or method == "awq") else 1
     quantized = {}
     write = awq_format_tensors if method == "awq" else gptq_format_tensors
@@ -192,7 +209,13 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
             # GPTQ treats rows independently given H, so projections of one input are quantized as one matrix
             names = [name for name in LINEARS if INPUT_OF[name] == site]
             w = torch.cat([linears[name][1].weight.float() for name in names])
-            H = stats[(index, site)][0] if method == "gptq" else None
+            H = None
+            if sequential_calibration is not None:
+                H, _, _, D = sequential_calibration.input_stats(index, site)
+                if D is not None:
+                    w = fit_to_full_precision(w, H, D)
+            elif method == "gptq":
+                H = stats[(index, site)][0]
             if w8a8:
                 dtype = torch.float8_e4m3fn if w8a8 == "fp8" else torch.int8
                 if H is not None:
@@ -201,6 +224,7 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                     from minivllm.kernels.quant_rows import quantize_rows_reference
                     codes, scale = quantize_rows_reference(w, dtype)
                 slices = lambda rows: w8a8_format_tensors(codes[rows], scale.view(-1)[rows])  # noqa: E731
+                rounded = lambda: codes.float() * scale.view(-1, 1)  # noqa: E731
             else:
                 if H is not None:
                     codes, scales, zeros, g_idx = gptq_quantize(w, H, bits, group_size, sym, desc_act,
@@ -211,6 +235,10 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                         if method == "awq" else None
                     codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero, clip)
                 slices = lambda rows: write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits)  # noqa: E731
+                rounded = lambda: (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]  # noqa: E731
+            if sequential_calibration is not None:   # later sites and layers see (and compensate) this rounding
+                for name, part in zip(names, rounded().split([linears[n][1].weight.shape[0] for n in names])):
+                    linears[name][1].weight.copy_(part)
             start = 0
             for name in names:
                 prefix, module = linears[name]
@@ -220,6 +248,8 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                     quantized[f"model.layers.{index}.{prefix}.{key}"] = value.contiguous()
                 if module.bias is not None:
                     quantized[f"model.layers.{index}.{prefix}.bias"] = module.bias.half()
+        if sequential_calibration is not None:
+            sequential_calibration.advance(index)
     tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
     tensors = {name: t.half().contiguous() for name, t in hf_model.state_dict().items()
                if name.rsplit(".", 2)[-2] not in LINEARS and not (tied and name == "lm_head.weight")}
@@ -230,7 +260,7 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     config = hf_model.config.to_dict()
     config["torch_dtype"] = "float16"
     config["quantization_config"] = (w8a8_quantization_config(w8a8, method) if w8a8 else
-                                     quantization_config(method, bits, group_size, sym, desc_act))
+                                     quantization_config(method, bits, group_size, sym, desc_act, sequential))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(str(folder))
     return folder
