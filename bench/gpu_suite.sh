@@ -88,6 +88,11 @@
 #      fp8 kernel profile ($OUT/profile). ~8 min.
 #   PE: (carrying .carry/a and .whl) the closing serving and quantization rows: F3, then quant_bench's engine
 #      rows for bf16, fp8, int4 and fp8kv ($OUT/quant), then the batch-1 int4 kernel profile ($OUT/profile). ~8 min.
+#   PF: (carrying .carry/a and .whl) the W8A8 and quantized-kernel GPU tests; leaves the first model half in
+#      /tmp/gguf for P5. ~2 min.
+#   P5: (carrying .carry/b, .carry/p and .whl right after PF) int4 gptq g32 act-order quantized on the device
+#      host one-pass and sequential with full-precision targets (GPTAQ-style), scored over 100k tokens beside the
+#      bf16 baseline -> quant_quality_int4_seq_gpu.json. ~8 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -288,6 +293,19 @@ case "${1:-A}" in
     timeout 80 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization gptq --out "$OUT/profile" \
       > "$OUT/profile/profile_gptq.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
+    ;;
+  PF)
+    timeout 200 python3 -m pytest -q -m gpu tests/test_quant_w8a8.py tests/test_quant_kernels.py 2>&1 \
+      | tee "$OUT/gpu_tests_PF.log" | tail -3
+    ;;
+  P5)
+    quality_setup quant_quality_int4_seq_gpu.json
+    timeout 100 $PPL --variant bf16= 2>&1 | grep ppl
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --sequential --target-full-precision \
+      --out $Q/gptaq32 2>&1 | tail -1
+    add int4-gptq-g32-sequential-fp-target gptaq32
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
+    add int4-gptq-g32 gptq32
     ;;
   PB)
     mkdir -p "$OUT/profile"
