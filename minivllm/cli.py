@@ -202,6 +202,9 @@ def add_quantization_commands(sub) -> None:
                           help="gptq --sequential --w8a8 fp8: round calibration activations per token to fp8 as served")
     quantize.add_argument("--target-full-precision", action="store_true",
                           help="gptq --sequential: fit each linear to the unquantized model's outputs (GPTAQ-style)")
+    quantize.add_argument("--grid-search", action="store_true",
+                          help="rtn/gptq int: each group's scale and zero from a grid of shrunk ranges and shifted "
+                               "zeros (least H-diagonal-weighted rounding error) instead of min/max")
     quantize.add_argument("--out", required=True, help="output folder")
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a text through the engine's prompt logprobs")
@@ -223,7 +226,7 @@ def _run_quantization_command(args: argparse.Namespace) -> None:
         folder = quantize_model(args.model, args.method, args.out, args.bits, args.group_size, args.calib,
                                 args.num_samples, args.seq_len, args.sym, args.desc_act, args.w8a8,
                                 args.smoothquant_alpha, args.sequential, args.fp8_inputs,
-                                args.target_full_precision)
+                                args.target_full_precision, args.grid_search)
         print(f"wrote {folder}")
         return
     import json

@@ -14,7 +14,8 @@ import transformers
 
 from tests.conftest import tiny_hf_config
 from minivllm.models.loader import load_model, resolve_model
-from minivllm.quantization.algorithms import awq_search_clip, fake_quantize, output_error, quantize_rtn
+from minivllm.quantization.algorithms import (awq_search_clip, fake_quantize, group_params, output_error,
+                                              quantize_codes, quantize_rtn, search_group_params)
 from minivllm.quantization.packing import dequantize
 from minivllm.quantization.quantizer import (INPUT_OF, LINEARS, calibration_windows, collect_input_stats,
                                              quantize_model)
@@ -97,13 +98,17 @@ def test_rtn_round_trips_within_half_a_step(tiny_model, tmp_path, bits):
         assert ((w - original).abs() <= step * (0.5 + (1 << (bits - 1)) / 2048)).all(), name
 
 
-@pytest.mark.parametrize("desc_act, w8a8", [(False, None), (True, None), (True, "fp8"), (True, "int8")])
-def test_gptq_beats_rtn_on_calibration_error(tiny_model, tmp_path, desc_act, w8a8):
-    """Weight-only int4 groups, and W8A8's per-channel fp8 / int8 grids."""
+@pytest.mark.parametrize("desc_act, w8a8, grid_search", [(False, None, False), (True, None, False),
+                                                      (True, "fp8", False), (True, "int8", False),
+                                                      (True, None, True)])
+def test_gptq_beats_rtn_on_calibration_error(tiny_model, tmp_path, desc_act, w8a8, grid_search):
+    """Weight-only int4 groups (min/max ranges or grid-searched ones), and W8A8's per-channel fp8 / int8
+    grids."""
     folder, reference, calib = tiny_model
     quantize_model(str(folder), "rtn", str(tmp_path / "rtn"), group_size=GROUP, w8a8=w8a8)
     quantize_model(str(folder), "gptq", str(tmp_path / "gptq"), group_size=GROUP, calib=str(calib),
-                   num_samples=8, seq_len=64, desc_act=desc_act, w8a8=w8a8)
+                   num_samples=8, seq_len=64, desc_act=desc_act, w8a8=w8a8, sym=not grid_search,
+                   grid_search=grid_search)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     stats = collect_input_stats(reference, calibration_windows(calib.read_text(), tokenizer, 8, 64))
     rtn, gptq = loaded_linears(tmp_path / "rtn"), loaded_linears(tmp_path / "gptq")
@@ -136,6 +141,8 @@ def test_quantizer_rejects_bad_options(tiny_model, tmp_path):
         quantize_model(str(folder), "gptq", str(tmp_path))
     with pytest.raises(ValueError, match="4-bit"):
         quantize_model(str(folder), "awq", str(tmp_path), bits=8, calib="x")
+    with pytest.raises(ValueError, match="grid search"):
+        quantize_model(str(folder), "awq", str(tmp_path), calib="x", grid_search=True)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
@@ -264,6 +271,47 @@ def test_awq_clipping_search_lowers_the_output_error_of_rounding():
     (full_groups, full), (clipped_groups, clipped) = errors(None), errors(clip)
     assert (clipped_groups <= full_groups * (1 + 1e-5)).all()
     assert clipped < 0.9 * full and (clip < 1).float().mean() > 0.3
+
+
+def test_grid_search_never_raises_a_groups_weighted_error():
+    """Rows shaped like Q4_1 blocks (16 levels d q + m with a float offset m, which an integer zero cannot
+    hold): min/max is the search's first candidate, so no row's importance-weighted error may grow, and
+    the shrunk ranges and shifted zeros must lower it for most rows."""
+    torch.manual_seed(0)
+    d = torch.rand(256, 1) * 0.02 + 0.005
+    w = d * torch.randint(0, 16, (256, GROUP)).float() - d * (torch.rand(256, 1) * 15)
+    w += 0.1 * d * torch.randn_like(w)   # not exactly on the old grid, as after GPTQ's error feedback
+    importance = torch.rand(GROUP).mul(3).exp()
+
+    def errors(scale, zero):
+        delta = (quantize_codes(w, scale, zero, 4) - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - w
+        return (delta * delta) @ importance
+    minmax = errors(*group_params(w, 4, False, 1))
+    scale, zero = search_group_params(w, 4, False, 1, importance)
+    searched = errors(scale, zero)
+    assert ((zero >= 1) & (zero <= 15)).all() and (scale == scale.half().float()).all()
+    assert (searched <= minmax).all()
+    assert (searched < 0.99 * minmax).float().mean() > 0.5 and searched.sum() < 0.8 * minmax.sum()
+
+
+def test_grid_searched_rtn_folder_loads_with_the_searched_grid(tiny_model, tmp_path):
+    """The folder holds the searched scales and zeros (zero - 1 in GPTQ's v1 layout): loaded weights equal
+    `quantize_rtn(grid_search=True)`'s and no group's squared error exceeds the min/max folder's."""
+    folder, reference, _ = tiny_model
+    quantize_model(str(folder), "rtn", str(tmp_path / "minmax"), group_size=GROUP, sym=False)
+    quantize_model(str(folder), "rtn", str(tmp_path / "grid"), group_size=GROUP, sym=False, grid_search=True)
+    minmax, grid = loaded_linears(tmp_path / "minmax"), loaded_linears(tmp_path / "grid")
+    assert len(grid) == 14
+    lowered = 0
+    for name, w in grid.items():
+        original = reference.get_parameter(name + ".weight").float()
+        codes, scales, zeros, g_idx = quantize_rtn(original, 4, GROUP, False, 1, grid_search=True)
+        expected = (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]
+        torch.testing.assert_close(w, expected, rtol=0, atol=1e-6, msg=name)
+        group_error = lambda v: (v - original).pow(2).reshape(v.shape[0], -1, GROUP).sum(-1)  # noqa: E731
+        assert (group_error(w) <= group_error(minmax[name]) * (1 + 1e-5) + 1e-9).all(), name
+        lowered += int((group_error(w) < 0.99 * group_error(minmax[name])).sum())
+    assert lowered > 0
 
 
 def test_sequential_calibration_sees_the_quantized_model_inputs(tiny_model):

@@ -39,21 +39,56 @@ def group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
     return scale, zero
 
 
+GRID_SHRINKS = tuple(1 - i / 50 for i in range(16))   # 1.0 down to 0.7
+GRID_ZERO_SHIFTS = (0, -1, 1)
+
+
+def search_group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
+                        importance: torch.Tensor | None = None, shrinks=GRID_SHRINKS,
+                        zero_shifts=GRID_ZERO_SHIFTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_params` with a grid search per row of w [N, g]: the range [min, max] shrunk by each factor
+    in `shrinks` and (asymmetric) its integer zero moved by each of `zero_shifts`; keeps the candidate
+    whose rounding error sum_k importance_k (w_k - w'_k)^2 is smallest (importance [g]: the Hessian
+    diagonal, how much each input moves the output; None: plain squared error). The first candidate is
+    min/max itself, so the error never exceeds `group_params`'."""
+    top = (1 << bits) - 1
+    weight = torch.ones(w.shape[1]) if importance is None else importance.float()
+    best_scale = best_zero = best_error = None
+    for shrink in shrinks:
+        scale, zero = group_params(w, bits, sym, min_zero, torch.full((w.shape[0],), float(shrink)))
+        for shift in (0,) if sym else zero_shifts:
+            z = (zero + shift).clamp(min_zero, top)
+            delta = (quantize_codes(w, scale, z, bits) - z.unsqueeze(-1)) * scale.unsqueeze(-1) - w
+            error = (delta * delta) @ weight
+            if best_error is None:
+                best_scale, best_zero, best_error = scale.clone(), z.clone(), error
+                continue
+            better = error < best_error
+            best_scale = torch.where(better, scale, best_scale)
+            best_zero = torch.where(better, z, best_zero)
+            best_error = torch.where(better, error, best_error)
+    return best_scale, best_zero
+
+
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, (1 << bits) - 1)
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zero: int = 0,
-                 clip: torch.Tensor | None = None):
+                 clip: torch.Tensor | None = None, grid_search: bool = False):
     """w [N, K] -> (codes [N, K] int, scales [G, N], zeros [G, N], g_idx [K]); `clip` [N, G]: range
-    shrink per row and group (`awq_search_clip`)."""
+    shrink per row and group (`awq_search_clip`); `grid_search`: each group's range by
+    `search_group_params` (plain squared error) instead of min/max."""
     N, K = w.shape
     group_size = K if group_size <= 0 else group_size
     codes = torch.empty(N, K, dtype=torch.int32)
     scales, zeros = [], []
     for g, start in enumerate(range(0, K, group_size)):
         block = w[:, start:start + group_size]
-        scale, zero = group_params(block, bits, sym, min_zero, None if clip is None else clip[:, g])
+        if grid_search:
+            scale, zero = search_group_params(block, bits, sym, min_zero)
+        else:
+            scale, zero = group_params(block, bits, sym, min_zero, None if clip is None else clip[:, g])
         codes[:, start:start + group_size] = quantize_codes(block, scale, zero, bits).int()
         scales.append(scale)
         zeros.append(zero)
@@ -63,6 +98,13 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zer
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
     codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym)
     return (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]
+
+
+def column_order(H: torch.Tensor, desc_act: bool) -> torch.Tensor:
+    """GPTQ's rounding order: inputs by decreasing H diagonal (act-order; dead inputs count as 1) or as is."""
+    diag = torch.diag(H).float().clone()
+    diag[diag == 0] = 1.0
+    return torch.argsort(diag, descending=True) if desc_act else torch.arange(H.shape[0])
 
 
 @torch.no_grad()
@@ -79,7 +121,7 @@ def gptq_loop(w: torch.Tensor, H: torch.Tensor, round_column, desc_act: bool = F
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    perm = torch.argsort(torch.diag(H), descending=True) if desc_act else torch.arange(K)
+    perm = column_order(H, desc_act)
     W, H = W[:, perm], H[perm][:, perm]
     H += damp_percent * torch.diag(H).mean() * torch.eye(K)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
@@ -98,9 +140,12 @@ def gptq_loop(w: torch.Tensor, H: torch.Tensor, round_column, desc_act: bool = F
 
 
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
-                  desc_act: bool = False, damp_percent: float = 0.01, min_zero: int = 0):
-    """Same outputs as `quantize_rtn`; g_idx is a permuted grouping when desc_act."""
+                  desc_act: bool = False, damp_percent: float = 0.01, min_zero: int = 0, grid_search: bool = False):
+    """Same outputs as `quantize_rtn`; g_idx is a permuted grouping when desc_act. `grid_search`: each
+    group's range by `search_group_params`, its error weighted by the H diagonal of the group's inputs."""
     N, K = w.shape
+    order = column_order(H, desc_act)
+    importance = torch.diag(H).float().clamp(min=0)
     group_size = K if group_size <= 0 else group_size
     codes = torch.empty(N, K, dtype=torch.int32)
     scales, zeros = [], []
@@ -108,7 +153,12 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
 
     def round_column(j, upcoming):
         if rounded[0] % group_size == 0:   # the group's range from its columns as updated so far
-            scale, zero = group_params(upcoming()[:, :group_size], bits, sym, min_zero)
+            if grid_search:
+                inputs = order[rounded[0]:rounded[0] + group_size]
+                scale, zero = search_group_params(upcoming()[:, :len(inputs)], bits, sym, min_zero,
+                                                  importance[inputs])
+            else:
+                scale, zero = group_params(upcoming()[:, :group_size], bits, sym, min_zero)
             scales.append(scale)
             zeros.append(zero)
         rounded[0] += 1

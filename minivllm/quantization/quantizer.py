@@ -143,11 +143,13 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                    calib: str | None = None, num_samples: int = 32, seq_len: int = 256,
                    sym: bool | None = None, desc_act: bool = False, w8a8: str | None = None,
                    smooth_alpha: float | None = None, sequential: bool = False, fp8_inputs: bool = False,
-                   target_full_precision: bool = False) -> Path:
+                   target_full_precision: bool = False, grid_search: bool = False) -> Path:
     """Quantize `model` (HF folder or .gguf; None: the default model) into the folder `out`. gptq only:
     `sequential` calibrates each linear on the outputs of the already quantized ones (sequential.py);
     with it, `fp8_inputs` rounds the calibration activations per token to fp8 as served W8A8 fp8 does,
-    and `target_full_precision` fits each linear to the unquantized model's outputs (GPTAQ-style)."""
+    and `target_full_precision` fits each linear to the unquantized model's outputs (GPTAQ-style).
+    rtn and gptq int weights: `grid_search` picks each group's scale and zero from a grid of shrunk ranges
+    and shifted zeros (algorithms.search_group_params) instead of the group's min/max."""
     import transformers
     from safetensors.torch import save_file
 
@@ -176,6 +178,8 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
         raise ValueError("fp8 inputs and full-precision targets need sequential calibration (--sequential)")
     if fp8_inputs and w8a8 != "fp8":
         raise ValueError("fp8 input rounding emulates W8A8 fp8 serving; it needs --w8a8 fp8")
+    if grid_search and (method == "awq" or w8a8):
+        raise ValueError("the grid search of group ranges applies to rtn and gptq integer weights (not awq, not w8a8)")
     sym = (method != "awq") if sym is None else sym
     if method == "awq" and sym:
         raise ValueError("awq's format is asymmetric (zero points); drop --sym")
@@ -228,12 +232,13 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
             else:
                 if H is not None:
                     codes, scales, zeros, g_idx = gptq_quantize(w, H, bits, group_size, sym, desc_act,
-                                                                min_zero=min_zero)
+                                                                min_zero=min_zero, grid_search=grid_search)
                 else:
                     clip = awq_clip(w, names, [linears[name][1].weight.shape[0] for name in names],
                                     stats[(index, site)][0], input_scales.get(site), bits, group_size) \
                         if method == "awq" else None
-                    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero, clip)
+                    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero, clip,
+                                                                   grid_search)
                 slices = lambda rows: write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits)  # noqa: E731
                 rounded = lambda: (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]  # noqa: E731
             if sequential_calibration is not None:   # later sites and layers see (and compensate) this rounding
