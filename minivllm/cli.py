@@ -203,7 +203,7 @@ def add_quantization_commands(sub) -> None:
     quantize.add_argument("--target-full-precision", action="store_true",
                           help="gptq --sequential: fit each linear to the unquantized model's outputs (GPTAQ-style)")
     quantize.add_argument("--grid-search", action="store_true",
-                          help="rtn/gptq int: each group's scale and zero from a grid of shrunk ranges and shifted "
+                          help="rtn/gptq int: each group's scale and zero from a grid of scaled ranges and shifted "
                                "zeros (least H-diagonal-weighted rounding error) instead of min/max")
     quantize.add_argument("--out", required=True, help="output folder")
 

@@ -2,6 +2,9 @@
 
 * `quantize_rtn`: round-to-nearest per group of `group_size` inputs, symmetric (zero fixed at 2^(b-1),
   scale = 2 max|w| / (2^b - 1), GPTQ's convention) or asymmetric (min/max range, integer zero).
+* `search_group_params`: a group's scale and zero from a grid of scaled ranges and shifted zeros, the
+  one with the least (Hessian-diagonal-weighted) rounding error; `quantize_rtn` and `gptq_quantize` use
+  it instead of min/max with `grid_search` (AutoGPTQ's `mse` option, plus the zero shifts).
 * `gptq_loop` (Frantar et al. 2022): round one input column at a time and move each column's rounding
   error onto the columns not yet rounded, weighted by the inverse Hessian H = X^T X of the calibration
   inputs; optional act-order (columns in order of decreasing H diagonal). Two grids use it:
@@ -20,7 +23,7 @@ import torch
 
 def group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
                  clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and integer zero per row of w [N, g]; `clip` [N] shrinks each row's range (values outside
+    """Scale and integer zero per row of w [N, g]; `clip` [N] scales each row's range (values outside
     round to the end codes)."""
     top = (1 << bits) - 1
     lo = w.min(dim=1).values.clamp(max=0)
@@ -39,23 +42,24 @@ def group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
     return scale, zero
 
 
-GRID_SHRINKS = tuple(1 - i / 50 for i in range(16))   # 1.0 down to 0.7
+GRID_RANGE_FACTORS = tuple(1 - i / 50 for i in range(16))   # min/max, then down to 0.7
 GRID_ZERO_SHIFTS = (0, -1, 1)
 
 
 def search_group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
-                        importance: torch.Tensor | None = None, shrinks=GRID_SHRINKS,
+                        importance: torch.Tensor | None = None, range_factors=GRID_RANGE_FACTORS,
                         zero_shifts=GRID_ZERO_SHIFTS) -> tuple[torch.Tensor, torch.Tensor]:
-    """`group_params` with a grid search per row of w [N, g]: the range [min, max] shrunk by each factor
-    in `shrinks` and (asymmetric) its integer zero moved by each of `zero_shifts`; keeps the candidate
-    whose rounding error sum_k importance_k (w_k - w'_k)^2 is smallest (importance [g]: the Hessian
+    """`group_params` with a grid search per row of w [N, g]: the range [min, max] scaled by each factor
+    in `range_factors` (below 1 the extremes round to the end codes) and (asymmetric) its integer zero
+    moved by each of `zero_shifts` (which an integer zero needs when the weights sit on a grid with a
+    float offset, as in Q4_1 sources); keeps the candidate whose rounding error sum_k importance_k (w_k - w'_k)^2 is smallest (importance [g]: the Hessian
     diagonal, how much each input moves the output; None: plain squared error). The first candidate is
     min/max itself, so the error never exceeds `group_params`'."""
     top = (1 << bits) - 1
     weight = torch.ones(w.shape[1]) if importance is None else importance.float()
     best_scale = best_zero = best_error = None
-    for shrink in shrinks:
-        scale, zero = group_params(w, bits, sym, min_zero, torch.full((w.shape[0],), float(shrink)))
+    for factor in range_factors:
+        scale, zero = group_params(w, bits, sym, min_zero, torch.full((w.shape[0],), float(factor)))
         for shift in (0,) if sym else zero_shifts:
             z = (zero + shift).clamp(min_zero, top)
             delta = (quantize_codes(w, scale, z, bits) - z.unsqueeze(-1)) * scale.unsqueeze(-1) - w

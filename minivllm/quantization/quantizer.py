@@ -148,7 +148,7 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     `sequential` calibrates each linear on the outputs of the already quantized ones (sequential.py);
     with it, `fp8_inputs` rounds the calibration activations per token to fp8 as served W8A8 fp8 does,
     and `target_full_precision` fits each linear to the unquantized model's outputs (GPTAQ-style).
-    rtn and gptq int weights: `grid_search` picks each group's scale and zero from a grid of shrunk ranges
+    rtn and gptq int weights: `grid_search` picks each group's scale and zero from a grid of scaled ranges
     and shifted zeros (algorithms.search_group_params) instead of the group's min/max."""
     import transformers
     from safetensors.torch import save_file
