@@ -90,6 +90,10 @@
 #      rows for bf16, fp8, int4 and fp8kv ($OUT/quant), then the batch-1 int4 kernel profile ($OUT/profile). ~8 min.
 #   PF: (carrying .carry/a and .whl) the W8A8 and quantized-kernel GPU tests; leaves the first model half in
 #      /tmp/gguf for P5. ~2 min.
+#   PG: (carrying .carry/a) nothing but the setup: leaves the first model half in /tmp/gguf for P6.
+#   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
+#      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
+#      -> quant_quality_int4_grid_gpu.json. ~4 min.
 #   P5: (carrying .carry/b, .carry/p and .whl right after PF) int4 gptq g32 act-order quantized on the device
 #      host one-pass and sequential with full-precision targets (GPTAQ-style), scored over 100k tokens beside the
 #      bf16 baseline -> quant_quality_int4_seq_gpu.json. ~8 min.
@@ -306,6 +310,16 @@ case "${1:-A}" in
     add int4-gptq-g32-sequential-fp-target gptaq32
     timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
     add int4-gptq-g32 gptq32
+    ;;
+  PG)
+    ls -la /tmp/gguf
+    ;;
+  P6)
+    quality_setup quant_quality_int4_grid_gpu.json
+    timeout 100 $PPL --variant bf16= 2>&1 | grep ppl
+    timeout 200 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --sequential --target-full-precision \
+      --grid-search --out $Q/grid32 2>&1 | tail -1
+    add int4-gptq-g32-sequential-fp-target-grid grid32
     ;;
   PB)
     mkdir -p "$OUT/profile"
