@@ -90,6 +90,12 @@
 #      rows for bf16, fp8, int4 and fp8kv ($OUT/quant), then the batch-1 int4 kernel profile ($OUT/profile). ~8 min.
 #   PF: (carrying .carry/a and .whl) the W8A8 and quantized-kernel GPU tests; leaves the first model half in
 #      /tmp/gguf for P5. ~2 min.
+#   PQ: (carrying .carry/b, .carry/p and .whl right after PG) the whole quality table of issue 10's point 2 in one
+#      file, bench/results/quant_quality.json: bf16, GGUF Q4_1 kept, fp8 and int8 rounded at load, int8 after
+#      SmoothQuant alpha 0.65, fp8 with GPTQ rounding, int4 rtn and gptq (act-order, asymmetric, group 32),
+#      all quantized on the device host; the file is also left in /tmp/quality for PR. ~8 min.
+#   PR: (carrying .carry/p right after PQ) appends int4 awq g32 and int4 gptq with sequential calibration and
+#      full-precision targets at group 32 and 128 to PQ's file. ~8 min.
 #   PG: (carrying .carry/a) nothing but the setup: leaves the first model half in /tmp/gguf for P6.
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
 #      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
@@ -310,6 +316,31 @@ case "${1:-A}" in
     add int4-gptq-g32-sequential-fp-target gptaq32
     timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
     add int4-gptq-g32 gptq32
+    ;;
+  PQ)
+    quality_setup quant_quality.json
+    timeout 150 $PPL --variant bf16= --variant gguf-q4_1=:gguf --variant fp8=:fp8 --variant int8=:int8 2>&1 | grep ppl
+    timeout 60 $QUANTIZE --method rtn --w8a8 int8 --smoothquant-alpha 0.65 --out $Q/int8sq 2>&1 | tail -1
+    add int8-smoothquant-0.65 int8sq
+    timeout 120 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --out $Q/fp8gptq 2>&1 | tail -1
+    add fp8-gptq fp8gptq
+    timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
+    add int4-rtn-g32 rtn32
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --out $Q/gptq32 2>&1 | tail -1
+    add int4-gptq-g32 gptq32
+    cp "$OUT/quant_quality.json" $Q/
+    ;;
+  PR)
+    quality_setup quant_quality.json
+    cp $Q/quant_quality.json "$OUT/"
+    timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
+    add int4-awq-g32 awq32
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --sequential --target-full-precision \
+      --out $Q/gptaq32 2>&1 | tail -1
+    add int4-gptq-g32-sequential-fp-target gptaq32
+    timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 128 --sequential --target-full-precision \
+      --out $Q/gptaq128 2>&1 | tail -1
+    add int4-gptq-g128-sequential-fp-target gptaq128
     ;;
   PG)
     ls -la /tmp/gguf
