@@ -333,6 +333,7 @@ case "${1:-A}" in
   PR)
     quality_setup quant_quality.json
     cp $Q/quant_quality.json "$OUT/"
+    timeout 120 $PPL --append --variant int8=:int8 2>&1 | grep ppl
     timeout 200 $QUANTIZE --method awq --group-size 32 --out $Q/awq32 2>&1 | tail -1
     add int4-awq-g32 awq32
     timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --sequential --target-full-precision \
