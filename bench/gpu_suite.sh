@@ -97,7 +97,7 @@
 #   PR: (carrying .carry/p right after PQ) appends int4 awq g32 and int4 gptq with sequential calibration and
 #      full-precision targets at group 32 and 128 to PQ's file. ~8 min.
 #   PS: (carrying .whl) W8A8 GEMMs that quantize their own 16-bit input at up to 16 rows: the W8A8 and quantized-
-#      kernel GPU tests, quant_bench's engine rows for bf16 and fp8 ($OUT/quant), the batch-1 fp8 kernel profile
+#      kernel GPU tests, both ways timed per shape (w8a8_input_quant_<gpu>.json), quant_bench's engine rows for bf16 and fp8 ($OUT/quant), the batch-1 fp8 kernel profile
 #      ($OUT/profile). ~7 min.
 #   PG: (carrying .carry/a) nothing but the setup: leaves the first model half in /tmp/gguf for P6.
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
@@ -349,6 +349,7 @@ case "${1:-A}" in
   PS)
     timeout 200 python3 -m pytest -q -m gpu tests/test_quant_w8a8.py tests/test_quant_kernels.py 2>&1 \
       | tee "$OUT/gpu_tests_PS.log" | tail -3
+    timeout 120 python3 bench/w8a8_input_quant.py --out "$OUT" 2>&1 | tee "$OUT/w8a8_input_quant.log" | grep M=
     mkdir -p "$OUT/quant" "$OUT/profile"
     timeout 200 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8 --out "$OUT/quant" > "$OUT/quant/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -6

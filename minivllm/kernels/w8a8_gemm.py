@@ -54,17 +54,22 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, ti
                       stride_xm, stride_wn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr, QUANT_X: tl.constexpr,
-                      QMAX: tl.constexpr, EMULATED_CAST: tl.constexpr):
+                      QMAX: tl.constexpr, EMULATED_CAST: tl.constexpr, SCALE_CHUNK: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
-    if QUANT_X:   # x in 16 bits: each program finds its rows' scales over the whole of K (a few KB from L2)
+    if QUANT_X:   # x in 16 bits: each program finds its rows' scales over the whole of K (a few KB from L2),
+        # a row at a time in wide chunks: each chunk is a round trip, which a loop over BLOCK_K tiles of all
+        # BLOCK_M rows would make K / BLOCK_K times
         row_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            row_max = tl.maximum(row_max, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        for i in range(0, tl.minimum(BLOCK_M, M - tl.program_id(0) * BLOCK_M)):
+            x_row = x_ptr + (tl.program_id(0) * BLOCK_M + i) * stride_xm
+            chunk_max = tl.zeros((SCALE_CHUNK,), dtype=tl.float32)
+            for k0 in range(0, K, SCALE_CHUNK):
+                offs_k = k0 + tl.arange(0, SCALE_CHUNK)
+                chunk_max = tl.maximum(chunk_max, tl.abs(tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
+                                                         .to(tl.float32)))
+            row_max = tl.where(tl.arange(0, BLOCK_M) == i, tl.max(chunk_max, axis=0), row_max)
         x_scale = row_scale(row_max, QMAX)
     else:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
@@ -142,7 +147,7 @@ def w8a8_triton(x, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> to
         k_per_split, x.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=w_codes.dtype == torch.int8,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None, QUANT_X=x_scale is None,
-        QMAX=params["QMAX"], EMULATED_CAST=params["EMULATED_CAST"],
+        QMAX=params["QMAX"], EMULATED_CAST=params["EMULATED_CAST"], SCALE_CHUNK=min(4096, triton.next_power_of_2(K)),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, out_dtype) if tickets is None else y
 
