@@ -96,9 +96,6 @@
 #      all quantized on the device host; the file is also left in /tmp/quality for PR. ~8 min.
 #   PR: (carrying .carry/p right after PQ) appends int4 awq g32 and int4 gptq with sequential calibration and
 #      full-precision targets at group 32 and 128 to PQ's file. ~8 min.
-#   PS: (carrying .whl) W8A8 GEMMs that quantize their own 16-bit input at up to 16 rows: the W8A8 and quantized-
-#      kernel GPU tests, both ways timed per shape (w8a8_input_quant_<gpu>.json), quant_bench's engine rows for bf16 and fp8 ($OUT/quant), the batch-1 fp8 kernel profile
-#      ($OUT/profile). ~7 min.
 #   PG: (carrying .carry/a) nothing but the setup: leaves the first model half in /tmp/gguf for P6.
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
 #      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
@@ -345,18 +342,6 @@ case "${1:-A}" in
     timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 128 --sequential --target-full-precision \
       --out $Q/gptaq128 2>&1 | tail -1
     add int4-gptq-g128-sequential-fp-target gptaq128
-    ;;
-  PS)
-    timeout 200 python3 -m pytest -q -m gpu tests/test_quant_w8a8.py tests/test_quant_kernels.py 2>&1 \
-      | tee "$OUT/gpu_tests_PS.log" | tail -3
-    timeout 120 python3 bench/w8a8_input_quant.py --out "$OUT" 2>&1 | tee "$OUT/w8a8_input_quant.log" | grep M=
-    mkdir -p "$OUT/quant" "$OUT/profile"
-    timeout 200 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8 --out "$OUT/quant" > "$OUT/quant/quant_bench.log" 2>&1
-    grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -6
-    timeout 100 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization fp8 --out "$OUT/profile" \
-      > "$OUT/profile/profile_fp8.log" 2>&1
-    grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_fp8.log"
-    grep -A14 "decode steps" "$OUT/profile/profile_fp8.log" | tail -11 | cut -c1-70,150-200
     ;;
   PG)
     ls -la /tmp/gguf

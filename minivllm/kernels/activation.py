@@ -4,8 +4,7 @@ Rounds like Hugging Face's `act_fn(gate_proj(x)) * up_proj(x)`: silu is computed
 in fp32 and rounded to the input dtype, then the product is rounded again. With `quant_dtype` the row is
 also quantized for the W8A8 down projection, in one program per row (see kernels/rmsnorm.py); below
 FUSED_QUANT_MIN_ROWS rows that one program per row is latency-bound (one 14,336-wide row: 5.8 us on an H100,
-against 4.1 for this kernel plus quant_rows), so there the rows come back in 16 bits and the W8A8 GEMM
-quantizes them itself (kernels/w8a8_gemm.w8a8_gemm_unquantized). Owns only this function.
+against 4.1 for this kernel plus quant_rows), so there the two kernels run. Owns only this function.
 """
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minivllm.kernels.quant_rows import QuantizedRows, empty_quantized, quant_params, quantize_row_block
+from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_row_block,
+                                         quantize_rows)
 
 FUSED_QUANT_MIN_ROWS = 16
 
@@ -55,15 +55,19 @@ def _silu_and_mul_quant_kernel(x_ptr, codes_ptr, scales_ptr, intermediate_size, 
 
 
 def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
-    """x [..., 2 * intermediate] -> [..., intermediate], as `silu_and_mul_reference` (with `quant_dtype`, a
-    QuantizedRows of that from FUSED_QUANT_MIN_ROWS rows on)."""
+    """x [..., 2 * intermediate] -> [..., intermediate], as `silu_and_mul_reference` (a QuantizedRows of
+    that with `quant_dtype`)."""
     if x.shape[-1] % 2:
         raise ValueError(f"last dimension {x.shape[-1]} is not even: expected [gate | up]")
     intermediate_size = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if quant_dtype is not None and x2.shape[0] >= FUSED_QUANT_MIN_ROWS:
+    if quant_dtype is not None and x2.shape[0] < FUSED_QUANT_MIN_ROWS:
+        out = silu_and_mul(x2)
+        return QuantizedRows(*quantize_rows(out, quant_dtype), torch.Size((*x.shape[:-1], intermediate_size)),
+                             x.dtype)
+    if quant_dtype is not None:
         codes, scales = empty_quantized(x2.shape[0], intermediate_size, quant_dtype, x.device)
         if x2.shape[0] > 0 and intermediate_size > 0:
             block = triton.next_power_of_2(intermediate_size)

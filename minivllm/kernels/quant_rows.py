@@ -53,20 +53,7 @@ class QuantizedRows(NamedTuple):
 def quantize_row_block(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
     """One whole row in fp32 (masked lanes 0) -> (its codes as fp32 values on the 8-bit grid, its scale),
     exactly as `quantize_rows_reference`."""
-    scale = row_scale(tl.max(tl.abs(x), axis=0), QMAX)
-    return codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST), scale
-
-
-@triton.jit
-def row_scale(row_max, QMAX: tl.constexpr):
-    """A row's scale from its largest |x|, as `quantize_rows_reference`."""
-    return tl.maximum(row_max, 1e-12) / QMAX
-
-
-@triton.jit
-def codes_on_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
-    """fp32 x and its row's scale -> fp32 values whose cast to the 8-bit dtype gives the codes of
-    `quantize_rows_reference` (on the grid already, except fp8 outside the interpreter)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
     v = tl.math.div_rn(x, scale)   # IEEE division, as torch's: the codes match the reference exactly
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if IS_FP8:
@@ -74,7 +61,7 @@ def codes_on_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_C
             v = round_to_e4m3_grid(v)
     else:
         v = (v + 12582912.0) - 12582912.0   # round half to even in fp32 (1.5 * 2^23), as torch.round
-    return v
+    return v, scale
 
 
 @triton.jit

@@ -22,13 +22,11 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.quant_rows import codes_on_grid, quant_params, quantize_rows, row_scale
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
 FP8 = torch.float8_e4m3fn
 TRITON_MAX_M = 64
-QUANTIZE_IN_GEMM_MAX_M = 16   # each program re-reads x's rows and divides a BLOCK_M-row tile
 
 
 def w8a8_reference(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
@@ -53,35 +51,15 @@ def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, tickets_ptr, M, N, K, k_per_split,
                       stride_xm, stride_wn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr, QUANT_X: tl.constexpr,
-                      QMAX: tl.constexpr, EMULATED_CAST: tl.constexpr, SCALE_CHUNK: tl.constexpr):
+                      IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
-    if QUANT_X:   # x in 16 bits: each program finds its rows' scales over the whole of K (a few KB from L2),
-        # a row at a time in wide chunks: each chunk is a round trip, which a loop over BLOCK_K tiles of all
-        # BLOCK_M rows would make K / BLOCK_K times
-        row_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for i in range(0, tl.minimum(BLOCK_M, M - tl.program_id(0) * BLOCK_M)):
-            x_row = x_ptr + (tl.program_id(0) * BLOCK_M + i) * stride_xm
-            chunk_max = tl.zeros((SCALE_CHUNK,), dtype=tl.float32)
-            for k0 in range(0, K, SCALE_CHUNK):
-                offs_k = k0 + tl.arange(0, SCALE_CHUNK)
-                chunk_max = tl.maximum(chunk_max, tl.abs(tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
-                                                         .to(tl.float32)))
-            row_max = tl.where(tl.arange(0, BLOCK_M) == i, tl.max(chunk_max, axis=0), row_max)
-        x_scale = row_scale(row_max, QMAX)
-    else:
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=ZERO)
-        if QUANT_X:   # the codes quant_rows would store, formed in registers
-            x = codes_on_grid(x.to(tl.float32), x_scale[:, None], QMAX, not IS_INT, EMULATED_CAST)
-            if not WIDEN:
-                x = x.to(tl.int8 if IS_INT else tl.float8e4nv)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=ZERO)
         if WIDEN:   # the interpreter has no 8-bit products: the same sums over widened codes
@@ -91,6 +69,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, ti
         else:
             acc += tl.dot(x, w, out_dtype=tl.float32)
     # Scaled here (the scales factor out of the sum over K); one split stores y, several store partials.
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     tile = offs_m[:, None] * stride_om + offs_n[None, :]
@@ -131,23 +110,19 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | 
     return list(dict.fromkeys(out))
 
 
-def w8a8_triton(x, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
-    """x: 8-bit codes with their scales [M, 1], or (x_scale None) 16/32-bit activations that each program
-    quantizes per row itself, to the codes quant_rows would give."""
-    M, K = x.shape
+def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
+    M, K = x_codes.shape
     N = w_codes.shape[0]
     k_per_split, split_k = k_slices(K, config.split_k, config.block_k)
-    out = partials_buffer(split_k, M, N, x.device, out_dtype)
+    out = partials_buffer(split_k, M, N, x_codes.device, out_dtype)
     grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n), split_k)
-    tickets = tile_tickets(x.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
-    y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=out_dtype)
-    params = quant_params(w_codes.dtype)
+    tickets = tile_tickets(x_codes.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
+    y = out if tickets is None else torch.empty(M, N, device=x_codes.device, dtype=out_dtype)
     _w8a8_gemm_kernel[grid](
-        x, w_codes, x if x_scale is None else x_scale, w_scale, out, y, out if tickets is None else tickets, M, N, K,
-        k_per_split, x.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=w_codes.dtype == torch.int8,
-        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None, QUANT_X=x_scale is None,
-        QMAX=params["QMAX"], EMULATED_CAST=params["EMULATED_CAST"], SCALE_CHUNK=min(4096, triton.next_power_of_2(K)),
+        x_codes, w_codes, x_scale, w_scale, out, y, out if tickets is None else tickets, M, N, K, k_per_split,
+        x_codes.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=x_codes.dtype == torch.int8,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, out_dtype) if tickets is None else y
 
@@ -163,24 +138,3 @@ def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
     config = tuning.pick(("w8a8", x_codes.dtype, bucket, N, K), candidates(bucket, N, K, x_codes.device),
                          lambda c: w8a8_library(*args) if c is None else w8a8_triton(*args, c), default=None)
     return w8a8_library(*args) if config is None else w8a8_triton(*args, config)
-
-
-def w8a8_gemm_unquantized(x, w_codes, w_scale, out_dtype) -> torch.Tensor:
-    """x [M, K] in 16/32 bits, quantized per row as quant_rows does, times the weights (CUDA). Up to
-    QUANTIZE_IN_GEMM_MAX_M rows the Triton tiles may quantize x themselves, which saves quant_rows' kernel
-    (about 3 us at batch 1) for a pass over x's rows from L2 in every program; timed against quant_rows +
-    `w8a8_gemm`."""
-    M, K = x.shape
-    N = w_codes.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-
-    def separate():
-        return w8a8_gemm(*quantize_rows(x, w_codes.dtype), w_codes, w_scale, out_dtype)
-    if M > QUANTIZE_IN_GEMM_MAX_M:
-        return separate()
-    bucket = 1 << max(0, M - 1).bit_length()
-    tiles = [c for c in candidates(bucket, N, K, x.device) if c is not None]
-    config = tuning.pick(("w8a8_unquantized", x.dtype, w_codes.dtype, bucket, N, K), [None, *tiles],
-                         lambda c: separate() if c is None else w8a8_triton(x, None, w_codes, w_scale, out_dtype, c),
-                         default=None)
-    return separate() if config is None else w8a8_triton(x, None, w_codes, w_scale, out_dtype, config)

@@ -2,9 +2,8 @@
 dynamic per-token activation scales computed in each forward.
 
 y[m, n] = sum_k xq[m, k] wq[n, k] * sx[m] * sw[n], with xq = quant(x / sx), sx = max|x[m]| / QMAX.
-On CUDA the activations are quantized by one Triton kernel (kernels/quant_rows.py), by the kernel that
-produced them (layers/fusion.py) or, for a few rows, by the GEMM itself, and the 8-bit product runs on the
-tensor cores (kernels/w8a8_gemm.py: a split-K Triton GEMM at decode sizes, torch._scaled_mm /
+On CUDA the activations are quantized by one Triton kernel (kernels/quant_rows.py) and the 8-bit product
+runs on the tensor cores (kernels/w8a8_gemm.py: a split-K Triton GEMM at decode sizes, torch._scaled_mm /
 torch._int_mm above); elsewhere `w8a8_reference` emulates it: the same 8-bit values (fp8 rounding through
 real torch.float8_e4m3fn casts), products summed in fp32.
 """
@@ -15,7 +14,7 @@ from torch import nn
 
 from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, QuantizedRows, quantize_rows,  # noqa: F401
                                          quantize_rows_reference)
-from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_unquantized, w8a8_reference
+from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_reference
 from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
 
 
@@ -94,13 +93,11 @@ class W8A8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         if isinstance(x, QuantizedRows):
-            gemm = w8a8_gemm if x.is_cuda else w8a8_reference
-            out = gemm(x.codes, x.scales, layer.weight, layer.weight_scale, x.dtype)
-        elif x.is_cuda:   # few rows: the GEMM may quantize them itself (kernels/w8a8_gemm.py)
-            out = w8a8_gemm_unquantized(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale, x.dtype)
+            x_codes, x_scale = x.codes, x.scales
         else:
             x_codes, x_scale = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
-            out = w8a8_reference(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
+        gemm = w8a8_gemm if x.is_cuda else w8a8_reference
+        out = gemm(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if bias is not None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
