@@ -120,13 +120,16 @@ def test_dequantize_kernel_and_large_m_path(K, N, group_size, bits):
 
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_quantize_rows_kernel_is_exact(dtype, x_dtype):
+@pytest.mark.parametrize("rows,cols", [(6, 300), (3, 2500), (17, 1500)])   # (3, 2500): 3 chunks per row
+def test_quantize_rows_kernel_is_exact(dtype, x_dtype, rows, cols):
     """W8A8's per-token activation quantization in one kernel: the reference's codes and scales bit for bit
-    (int8 ties round to even, fp8 saturates at 448, an all-zero row gets the floor scale)."""
-    x = (torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 3).to(x_dtype)
+    (int8 ties round to even, fp8 saturates at 448, an all-zero row gets the floor scale), with one program
+    per row or, for few long rows, one per chunk of a row (the scale's outlier in another chunk)."""
+    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)) * 3).to(x_dtype)
     x[1] = 0
     x[2, :6] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5])   # int8 ties at scale 1
-    x[3, 0] = 1e4
+    x[2, cols - 1] = 127.0
+    x[0, 0] = 1e4
     codes, scales = quantize_rows_triton(x.to(DEVICE), dtype)
     ref_codes, ref_scales = quantize_rows_reference(x, dtype)
     view = (lambda t: t.view(torch.uint8)) if dtype == FP8 else (lambda t: t)

@@ -1,4 +1,6 @@
-"""Per-row 8-bit quantization (W8A8's dynamic per-token activation scales), one Triton program per row.
+"""Per-row 8-bit quantization (W8A8's dynamic per-token activation scales), one Triton program per row, or
+below 16 rows one per 1,024 columns (each reads the whole row for its scale: one 14,336-wide row left to a
+single program bounded the batch-1 W8A8 step).
 
 codes[r] = round(clamp(x[r] / s[r], -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in fp32, into float8_e4m3fn
 (QMAX 448) or int8 (QMAX 127, round half to even). The unfused reference, `quantize_rows_reference`, took
@@ -20,6 +22,8 @@ from minivllm.kernels.kv_write import round_to_e4m3_grid
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
 INT8_MAX = 127.0
+CHUNKED_BELOW_ROWS = 16   # fewer rows than this: several programs per row (`_quantize_row_chunks_kernel`)
+ROW_CHUNK = 1024
 
 
 def quantize_rows_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +57,20 @@ class QuantizedRows(NamedTuple):
 def quantize_row_block(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
     """One whole row in fp32 (masked lanes 0) -> (its codes as fp32 values on the 8-bit grid, its scale),
     exactly as `quantize_rows_reference`."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+    scale = row_scale(x, QMAX)
+    return codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST), scale
+
+
+@triton.jit
+def row_scale(x, QMAX: tl.constexpr):
+    """The scale of one whole row (fp32, masked lanes 0), as `quantize_rows_reference`'s."""
+    return tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+
+
+@triton.jit
+def codes_on_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
+    """fp32 values of a row and its scale -> values whose cast to the 8-bit dtype gives the codes of
+    `quantize_rows_reference` (on the grid already, but for fp8 outside the interpreter)."""
     v = tl.math.div_rn(x, scale)   # IEEE division, as torch's: the codes match the reference exactly
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if IS_FP8:
@@ -61,7 +78,7 @@ def quantize_row_block(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAS
             v = round_to_e4m3_grid(v)
     else:
         v = (v + 12582912.0) - 12582912.0   # round half to even in fp32 (1.5 * 2^23), as torch.round
-    return v, scale
+    return v
 
 
 @triton.jit
@@ -75,6 +92,23 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
     v, scale = quantize_row_block(x, QMAX, IS_FP8, EMULATED_CAST)
     tl.store(codes_ptr + row * stride_c + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)
     tl.store(scales_ptr + row, scale)
+
+
+@triton.jit
+def _quantize_row_chunks_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
+                                QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr,
+                                BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """A program per (row, CHUNK columns): each reads the whole row for its scale (L2 serves the repeats)
+    and rounds only its chunk, so a few long rows are not left to one SM each."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    scale = row_scale(tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0).to(tl.float32), QMAX)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
+    v = codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST)
+    tl.store(codes_ptr + row * stride_c + cols, v.to(codes_ptr.dtype.element_ty), mask=cols < C)
+    if tl.program_id(1) == 0:
+        tl.store(scales_ptr + row, scale)
 
 
 def quant_params(dtype: torch.dtype) -> dict:
@@ -101,6 +135,11 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     rows, cols = x.shape
     codes, scales = empty_quantized(rows, cols, dtype, x.device)
     block = triton.next_power_of_2(cols)
+    if rows < CHUNKED_BELOW_ROWS and cols > ROW_CHUNK:
+        _quantize_row_chunks_kernel[(rows, triton.cdiv(cols, ROW_CHUNK))](
+            x, codes, scales, cols, x.stride(0), codes.stride(0), **quant_params(dtype),
+            BLOCK=block, CHUNK=ROW_CHUNK, num_warps=8)
+        return codes, scales
     _quantize_rows_kernel[(rows,)](
         x, codes, scales, cols, x.stride(0), codes.stride(0), **quant_params(dtype),
         BLOCK=block, num_warps=max(1, min(16, block // 1024)))
