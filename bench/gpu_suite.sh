@@ -98,7 +98,6 @@
 #      full-precision targets at group 32 and 128 to PQ's file. ~8 min.
 #   PT: (carrying .whl) quant_bench's engine rows for bf16 and fp8 ($OUT/quant) and the batch-1 fp8 kernel profile
 #      ($OUT/profile). ~4 min.
-#   PU: (carrying .whl) R, then the batch-1 fp8 kernel profile ($OUT/profile). ~5 min.
 #   PG: (carrying .carry/a) nothing but the setup: leaves the first model half in /tmp/gguf for P6.
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
 #      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
@@ -350,14 +349,6 @@ case "${1:-A}" in
     mkdir -p "$OUT/quant" "$OUT/profile"
     timeout 200 python3 bench/quant_bench.py --skip-gemm --formats bf16,fp8 --out "$OUT/quant" > "$OUT/quant/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -6
-    timeout 100 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization fp8 --out "$OUT/profile" \
-      > "$OUT/profile/profile_fp8.log" 2>&1
-    grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_fp8.log"
-    grep -A16 "decode steps" "$OUT/profile/profile_fp8.log" | tail -13 | cut -c1-70,150-200
-    ;;
-  PU)
-    bash "$0" R
-    mkdir -p "$OUT/profile"
     timeout 100 python3 bench/profile_step.py --batch 1 --steps 30 --kernels --quantization fp8 --out "$OUT/profile" \
       > "$OUT/profile/profile_fp8.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_fp8.log"

@@ -115,17 +115,14 @@ def test_w8a8_triton_kernel_matches_reference(dtype, M, K, N, config):
 def _fused_input_cases():
     from minivllm.kernels.activation import silu_and_mul
     from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-    weight = torch.rand(2500) + 0.5
-    return {"rms_norm": (lambda x, q: rms_norm(x, weight[:96].to(x.device, x.dtype), 1e-6, q), 96),
-            "fused_add_rms_norm": (lambda x, q: fused_add_rms_norm(x, x.flip(0), weight[:96].to(x.device, x.dtype),
+    weight = torch.rand(96) + 0.5
+    return {"rms_norm": (lambda x, q: rms_norm(x, weight.to(x.device, x.dtype), 1e-6, q), 96),
+            "fused_add_rms_norm": (lambda x, q: fused_add_rms_norm(x, x.flip(0), weight.to(x.device, x.dtype),
                                                                    1e-6, q), 96),
-            # wider than a chunk: below 16 rows a program per 1,024 columns
-            "fused_add_rms_norm_wide": (lambda x, q: fused_add_rms_norm(x, x.flip(0), weight.to(x.device, x.dtype),
-                                                                        1e-6, q), 2500),
             "silu_and_mul": (lambda x, q: silu_and_mul(x, q), 2 * 80)}
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_wide", "silu_and_mul"])
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul"])
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("rows", [3, 17])   # silu_and_mul fuses the quantization from 16 rows on
 def test_producer_kernels_quantize_as_quantize_rows(name, dtype, rows):
@@ -136,9 +133,8 @@ def test_producer_kernels_quantize_as_quantize_rows(name, dtype, rows):
     fn, width = _fused_input_cases()[name]
     x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(1)) * 3).to(torch.float16).to(device)
     x[2, 7] = 40.0   # an outlier channel sets one row's scale
-    x[1, width - 2] = -35.0   # in a wide row, in another chunk than the first
     plain, fused = fn(x, None), fn(x, dtype)
-    if name.startswith("fused_add_rms_norm"):
+    if name == "fused_add_rms_norm":
         (plain, plain_residual), (fused, fused_residual) = plain, fused
         assert torch.equal(plain_residual, fused_residual)
     assert isinstance(fused, QuantizedRows) and fused.shape == plain.shape and fused.dtype == plain.dtype
