@@ -90,7 +90,7 @@ def test_rtn_round_trips_within_half_a_step(tiny_model, tmp_path, bits):
     loaded = loaded_linears(tmp_path)
     assert len(loaded) == 14
     for name, w in loaded.items():
-        original = reference.get_parameter(name + ".weight")
+        original = reference.get_parameter(name + ".weight").detach()
         groups = original.shape[1] // GROUP
         amax = original.abs().reshape(original.shape[0], groups, GROUP).amax(-1).repeat_interleave(GROUP, 1)
         step = amax * 2 / ((1 << bits) - 1)
@@ -117,7 +117,7 @@ def test_gptq_beats_rtn_on_calibration_error(tiny_model, tmp_path, desc_act, w8a
     for name in rtn:
         layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
         H = stats[(layer, site[proj])][0]
-        original = reference.get_parameter(name + ".weight")
+        original = reference.get_parameter(name + ".weight").detach()
         assert output_error(gptq[name] - original, H) < output_error(rtn[name] - original, H), name
 
 
@@ -159,7 +159,7 @@ def test_w8a8_folder_loads_as_serialized_w8a8_within_a_step(tiny_model, tmp_path
     loaded = loaded_linears(tmp_path)
     assert len(loaded) == 14
     for name, w in loaded.items():
-        original = reference.get_parameter(name + ".weight")
+        original = reference.get_parameter(name + ".weight").detach()
         step = original.abs().amax(dim=1, keepdim=True) / (448 if kind == "fp8" else 127)
         if kind == "int8":   # round to nearest: half a step
             assert ((w - original).abs() <= step * 0.5 + 1e-7).all(), name
@@ -372,7 +372,7 @@ def test_sequential_gptq_folder_loads_and_beats_rtn(tiny_model, tmp_path, w8a8, 
             continue
         layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
         H = stats[(layer, INPUT_OF[proj])][0]
-        original = reference.get_parameter(name + ".weight")
+        original = reference.get_parameter(name + ".weight").detach()
         assert output_error(gptq[name] - original, H) < output_error(rtn[name] - original, H), name
 
 
