@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_row_block,
-                                         quantize_rows)
+from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_rows,
+                                         store_quantized_row)
 
 FUSED_QUANT_MIN_ROWS = 16
 
@@ -26,15 +26,21 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _gated_product(x_row, cols, mask, intermediate_size):
+    """silu(gate) rounded to x's dtype, times up, in fp32 (not yet rounded)."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + intermediate_size + cols, mask=mask, other=0.0)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(x_row.dtype.element_ty)
+    return activated.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate_size, x_stride,
                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + intermediate_size + cols, mask=mask, other=0.0)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-    out = activated.to(tl.float32) * up.to(tl.float32)
+    out = _gated_product(x_ptr + row * x_stride, cols, mask, intermediate_size)
     tl.store(out_ptr + row * intermediate_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -45,13 +51,9 @@ def _silu_and_mul_quant_kernel(x_ptr, codes_ptr, scales_ptr, intermediate_size, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < intermediate_size
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + intermediate_size + cols, mask=mask, other=0.0)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-    out = (activated.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    v, scale = quantize_row_block(out.to(tl.float32), QMAX, IS_FP8, EMULATED_CAST)
-    tl.store(codes_ptr + row * intermediate_size + cols, v.to(codes_ptr.dtype.element_ty), mask=mask)
-    tl.store(scales_ptr + row, scale)
+    out = _gated_product(x_ptr + row * x_stride, cols, mask, intermediate_size).to(x_ptr.dtype.element_ty)
+    store_quantized_row(codes_ptr + row * intermediate_size, scales_ptr + row, out.to(tl.float32), cols, mask,
+                        QMAX, IS_FP8, EMULATED_CAST)
 
 
 def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):

@@ -5,7 +5,7 @@ single program bounded the batch-1 W8A8 step).
 codes[r] = round(clamp(x[r] / s[r], -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in fp32, into float8_e4m3fn
 (QMAX 448) or int8 (QMAX 127, round half to even). The unfused reference, `quantize_rows_reference`, took
 nine kernels per linear layer; at batch 1 that was about 2.5 ms of a 7 ms Llama-3-8B decode step.
-`quantize_row_block` is the same rounding for kernels that produce a whole row anyway (RMSNorm,
+`store_quantized_row` is the same rounding for kernels that produce a whole row anyway (RMSNorm,
 SiLU-and-mul): they hand the W8A8 GEMM a `QuantizedRows` instead of a 16-bit row, saving this kernel.
 """
 from __future__ import annotations
@@ -54,11 +54,14 @@ class QuantizedRows(NamedTuple):
 
 
 @triton.jit
-def quantize_row_block(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
-    """One whole row in fp32 (masked lanes 0) -> (its codes as fp32 values on the 8-bit grid, its scale),
-    exactly as `quantize_rows_reference`."""
+def store_quantized_row(codes_row_ptr, scale_ptr, x, offs, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr,
+                        EMULATED_CAST: tl.constexpr):
+    """One whole row in fp32 (masked lanes 0) -> its codes at `codes_row_ptr + offs` and its scale at
+    `scale_ptr`, exactly as `quantize_rows_reference`."""
     scale = row_scale(x, QMAX)
-    return codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST), scale
+    v = codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST)
+    tl.store(codes_row_ptr + offs, v.to(codes_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
 
 
 @triton.jit
@@ -89,9 +92,7 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
     offs = tl.arange(0, BLOCK)
     mask = offs < C
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    v, scale = quantize_row_block(x, QMAX, IS_FP8, EMULATED_CAST)
-    tl.store(codes_ptr + row * stride_c + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)
-    tl.store(scales_ptr + row, scale)
+    store_quantized_row(codes_ptr + row * stride_c, scales_ptr + row, x, offs, mask, QMAX, IS_FP8, EMULATED_CAST)
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def _quantize_row_chunks_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, strid
 
 
 def quant_params(dtype: torch.dtype) -> dict:
-    """The constexprs of `quantize_row_block` for codes of `dtype` (fp8 or int8)."""
+    """The constexprs of `store_quantized_row` for codes of `dtype` (fp8 or int8)."""
     return dict(QMAX=FP8_MAX if dtype == FP8 else INT8_MAX, IS_FP8=dtype == FP8,
                 EMULATED_CAST=os.environ.get("TRITON_INTERPRET") == "1")
 

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_row_block,
-                                         quantize_rows_reference)
+from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_rows_reference,
+                                         store_quantized_row)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,9 +60,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr,
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (normed.to(tl.float32) * weight.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if QUANT:   # the 16-bit row, quantized as quantize_rows would (masked lanes are 0)
-        v, scale = quantize_row_block(out.to(tl.float32), QMAX, IS_FP8, EMULATED_CAST)
-        tl.store(codes_ptr + row * hidden_size + cols, v.to(codes_ptr.dtype.element_ty), mask=mask)
-        tl.store(scales_ptr + row, scale)
+        store_quantized_row(codes_ptr + row * hidden_size, scales_ptr + row, out.to(tl.float32), cols, mask,
+                            QMAX, IS_FP8, EMULATED_CAST)
     else:
         tl.store(out_ptr + row * hidden_size + cols, out, mask=mask)
 
