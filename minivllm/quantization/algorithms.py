@@ -99,9 +99,14 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zer
     return codes, torch.stack(scales), torch.stack(zeros), torch.arange(K) // group_size
 
 
-def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
-    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym)
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      g_idx: torch.Tensor) -> torch.Tensor:
+    """`quantize_rtn` / `gptq_quantize`'s outputs back to weights [N, K]."""
     return (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]
+
+
+def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+    return dequantize_groups(*quantize_rtn(w, bits, group_size, sym))
 
 
 def column_order(H: torch.Tensor, desc_act: bool) -> torch.Tensor:

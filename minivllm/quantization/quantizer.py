@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from minivllm.quantization.algorithms import (awq_search_clip, awq_search_scale, gptq_quantize, gptq_quantize_rows,
-                                              quantize_rtn)
+from minivllm.quantization.algorithms import (awq_search_clip, awq_search_scale, dequantize_groups, gptq_quantize,
+                                              gptq_quantize_rows, quantize_rtn)
 from minivllm.quantization.awq import AWQ_ORDER
 from minivllm.quantization.packing import pack_cols, pack_rows
 from minivllm.quantization.sequential import SequentialCalibration, fit_to_full_precision
@@ -213,6 +213,7 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
             # GPTQ treats rows independently given H, so projections of one input are quantized as one matrix
             names = [name for name in LINEARS if INPUT_OF[name] == site]
             w = torch.cat([linears[name][1].weight.float() for name in names])
+            sizes = [linears[name][1].weight.shape[0] for name in names]
             H = None
             if sequential_calibration is not None:
                 H, _, _, D = sequential_calibration.input_stats(index, site)
@@ -234,15 +235,15 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                     codes, scales, zeros, g_idx = gptq_quantize(w, H, bits, group_size, sym, desc_act,
                                                                 min_zero=min_zero, grid_search=grid_search)
                 else:
-                    clip = awq_clip(w, names, [linears[name][1].weight.shape[0] for name in names],
+                    clip = awq_clip(w, names, sizes,
                                     stats[(index, site)][0], input_scales.get(site), bits, group_size) \
                         if method == "awq" else None
                     codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero, clip,
                                                                    grid_search)
                 slices = lambda rows: write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits)  # noqa: E731
-                rounded = lambda: (codes.float() - zeros.t()[:, g_idx]) * scales.t()[:, g_idx]  # noqa: E731
+                rounded = lambda: dequantize_groups(codes, scales, zeros, g_idx)  # noqa: E731
             if sequential_calibration is not None:   # later sites and layers see (and compensate) this rounding
-                for name, part in zip(names, rounded().split([linears[n][1].weight.shape[0] for n in names])):
+                for name, part in zip(names, rounded().split(sizes)):
                     linears[name][1].weight.copy_(part)
             start = 0
             for name in names:
