@@ -11,8 +11,12 @@ import os
 from torch import nn
 
 
+def _disabled_by_env() -> bool:
+    return os.environ.get("MINIVLLM_DISABLE_FUSIONS", "0") == "1"
+
+
 def fusions_enabled() -> bool:
-    if os.environ.get("MINIVLLM_DISABLE_FUSIONS", "0") == "1":
+    if _disabled_by_env():
         return False
     try:
         import triton  # noqa: F401
@@ -26,7 +30,7 @@ def fuse_input_quantization(model: nn.Module) -> int:
     RMSNorm or activation whose output goes to that linear layer and nowhere else), let the producer hand
     its output already quantized when the consumer's method quantizes its input per row (W8A8). At batch 1
     this removes three of the four activation-quantization kernels of a Llama layer. Returns the pairs fused."""
-    if os.environ.get("MINIVLLM_DISABLE_FUSIONS", "0") == "1":
+    if _disabled_by_env():
         return 0
     fused = 0
     for module in model.modules():
