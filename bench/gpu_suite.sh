@@ -102,6 +102,10 @@
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
 #      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
 #      -> quant_quality_int4_grid_gpu.json. ~4 min.
+#   PL: (carrying .whl) programmatic dependent launch: its GPU test (a graph of PDL kernels against ordinary
+#       launches), the W8A8, quantized-kernel and argmax GPU tests with PDL on, then bench/pdl_bench.py on dummy
+#       Llama-3-8B: batch-1 decode with PDL on and off alternating in one process per format, W1 each way
+#       (pdl_<gpu>.json). ~9 min; FORMATS and ROUNDS override the defaults.
 #   P5: (carrying .carry/b, .carry/p and .whl right after PF) int4 gptq g32 act-order quantized on the device
 #      host one-pass and sequential with full-precision targets (GPTAQ-style), scored over 100k tokens beside the
 #      bf16 baseline -> quant_quality_int4_seq_gpu.json. ~8 min.
@@ -356,6 +360,13 @@ case "${1:-A}" in
     ;;
   PG)
     ls -la /tmp/gguf
+    ;;
+  PL)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_quant_w8a8.py tests/test_quant_kernels.py \
+      tests/test_argmax.py 2>&1 | tee "$OUT/gpu_tests_PL.log" | tail -3
+    timeout 400 python3 bench/pdl_bench.py --formats ${FORMATS:-bf16,fp8,int4} --rounds ${ROUNDS:-3} --w1 --out "$OUT" \
+      > "$OUT/pdl_bench.log" 2>&1
+    grep -E "PDL|batch 1:|Error|error" "$OUT/pdl_bench.log" | tail -24
     ;;
   P6)
     quality_setup quant_quality_int4_grid_gpu.json

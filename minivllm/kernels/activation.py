@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_rows,
                                          store_quantized_row)
 
@@ -36,7 +37,8 @@ def _gated_product(x_row, cols, mask, intermediate_size):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate_size, x_stride,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -47,7 +49,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate_size, x_stride,
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, codes_ptr, scales_ptr, intermediate_size, x_stride,
                                BLOCK: tl.constexpr, QMAX: tl.constexpr,
-                               IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
+                               IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -75,11 +78,11 @@ def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
             block = triton.next_power_of_2(intermediate_size)
             _silu_and_mul_quant_kernel[(x2.shape[0],)](
                 x2, codes, scales, intermediate_size, x2.stride(0), BLOCK=block,
-                **quant_params(quant_dtype), num_warps=max(1, min(16, block // 1024)))
+                **quant_params(quant_dtype), **launch_options(x.device), num_warps=max(1, min(16, block // 1024)))
         return QuantizedRows(codes, scales, torch.Size((*x.shape[:-1], intermediate_size)), x.dtype)
     out = torch.empty((x2.shape[0], intermediate_size), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and intermediate_size > 0:
         block = min(1024, triton.next_power_of_2(intermediate_size))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(intermediate_size, block))](
-            x2, out, intermediate_size, x2.stride(0), BLOCK=block, num_warps=4)
+            x2, out, intermediate_size, x2.stride(0), BLOCK=block, **launch_options(x.device), num_warps=4)
     return out.view(*x.shape[:-1], intermediate_size)

@@ -13,11 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import launch_options, wait_for_previous
+
 CHUNK = 4096
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, best_ptr, index_ptr, V, stride_x, CHUNK: tl.constexpr):
+def _chunk_argmax_kernel(x_ptr, best_ptr, index_ptr, V, stride_x, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -29,7 +32,8 @@ def _chunk_argmax_kernel(x_ptr, best_ptr, index_ptr, V, stride_x, CHUNK: tl.cons
 
 
 @triton.jit
-def _pick_chunk_kernel(best_ptr, index_ptr, out_ptr, num_chunks, V, BLOCK: tl.constexpr):
+def _pick_chunk_kernel(best_ptr, index_ptr, out_ptr, num_chunks, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_chunks
@@ -49,9 +53,10 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     index = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
-        _chunk_argmax_kernel[(rows, num_chunks)](x, best, index, V, x.stride(0), CHUNK=CHUNK, num_warps=8)
-        _pick_chunk_kernel[(rows,)](best, index, out, num_chunks, V,
-                                    BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
+        pdl = launch_options(x.device)
+        _chunk_argmax_kernel[(rows, num_chunks)](x, best, index, V, x.stride(0), CHUNK=CHUNK, **pdl, num_warps=8)
+        _pick_chunk_kernel[(rows,)](best, index, out, num_chunks, V, BLOCK=triton.next_power_of_2(num_chunks), **pdl,
+                                    num_warps=1)
     return out
 
 

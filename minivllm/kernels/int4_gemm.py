@@ -37,6 +37,7 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
+from minivllm.kernels.pdl import launch_options, prefetch_l2, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -123,8 +124,9 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
                              stride_xm, stride_qk, stride_sg, stride_os, stride_om,
                              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_PER_TILE: tl.constexpr, FAST: tl.constexpr,
-                             ASM: tl.constexpr):
+                             ASM: tl.constexpr, PDL: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    wait_for_previous(PDL)
     if BLOCK_M == 1:
         # One row: products summed elementwise over the K steps, reduced across K once at the end.
         partial = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -186,7 +188,8 @@ def _x_pair(x_row, offs_w, j: tl.constexpr, k_end):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K, group_size,
                       k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr,
+                      PREFETCH_WORDS: tl.constexpr, PDL: tl.constexpr):
     """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
 
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
@@ -196,6 +199,12 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
     y += 16 s acc - s z sum x."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
+    if PREFETCH_WORDS > 0:   # the codes depend on no earlier kernel: the first word rows load while it runs
+        word_rows = k_start // 8 + tl.arange(0, PREFETCH_WORDS)
+        n0 = tl.program_id(1) * BLOCK_N
+        nbytes = tl.zeros_like(word_rows) + 4 * tl.minimum(BLOCK_N, N - n0)
+        prefetch_l2(qweight_ptr + word_rows.to(tl.int64) * stride_qk + n0, nbytes, word_rows * 8 < k_end, PDL)
+    wait_for_previous(PDL)
     x_row = x_ptr + tl.program_id(0) * stride_xm
     total = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -348,7 +357,8 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
         x, qweight, scales, zeros, out, M, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_PER_TILE=group_size % block_k == 0,
-        FAST=fast, ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
+        FAST=fast, ASM=os.environ.get("TRITON_INTERPRET") != "1", **launch_options(x.device), num_warps=warps,
+        num_stages=stages)
     return sum_partials(out, x.dtype)
 
 
@@ -362,11 +372,15 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     out = partials_buffer(split_k, M, N, x.device, x.dtype)
     tickets = tile_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
+    pdl = launch_options(x.device)
+    # bulk prefetches need 16-byte aligned word rows and lengths (four codes words per 16 bytes)
+    aligned = N % 4 == 0 and qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-        FUSED_SUM=tickets is not None, num_warps=config.num_warps, num_stages=config.num_stages)
+        FUSED_SUM=tickets is not None, PREFETCH_WORDS=2 * config.block_k // 8 if pdl["PDL"] and aligned else 0,
+        **pdl, num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, x.dtype) if tickets is None else y
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import launch_options, wait_for_previous
+
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -46,8 +48,10 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
                      cache_stride_block, cache_stride_row, cache_stride_h,
                      num_kv_heads, head_dim, k_scale, v_scale,
                      BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, EMULATED_CAST: tl.constexpr):
+                     QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, EMULATED_CAST: tl.constexpr,
+                     PDL: tl.constexpr):
     # One program per token: all its KV heads at once, so small head counts still move whole rows.
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding row: nothing to store
@@ -92,5 +96,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         num_kv_heads, head_dim, k_scale, v_scale,
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
         QUANTIZE=k_cache.dtype == torch.float8_e4m3fn, FP8_MAX=FP8_E4M3_MAX,
-        EMULATED_CAST=os.environ.get("TRITON_INTERPRET") == "1",
+        EMULATED_CAST=os.environ.get("TRITON_INTERPRET") == "1", **launch_options(key.device),
         num_warps=4 if block_h * block_d >= 1024 else 1)

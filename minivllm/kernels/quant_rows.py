@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.kv_write import round_to_e4m3_grid
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -87,7 +88,8 @@ def codes_on_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_C
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
                           QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < C
@@ -98,9 +100,10 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
 @triton.jit
 def _quantize_row_chunks_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, stride_c,
                                 QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr,
-                                BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                                BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """A program per (row, CHUNK columns): each reads the whole row for its scale (L2 serves the repeats)
     and rounds only its chunk, so a few long rows are not left to one SM each."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     scale = row_scale(tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0).to(tl.float32), QMAX)
@@ -139,9 +142,9 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     if rows < CHUNKED_BELOW_ROWS and cols > ROW_CHUNK:
         _quantize_row_chunks_kernel[(rows, triton.cdiv(cols, ROW_CHUNK))](
             x, codes, scales, cols, x.stride(0), codes.stride(0), **quant_params(dtype),
-            BLOCK=block, CHUNK=ROW_CHUNK, num_warps=8)
+            BLOCK=block, CHUNK=ROW_CHUNK, **launch_options(x.device), num_warps=8)
         return codes, scales
     _quantize_rows_kernel[(rows,)](
         x, codes, scales, cols, x.stride(0), codes.stride(0), **quant_params(dtype),
-        BLOCK=block, num_warps=max(1, min(16, block // 1024)))
+        BLOCK=block, **launch_options(x.device), num_warps=max(1, min(16, block // 1024)))
     return codes, scales

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_rows_reference,
                                          store_quantized_row)
 
@@ -45,7 +46,8 @@ def quantized_reference(out: torch.Tensor, quant_dtype: torch.dtype | None):
 def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr, codes_ptr, scales_ptr,
                      hidden_size, eps, x_stride, residual_stride,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                     QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
+                     QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -95,7 +97,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, residual2, new_residual, weight, out, codes, scales, hidden_size, eps, x2.stride(0),
             residual2.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, QUANT=quant_dtype is not None,
-            **quant_params(quant_dtype or torch.float8_e4m3fn),
+            **quant_params(quant_dtype or torch.float8_e4m3fn), **launch_options(x.device),
             num_warps=min(16, max(1, block // 512)))
     result = out.view(x.shape) if quant_dtype is None else QuantizedRows(codes, scales, x.shape, out_dtype)
     return result, (new_residual.view(x.shape) if residual is not None else None)

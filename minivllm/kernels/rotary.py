@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
 def _rotate_heads(row_ptr, cos, sin, d, d_mask,
@@ -30,7 +32,8 @@ def _rotate_heads(row_ptr, cos, sin, d, d_mask,
 @triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride, k_stride, cos_sin_stride,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -55,5 +58,5 @@ def apply_rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tenso
             positions, query, key, cos_sin_cache, query.stride(0), key.stride(0), cos_sin_cache.stride(0),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
             BLOCK_H=min(16, triton.next_power_of_2(max(num_q_heads, num_k_heads))),
-            BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+            BLOCK_D=triton.next_power_of_2(half), **launch_options(query.device), num_warps=4)
     return query, key

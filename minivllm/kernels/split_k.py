@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import launch_options, wait_for_previous
+
 
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -38,7 +40,9 @@ def split_k_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _sum_partials_kernel(partials_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_partials_kernel(partials_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -92,5 +96,6 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(rows, cols, device=partials.device, dtype=dtype)
     numel = rows * cols
     block = 1024
-    _sum_partials_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLIT=split, BLOCK=block, num_warps=4)
+    _sum_partials_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLIT=split, BLOCK=block,
+                                                        **launch_options(partials.device), num_warps=4)
     return out

@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
+from minivllm.kernels.pdl import launch_options, prefetch_l2, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
 FP8 = torch.float8_e4m3fn
 TRITON_MAX_M = 64
+PREFETCH_STEPS = 2   # K steps of weights each program prefetches before it waits for the previous kernel
 
 
 def w8a8_reference(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
@@ -51,8 +53,13 @@ def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, tickets_ptr, M, N, K, k_per_split,
                       stride_xm, stride_wn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr):
+                      IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr,
+                      PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    if PREFETCH_K > 0:   # the weights depend on no earlier kernel: their first K steps load while it runs
+        nbytes = tl.zeros_like(offs_n) + tl.minimum(k_end - k_start, PREFETCH_K)
+        prefetch_l2(w_ptr + offs_n.to(tl.int64) * stride_wn + k_start, nbytes, mask_n, PDL)
+    wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -118,11 +125,15 @@ def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile)
     grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n), split_k)
     tickets = tile_tickets(x_codes.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x_codes.device, dtype=out_dtype)
+    pdl = launch_options(x_codes.device)
+    # bulk prefetches need 16-byte aligned rows and lengths (one byte per code)
+    aligned = K % 16 == 0 and w_codes.stride(0) % 16 == 0 and w_codes.data_ptr() % 16 == 0
     _w8a8_gemm_kernel[grid](
         x_codes, w_codes, x_scale, w_scale, out, y, out if tickets is None else tickets, M, N, K, k_per_split,
         x_codes.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=x_codes.dtype == torch.int8,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None,
+        PREFETCH_K=PREFETCH_STEPS * config.block_k if pdl["PDL"] and aligned else 0, **pdl,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, out_dtype) if tickets is None else y
 

@@ -1,0 +1,93 @@
+"""Programmatic dependent launch on and off (kernels/pdl.py), alternating in one process per format.
+
+    python bench/pdl_bench.py --formats bf16,fp8,int4 --rounds 3 --w1 --out bench/results
+
+Dummy Llama-3-8B per format, built as bench/quant_bench.py builds it (the same W1-sized engine). After the
+warm-up, each round recaptures the CUDA graphs with MINIVLLM_PDL=1, times batch-1 decode (1 x 512 -> 128,
+median time per output token), then does the same with MINIVLLM_PDL=0; the tuned tiles are kept, so the
+launches are the only difference. With --w1, W1 (64 x 512 -> 256) is timed once each way in the last round.
+Writes pdl_<device>.json: every timing, and per format the median batch-1 tok/s each way and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import device_slug, run_metadata, write_json  # noqa: E402
+from bench.quant_bench import KV_CACHE_DTYPE, QUANTIZATION, SINGLE, W1  # noqa: E402
+from bench.throughput import free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
+
+
+def recapture(llm, pdl: bool) -> None:
+    os.environ["MINIVLLM_PDL"] = "1" if pdl else "0"
+    engine = llm.llm_engine
+    runner = engine.runner
+    runner.graph_runner = None   # the old graphs and their pool go before the new ones are captured
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.capture_cuda_graphs(engine.config.max_num_seqs, engine.max_model_len)
+
+
+def format_rows(args, fmt: str) -> dict:
+    from minivllm import LLM
+    llm = LLM(model=args.model, load_format="dummy", quantization=QUANTIZATION.get(fmt),
+              kv_cache_dtype=KV_CACHE_DTYPE.get(fmt, "auto"), dtype="bfloat16", max_num_seqs=W1.num_requests,
+              max_model_len=W1.prompt_len + W1.output_len, skip_tokenizer_init=True, seed=0,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    vocab = llm.llm_engine.runner.vocab_size
+    warm_up(llm, W1, vocab)
+    timings = {"on": [], "off": []}
+    w1 = {}
+    for round_index in range(args.rounds):
+        for label in ("on", "off"):
+            recapture(llm, label == "on")
+            one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=1), SINGLE.output_len)
+            timings[label].append(1e3 / one["median_tpot_ms"])
+            print(f"{fmt:<5} round {round_index} PDL {label:<3}: batch 1 {timings[label][-1]:.1f} tok/s", flush=True)
+            if args.w1 and round_index == args.rounds - 1:
+                w1[label] = timed_generate(llm, random_prompts(W1, vocab, seed=0), W1.output_len)["output_tokens_per_s"]
+                print(f"{fmt:<5} W1 PDL {label:<3}: {w1[label]:.0f} tok/s", flush=True)
+    os.environ.pop("MINIVLLM_PDL", None)
+    del llm
+    free_device_memory(torch.device("cuda"))
+    on, off = statistics.median(timings["on"]), statistics.median(timings["off"])
+    row = {"format": fmt, "decode_batch1_tokens_per_s": timings, "median_on": on, "median_off": off,
+           "on_vs_off": on / off, "workloads": {"decode_batch1": str(SINGLE), "w1": str(W1)}}
+    if w1:
+        row["w1_output_tokens_per_s"] = w1
+        row["w1_on_vs_off"] = w1["on"] / w1["off"]
+    print(f"{fmt:<5} batch 1: PDL on {on:.1f}, off {off:.1f} tok/s ({on / off:.3f}x)", flush=True)
+    return row
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--formats", default="bf16,fp8,int4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--w1", action="store_true", help="also W1, once each way in the last round")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("pdl_bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    result = {**run_metadata(device), "model": args.model, "rounds": args.rounds, "formats": []}
+    path = args.out / f"pdl_{device_slug(result['device'])}.json"
+    print(f"{result.get('device')} {result.get('commit')} model={args.model}", flush=True)
+    for fmt in args.formats.split(","):
+        result["formats"].append(format_rows(args, fmt))
+        write_json(path, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

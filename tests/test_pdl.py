@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on an H100 a CUDA graph of
+dependent PDL kernels computes exactly what the same kernels compute launched one after another (`gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.kernels import pdl
+from minivllm.kernels.activation import silu_and_mul
+from minivllm.kernels.int4_gemm import GemvConfig, weight_only_gemm
+from minivllm.kernels.quant_rows import FP8
+from minivllm.kernels.rmsnorm import fused_add_rms_norm
+from minivllm.kernels.w8a8_gemm import W8A8Tile, w8a8_triton
+
+
+def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(torch.device("cuda", 0))   # decided before the device is queried
+
+
+def _chain(x, residual, layers, w8a8_tile, gemv_tile):
+    """Each kernel reads what the one before wrote: norm -> fp8 GEMM (split-K summed in the GEMM) ->
+    SiLU-and-mul -> int4 GEMV (split-K, fused sum) -> norm ..., as a decode step chains its layers."""
+    for norm_weight, w_codes, w_scale, qweight, scales, zeros in layers:
+        rows, residual = fused_add_rms_norm(x, residual, norm_weight, 1e-5, quant_dtype=FP8)
+        h = w8a8_triton(rows.codes, rows.scales, w_codes, w_scale, torch.bfloat16, w8a8_tile)
+        h = silu_and_mul(h)
+        x = weight_only_gemm(h, qweight, scales, zeros, 128, config=gemv_tile, split_k=4)
+    return x, residual
+
+
+def _layers(hidden, intermediate, count, device):
+    generator = torch.Generator(device=device).manual_seed(0)
+    layers = []
+    for _ in range(count):
+        w = torch.randn(2 * intermediate, hidden, device=device, generator=generator) / hidden ** 0.5
+        w_scale = w.abs().amax(dim=1) / 448
+        qweight = torch.randint(-2**31, 2**31 - 1, (intermediate // 8, hidden), device=device, dtype=torch.int32,
+                                generator=generator)
+        scales = torch.full((intermediate // 128, hidden), 2.0 / intermediate ** 0.5, device=device,
+                            dtype=torch.bfloat16)
+        zeros = torch.full_like(scales, 8.0)
+        layers.append((torch.ones(hidden, device=device, dtype=torch.bfloat16),
+                       (w / w_scale[:, None]).to(FP8), w_scale, qweight, scales, zeros))
+    return layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fused_sum", [False, True])
+def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum):
+    device = torch.device("cuda")
+    hidden, intermediate = 1024, 2048
+    layers = _layers(hidden, intermediate, 24, device)
+    w8a8_tile = W8A8Tile(16, 64, 128, 4, 3, split_k=4, fused_sum=fused_sum)
+    gemv_tile = GemvConfig(128, 128, 4, 3, fused_sum=fused_sum)
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("MINIVLLM_PDL", setting)
+        assert pdl.enabled(device) == (setting == "1")
+        _chain(x, residual, layers, w8a8_tile, gemv_tile)   # compiles the kernels and sizes the tickets
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, new_residual = _chain(x, residual, layers, w8a8_tile, gemv_tile)
+        replays = []
+        for _ in range(20):   # a race would show as a replay that differs
+            graph.replay()
+            replays.append(torch.cat([out, new_residual], dim=1).clone())
+        torch.cuda.synchronize()
+        results[setting] = replays
+    reference = results["0"][0]
+    assert torch.isfinite(reference.float()).all()
+    for replay in results["0"] + results["1"]:
+        assert torch.equal(replay, reference)
