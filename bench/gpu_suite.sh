@@ -105,7 +105,8 @@
 #   PL: (carrying .whl) programmatic dependent launch: its GPU test (a graph of PDL kernels against ordinary
 #       launches), the W8A8, quantized-kernel and argmax GPU tests with PDL on, then bench/pdl_bench.py on dummy
 #       Llama-3-8B: batch-1 decode with PDL on and off alternating in one process per format, W1 each way
-#       (pdl_<gpu>.json). ~9 min; FORMATS and ROUNDS override the defaults.
+#       (pdl_<gpu>.json). ~9 min; FORMATS, SETTINGS (MINIVLLM_PDL values) and ROUNDS override the defaults;
+#       SKIP_TESTS=1 runs the benchmark alone.
 #   P5: (carrying .carry/b, .carry/p and .whl right after PF) int4 gptq g32 act-order quantized on the device
 #      host one-pass and sequential with full-precision targets (GPTAQ-style), scored over 100k tokens beside the
 #      bf16 baseline -> quant_quality_int4_seq_gpu.json. ~8 min.
@@ -362,9 +363,10 @@ case "${1:-A}" in
     ls -la /tmp/gguf
     ;;
   PL)
-    timeout 150 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_quant_w8a8.py tests/test_quant_kernels.py \
+    [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_quant_w8a8.py tests/test_quant_kernels.py \
       tests/test_argmax.py 2>&1 | tee "$OUT/gpu_tests_PL.log" | tail -3
-    timeout 400 python3 bench/pdl_bench.py --formats ${FORMATS:-bf16,fp8,int4} --rounds ${ROUNDS:-3} --w1 --out "$OUT" \
+    timeout 400 python3 bench/pdl_bench.py --formats ${FORMATS:-bf16,fp8,int4} --settings ${SETTINGS:-1,0} \
+      --rounds ${ROUNDS:-3} --w1 --out "$OUT" \
       > "$OUT/pdl_bench.log" 2>&1
     grep -E "PDL|batch 1:|Error|error" "$OUT/pdl_bench.log" | tail -24
     ;;

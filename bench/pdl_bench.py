@@ -1,12 +1,15 @@
 """Programmatic dependent launch on and off (kernels/pdl.py), alternating in one process per format.
 
-    python bench/pdl_bench.py --formats bf16,fp8,int4 --rounds 3 --w1 --out bench/results
+    python bench/pdl_bench.py --formats bf16,fp8,int4 --settings 1,2,0 --rounds 3 --w1 --out bench/results
 
 Dummy Llama-3-8B per format, built as bench/quant_bench.py builds it (the same W1-sized engine). After the
-warm-up, each round recaptures the CUDA graphs with MINIVLLM_PDL=1, times batch-1 decode (1 x 512 -> 128,
-median time per output token), then does the same with MINIVLLM_PDL=0; the tuned tiles are kept, so the
-launches are the only difference. With --w1, W1 (64 x 512 -> 256) is timed once each way in the last round.
-Writes pdl_<device>.json: every timing, and per format the median batch-1 tok/s each way and their ratio.
+warm-up, each round recaptures the CUDA graphs with each MINIVLLM_PDL setting in turn (1: the next kernel
+launches once a kernel is past its wait, 2: at its start, 0: off) and times batch-1 decode (1 x 512 -> 128,
+median time per output token); the tuned tiles are kept, so the launches are the only difference. With
+--w1, W1 (64 x 512 -> 256) is timed once per setting in the last round. Every run has its own random
+prompts, so none finds an earlier run's in the prefix cache.
+Writes pdl_<device>.json: every timing, and per format the median batch-1 tok/s per setting and its ratio
+to setting 0.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from bench.quant_bench import KV_CACHE_DTYPE, QUANTIZATION, SINGLE, W1  # noqa: 
 from bench.throughput import free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
 
 
-def recapture(llm, pdl: bool) -> None:
-    os.environ["MINIVLLM_PDL"] = "1" if pdl else "0"
+def recapture(llm, setting: str) -> None:
+    os.environ["MINIVLLM_PDL"] = setting
     engine = llm.llm_engine
     runner = engine.runner
     runner.graph_runner = None   # the old graphs and their pool go before the new ones are captured
@@ -44,27 +47,35 @@ def format_rows(args, fmt: str) -> dict:
               gpu_memory_utilization=args.gpu_memory_utilization)
     vocab = llm.llm_engine.runner.vocab_size
     warm_up(llm, W1, vocab)
-    timings = {"on": [], "off": []}
+    settings = args.settings.split(",")
+    timings = {setting: [] for setting in settings}
     w1 = {}
+    seed = 0
     for round_index in range(args.rounds):
-        for label in ("on", "off"):
-            recapture(llm, label == "on")
-            one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=1), SINGLE.output_len)
-            timings[label].append(1e3 / one["median_tpot_ms"])
-            print(f"{fmt:<5} round {round_index} PDL {label:<3}: batch 1 {timings[label][-1]:.1f} tok/s", flush=True)
+        for setting in settings:
+            recapture(llm, setting)
+            seed += 1   # new prompts each time: no prefix-cache hits
+            one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=1000 + seed), SINGLE.output_len)
+            timings[setting].append(1e3 / one["median_tpot_ms"])
+            print(f"{fmt:<5} round {round_index} PDL {setting}: batch 1 {timings[setting][-1]:.1f} tok/s", flush=True)
             if args.w1 and round_index == args.rounds - 1:
-                w1[label] = timed_generate(llm, random_prompts(W1, vocab, seed=0), W1.output_len)["output_tokens_per_s"]
-                print(f"{fmt:<5} W1 PDL {label:<3}: {w1[label]:.0f} tok/s", flush=True)
+                w1[setting] = timed_generate(llm, random_prompts(W1, vocab, seed=seed),
+                                             W1.output_len)["output_tokens_per_s"]
+                print(f"{fmt:<5} W1 PDL {setting}: {w1[setting]:.0f} tok/s", flush=True)
     os.environ.pop("MINIVLLM_PDL", None)
     del llm
     free_device_memory(torch.device("cuda"))
-    on, off = statistics.median(timings["on"]), statistics.median(timings["off"])
-    row = {"format": fmt, "decode_batch1_tokens_per_s": timings, "median_on": on, "median_off": off,
-           "on_vs_off": on / off, "workloads": {"decode_batch1": str(SINGLE), "w1": str(W1)}}
+    medians = {setting: statistics.median(values) for setting, values in timings.items()}
+    row = {"format": fmt, "decode_batch1_tokens_per_s": timings, "median_batch1": medians,
+           "workloads": {"decode_batch1": str(SINGLE), "w1": str(W1)}}
+    if "0" in medians:
+        row["batch1_vs_off"] = {setting: value / medians["0"] for setting, value in medians.items()}
     if w1:
         row["w1_output_tokens_per_s"] = w1
-        row["w1_on_vs_off"] = w1["on"] / w1["off"]
-    print(f"{fmt:<5} batch 1: PDL on {on:.1f}, off {off:.1f} tok/s ({on / off:.3f}x)", flush=True)
+        if "0" in w1:
+            row["w1_vs_off"] = {setting: value / w1["0"] for setting, value in w1.items()}
+    print(f"{fmt:<5} batch 1 medians: " + ", ".join(f"PDL {k} {v:.1f}" for k, v in medians.items()) + " tok/s",
+          flush=True)
     return row
 
 
@@ -73,8 +84,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--formats", default="bf16,fp8,int4")
+    parser.add_argument("--settings", default="1,0", help="MINIVLLM_PDL values, in the order each round runs them")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--w1", action="store_true", help="also W1, once each way in the last round")
+    parser.add_argument("--w1", action="store_true", help="also W1, once per setting in the last round")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -14,9 +14,12 @@ from minivllm.kernels.w8a8_gemm import W8A8Tile, w8a8_triton
 
 
 def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda", 0))   # decided before the device is queried
+    monkeypatch.setenv("MINIVLLM_PDL", "yes")
+    with pytest.raises(ValueError, match="MINIVLLM_PDL"):
+        pdl.enabled(torch.device("cpu"))
 
 
 def _chain(x, residual, layers, w8a8_tile, gemv_tile):
@@ -50,7 +53,8 @@ def _layers(hidden, intermediate, count, device):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("fused_sum", [False, True])
-def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum):
+@pytest.mark.parametrize("setting", ["1", "2"])
+def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum, setting):
     device = torch.device("cuda")
     hidden, intermediate = 1024, 2048
     layers = _layers(hidden, intermediate, 24, device)
@@ -59,9 +63,9 @@ def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum):
     x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     results = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("MINIVLLM_PDL", setting)
-        assert pdl.enabled(device) == (setting == "1")
+    for mode in ("0", setting):
+        monkeypatch.setenv("MINIVLLM_PDL", mode)
+        assert pdl.mode(device) == int(mode)
         _chain(x, residual, layers, w8a8_tile, gemv_tile)   # compiles the kernels and sizes the tickets
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -72,8 +76,8 @@ def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum):
             graph.replay()
             replays.append(torch.cat([out, new_residual], dim=1).clone())
         torch.cuda.synchronize()
-        results[setting] = replays
+        results[mode] = replays
     reference = results["0"][0]
     assert torch.isfinite(reference.float()).all()
-    for replay in results["0"] + results["1"]:
+    for replay in results["0"] + results[setting]:
         assert torch.equal(replay, reference)

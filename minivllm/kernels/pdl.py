@@ -7,9 +7,11 @@ prefetches), then `wait_for_previous` blocks until the previous kernel has finis
 visible. The rule that keeps this correct: a kernel launched with `launch_options` calls `wait_for_previous`
 before it reads or writes anything another kernel touches, on every path (also before an early return), so
 each kernel's completion still implies that of all kernels before it. Right after the wait it lets its own
-successor launch, so the overlap is one kernel deep. CUDA graphs keep these launches as programmatic edges.
+successor launch, so the overlap is one kernel deep (MINIVLLM_PDL=2: before the wait, so a chain of kernels
+may be resident at once, each waiting on the one before). CUDA graphs keep these launches as programmatic
+edges.
 
-Off (PDL=False, an ordinary launch) on CPU, under the interpreter, before sm_90, and with MINIVLLM_PDL=0.
+Off (PDL=0, an ordinary launch) on CPU, under the interpreter, before sm_90, and with MINIVLLM_PDL=0.
 """
 from __future__ import annotations
 
@@ -27,22 +29,36 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+def mode(device: torch.device) -> int:
+    """0: ordinary launches; 1: the next kernel launches once this one is past its wait; 2: at its start."""
+    setting = os.environ.get("MINIVLLM_PDL", "1")
+    if setting not in ("0", "1", "2"):
+        raise ValueError(f"MINIVLLM_PDL must be 0, 1 or 2, not {setting!r}")
+    if (setting == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
+        return 0
+    return int(setting)
+
+
 def enabled(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("MINIVLLM_PDL", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET") != "1"
-            and _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device()))
+    return mode(device) > 0
 
 
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel that takes a `PDL: tl.constexpr` and calls `wait_for_previous(PDL)`."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    pdl = mode(device)
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": 0}
 
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """Blocks until the previous kernel's writes are visible, then lets the next kernel launch."""
-    if PDL:
+    """Blocks until the previous kernel's writes are visible; the next kernel may launch after (PDL 1) or
+    before (PDL 2) that."""
+    if PDL == 2:
+        gdc_launch_dependents()
+    if PDL > 0:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
 
 
@@ -51,7 +67,7 @@ def prefetch_l2(ptrs, nbytes, mask, PDL: tl.constexpr):
     """Asks L2 for `nbytes` (a multiple of 16) from each 16-byte aligned address in `ptrs` where `mask`: one
     bulk prefetch per address (sm_90), no registers or shared memory used. Only with PDL, where it overlaps
     the previous kernel; an ordinary launch finds the loads themselves as early."""
-    if PDL:
+    if PDL > 0:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; } // $0",
             "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32), nbytes.to(tl.int32)],
