@@ -259,7 +259,7 @@ case "${1:-A}" in
       > "$OUT/spec_trace.log" 2>&1; tail -5 "$OUT/spec_trace.log"
     ;;
   F1)
-    timeout 170 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py tests/test_prefill_attention_sm90.py \
+    timeout 170 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_engine.py tests/test_prefill_attention_sm90.py tests/test_pdl.py \
       -k "not default" 2>&1 \
       | tee "$OUT/gpu_tests_F1.log" | tail -3
     timeout 90 python3 bench/spec_decode.py --parts steps --trace --out "$OUT/steps" > "$OUT/spec_steps.log" 2>&1
