@@ -1,11 +1,13 @@
 """Where W8A8's perplexity loss comes from: weights vs activations, per layer type, first/last layers.
 
     python bench/quant_diagnosis.py --text heldout.txt --max-tokens 4096 --kinds int8 fp8
+    python bench/quant_diagnosis.py --text heldout.txt --max-tokens 8192 --kinds fp8 --activations-only
 
 Loads the default model unquantized (fp32) and swaps each linear layer's method for one that rounds the
 weights per output channel and/or the inputs per token through `w8a8.quantize_rows` (the served code's
 rounding) and multiplies in fp32; perplexity through the engine's prompt logprobs, 512-token windows
-every 448 tokens. Prints one line per configuration, relative to the unquantized model.
+every 448 tokens (--window, --stride). Prints one line per configuration, relative to the unquantized model.
+--activations-only: only the inputs rounded, everywhere and at each site alone.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ def main() -> None:
     parser.add_argument("--text", required=True)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--kinds", nargs="+", default=["int8", "fp8"])
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=448)
+    parser.add_argument("--activations-only", action="store_true")
     args = parser.parse_args()
     llm = LLM(None, dtype="float32", kv_cache_memory=1 << 29, enable_prefix_caching=False)
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
@@ -61,17 +66,23 @@ def main() -> None:
         for n, m in layers:
             m.quant_method = FakeW8A8Method(weight_kind, activation_kind) if selected(n) else original[n]
         started = time.time()
-        ppl = perplexity(llm, ids, 512, 448)["perplexity"]
+        ppl = perplexity(llm, ids, args.window, args.stride)["perplexity"]
         baseline = baseline or ppl
         print(f"{name:42s} {ppl:8.4f} {100 * (ppl / baseline - 1):+7.2f}%  ({time.time() - started:.0f} s)", flush=True)
 
     run("fp32")
     edge = ("0", "1", "28", "29")
+    sites = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     for kind in args.kinds:
+        if args.activations_only:
+            run(f"{kind} activation only", None, kind)
+            for site in sites:
+                run(f"{kind} activation only at {site}", None, kind, lambda n, s=site: s in n)
+            continue
         run(f"{kind} W8A8", kind, kind)
         run(f"{kind} weight only", kind, None)
         run(f"{kind} activation only", None, kind)
-        for site in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for site in sites:
             run(f"{kind} W8A8 only {site}", kind, kind, lambda n, s=site: s in n)
         run(f"{kind} W8A8 layers 0,1,28,29 only", kind, kind, lambda n: n.split(".")[2] in edge)
         run(f"{kind} W8A8 except layers 0,1,28,29", kind, kind, lambda n: n.split(".")[2] not in edge)
