@@ -368,7 +368,7 @@ case "${1:-A}" in
     timeout 400 python3 bench/pdl_bench.py --formats ${FORMATS:-bf16,fp8,int4} --settings ${SETTINGS:-1,0} \
       --rounds ${ROUNDS:-3} --w1 --out "$OUT" \
       > "$OUT/pdl_bench.log" 2>&1
-    grep -E "PDL|batch 1:|Error|error" "$OUT/pdl_bench.log" | tail -24
+    grep -E "PDL|Error|error" "$OUT/pdl_bench.log" | tail -24
     ;;
   P6)
     quality_setup quant_quality_int4_grid_gpu.json

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_slug, run_metadata, write_json  # noqa: E402
-from bench.quant_bench import KV_CACHE_DTYPE, QUANTIZATION, SINGLE, W1  # noqa: E402
+from bench.quant_bench import SINGLE, W1, engine_options  # noqa: E402
 from bench.throughput import free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
 
 
@@ -41,10 +41,7 @@ def recapture(llm, setting: str) -> None:
 
 def format_rows(args, fmt: str) -> dict:
     from minivllm import LLM
-    llm = LLM(model=args.model, load_format="dummy", quantization=QUANTIZATION.get(fmt),
-              kv_cache_dtype=KV_CACHE_DTYPE.get(fmt, "auto"), dtype="bfloat16", max_num_seqs=W1.num_requests,
-              max_model_len=W1.prompt_len + W1.output_len, skip_tokenizer_init=True, seed=0,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = LLM(**engine_options(args.model, fmt, torch.device("cuda"), W1, args.gpu_memory_utilization))
     vocab = llm.llm_engine.runner.vocab_size
     warm_up(llm, W1, vocab)
     settings = args.settings.split(",")

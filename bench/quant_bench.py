@@ -40,17 +40,24 @@ LAYERS_8B = (("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up_proj", 
 GEMM_M = (1, 16, 64, 256, 4096)
 
 
-def engine_row(args, fmt: str, device: torch.device) -> dict:
-    from minivllm import LLM
-    single, w1 = (QUICK_SINGLE, QUICK_W1) if args.quick else (SINGLE, W1)
-    options = dict(model=args.model, load_format="dummy", quantization=QUANTIZATION.get(fmt),
+def engine_options(model: str | None, fmt: str, device: torch.device, w1: Workload,
+                   gpu_memory_utilization: float) -> dict:
+    """`LLM` arguments for one format's engine on dummy weights, sized for W1."""
+    options = dict(model=model, load_format="dummy", quantization=QUANTIZATION.get(fmt),
                    kv_cache_dtype=KV_CACHE_DTYPE.get(fmt, "auto"), dtype="bfloat16"
                    if device.type == "cuda" else "float32", device=device.type, max_num_seqs=w1.num_requests,
                    max_model_len=w1.prompt_len + w1.output_len, skip_tokenizer_init=True, seed=0)
     if device.type == "cuda":
-        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+        options["gpu_memory_utilization"] = gpu_memory_utilization
     else:
         options["kv_cache_memory"] = 64 << 20
+    return options
+
+
+def engine_row(args, fmt: str, device: torch.device) -> dict:
+    from minivllm import LLM
+    single, w1 = (QUICK_SINGLE, QUICK_W1) if args.quick else (SINGLE, W1)
+    options = engine_options(args.model, fmt, device, w1, args.gpu_memory_utilization)
     llm = LLM(**options)
     runner = llm.llm_engine.runner
     vocab = runner.vocab_size

@@ -16,10 +16,18 @@ from minivllm.kernels.w8a8_gemm import W8A8Tile, w8a8_triton
 def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl.enabled(torch.device("cuda", 0))   # decided before the device is queried
+    assert pdl.mode(torch.device("cuda", 0)) == 0   # decided before the device is queried
     monkeypatch.setenv("MINIVLLM_PDL", "yes")
     with pytest.raises(ValueError, match="MINIVLLM_PDL"):
-        pdl.enabled(torch.device("cpu"))
+        pdl.mode(torch.device("cpu"))
+
+
+def test_prefetch_needs_16_byte_rows():
+    assert pdl.rows_prefetchable(torch.zeros(8, 16, dtype=torch.int8))
+    assert pdl.rows_prefetchable(torch.zeros(8, 4, dtype=torch.int32))
+    assert not pdl.rows_prefetchable(torch.zeros(8, 8, dtype=torch.int8))     # an 8-byte row
+    assert not pdl.rows_prefetchable(torch.zeros(8, 6, dtype=torch.int32))    # a 24-byte row
+    assert not pdl.rows_prefetchable(torch.zeros(8, 32, dtype=torch.int8)[:, 1:17])   # base off by one byte
 
 
 def _chain(x, residual, layers, w8a8_tile, gemv_tile):

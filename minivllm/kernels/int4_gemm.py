@@ -37,7 +37,7 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
-from minivllm.kernels.pdl import launch_options, prefetch_l2, wait_for_previous
+from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -373,13 +373,11 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     tickets = tile_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
     pdl = launch_options(x.device)
-    # bulk prefetches need 16-byte aligned word rows and lengths (four codes words per 16 bytes)
-    aligned = N % 4 == 0 and qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-        FUSED_SUM=tickets is not None, PREFETCH_WORDS=2 * config.block_k // 8 if pdl["PDL"] and aligned else 0,
+        FUSED_SUM=tickets is not None, PREFETCH_WORDS=2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0,
         **pdl, num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, x.dtype) if tickets is None else y
 

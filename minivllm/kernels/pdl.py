@@ -40,8 +40,11 @@ def mode(device: torch.device) -> int:
     return int(setting)
 
 
-def enabled(device: torch.device) -> bool:
-    return mode(device) > 0
+def rows_prefetchable(t: torch.Tensor) -> bool:
+    """Whether `prefetch_l2` may read whole rows of the 2-D `t` and 16-byte multiples of them: the base, the
+    row stride and the row length in bytes all 16-byte aligned."""
+    row_bytes, stride_bytes = t.shape[1] * t.element_size(), t.stride(0) * t.element_size()
+    return row_bytes % 16 == 0 and stride_bytes % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def launch_options(device: torch.device) -> dict:

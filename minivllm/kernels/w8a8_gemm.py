@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.pdl import launch_options, prefetch_l2, wait_for_previous
+from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -126,14 +126,12 @@ def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile)
     tickets = tile_tickets(x_codes.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x_codes.device, dtype=out_dtype)
     pdl = launch_options(x_codes.device)
-    # bulk prefetches need 16-byte aligned rows and lengths (one byte per code)
-    aligned = K % 16 == 0 and w_codes.stride(0) % 16 == 0 and w_codes.data_ptr() % 16 == 0
     _w8a8_gemm_kernel[grid](
         x_codes, w_codes, x_scale, w_scale, out, y, out if tickets is None else tickets, M, N, K, k_per_split,
         x_codes.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=x_codes.dtype == torch.int8,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None,
-        PREFETCH_K=PREFETCH_STEPS * config.block_k if pdl["PDL"] and aligned else 0, **pdl,
+        PREFETCH_K=PREFETCH_STEPS * config.block_k if pdl["PDL"] and rows_prefetchable(w_codes) else 0, **pdl,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, out_dtype) if tickets is None else y
 
