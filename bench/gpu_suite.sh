@@ -102,6 +102,9 @@
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
 #      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
 #      -> quant_quality_int4_grid_gpu.json. ~4 min.
+#   G4: (carrying .whl and .carry/gemv_base, the int4_gemm.py to compare against) the int4 GEMV with a pipelined K
+#      loop: the quantized-kernel and PDL GPU tests, bench/int4_gemv_sweep.py at M = 1 before/after
+#      (int4_gemv_sweep_<gpu>.json), quant_bench's engine rows for ${FORMATS:-bf16,int4} ($OUT/quant). ~9 min.
 #   PL: (carrying .whl) programmatic dependent launch: its GPU test (a graph of PDL kernels against ordinary
 #       launches), the W8A8, quantized-kernel and argmax GPU tests with PDL on, then bench/pdl_bench.py on dummy
 #       Llama-3-8B: batch-1 decode with PDL on and off alternating in one process per format, W1 each way
@@ -361,6 +364,18 @@ case "${1:-A}" in
     ;;
   PG)
     ls -la /tmp/gguf
+    ;;
+  G4)
+    [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_pdl.py 2>&1 \
+      | tee "$OUT/gpu_tests_G4.log" | tail -3
+    timeout 330 python3 bench/int4_gemv_sweep.py --ms 1 --baseline .carry/gemv_base/int4_gemm.py --out "$OUT" \
+      > "$OUT/int4_gemv_sweep.log" 2>&1
+    grep -E "top after|WRONG|Error" "$OUT/int4_gemv_sweep.log" | head -12
+    grep -A16 "^layer" "$OUT/int4_gemv_sweep.log"
+    mkdir -p "$OUT/quant"
+    timeout 200 python3 bench/quant_bench.py --skip-gemm --formats ${FORMATS:-bf16,int4} --out "$OUT/quant" \
+      > "$OUT/quant/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -6
     ;;
   PL)
     [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_quant_w8a8.py tests/test_quant_kernels.py \

@@ -32,6 +32,13 @@ EXTRA_GEMV = [int4_gemm.GemvConfig(*t) for t in
                (2048, 32, 4, 3), (512, 32, 2, 3))]
 
 
+# the K loop is pipelined `num_stages` deep since the kernel took a STAGES argument: the best tiles at other depths
+STAGED_GEMV = [int4_gemm.GemvConfig(n, k, w, stages, fused_sum=True)
+               for n, k, w in ((128, 128, 4), (256, 128, 4), (512, 64, 2), (512, 32, 2), (1024, 64, 4), (256, 64, 2),
+                               (512, 128, 4), (1024, 32, 4), (256, 128, 8))
+               for stages in (2, 4, 6)]
+
+
 def load_module(path: str, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -51,7 +58,8 @@ def choices(module, M, N, K, device):
     out = [c for c in module.candidates(M, N, K, device) if c is not None]
     if M == 1 and hasattr(module, "GemvConfig"):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        for tile in EXTRA_GEMV:
+        staged = "STAGES" in module._int4_gemv_kernel.arg_names
+        for tile in EXTRA_GEMV + (STAGED_GEMV if staged else []):
             for fill in (2, 4, 8):
                 out.append((tile, module.choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, sms, fill)))
     return [None] + list(dict.fromkeys(out))

@@ -177,11 +177,18 @@ def _nibble_pair(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_pair(x_row, offs_w, j: tl.constexpr, k_end):
-    """x at fields 2j (times 16, matching `_nibble_pair`'s 1 + q / 256) and 2j + 1 of the word rows."""
+def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr):
+    """x at fields 2j (times 16, matching `_nibble_pair`'s 1 + q / 256) and 2j + 1 of the word rows.
+    X_WORDS: bf16 x read as 32-bit words, a pair per load (a bf16 is the top half of its fp32), which the
+    loop's pipeline can copy ahead like the codes; 16-bit loads it cannot."""
     k_low = offs_w * 8 + 2 * j
-    low = tl.load(x_row + k_low, mask=k_low < k_end, other=0.0).to(tl.float32)
-    high = tl.load(x_row + k_low + 1, mask=k_low + 1 < k_end, other=0.0).to(tl.float32)
+    if X_WORDS:
+        word = tl.load(x_row.to(tl.pointer_type(tl.int32)) + k_low // 2, mask=k_low < k_end, other=0)
+        low = (word << 16).to(tl.float32, bitcast=True)
+        high = (word & -65536).to(tl.float32, bitcast=True)
+    else:
+        low = tl.load(x_row + k_low, mask=k_low < k_end, other=0.0).to(tl.float32)
+        high = tl.load(x_row + k_low + 1, mask=k_low + 1 < k_end, other=0.0).to(tl.float32)
     return 16.0 * low, high
 
 
@@ -189,14 +196,16 @@ def _x_pair(x_row, offs_w, j: tl.constexpr, k_end):
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K, group_size,
                       k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr,
-                      PREFETCH_WORDS: tl.constexpr, PDL: tl.constexpr):
+                      X_WORDS: tl.constexpr, STAGES: tl.constexpr, PREFETCH_WORDS: tl.constexpr,
+                      PDL: tl.constexpr):
     """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
 
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
     FMA; the zero point and the scale are applied once per group and word row. With f = 1 + q / 16 for odd
     fields and f = 1 + q / 256 (times 16 x) for even ones, every product is x q / 16 plus a term
     independent of q; starting the group's sum at minus those terms leaves acc = sum x q / 16, and
-    y += 16 s acc - s z sum x."""
+    y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep (`tl.range`): without a dot in the loop
+    Triton's pipeliner leaves a plain `range` alone, and each step waited for its own loads."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
     if PREFETCH_WORDS > 0:   # the codes depend on no earlier kernel: the first word rows load while it runs
@@ -207,19 +216,19 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
     wait_for_previous(PDL)
     x_row = x_ptr + tl.program_id(0) * stride_xm
     total = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         offs_w = k0 // 8 + tl.arange(0, WORDS)
         words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
                         mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
         offset = tl.zeros((WORDS,), dtype=tl.float32)   # the q-independent part of each word row's products
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for j in tl.static_range(4):
-            x_low, x_high = _x_pair(x_row, offs_w, j, k_end)
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end, X_WORDS)
             offset += x_low + x_high
             x_sum += x_low / 16.0 + x_high
         acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32) - offset[:, None]
         for j in tl.static_range(4):   # the same loads again: the compiler reuses them
-            x_low, x_high = _x_pair(x_row, offs_w, j, k_end)
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end, X_WORDS)
             f_low, f_high = _nibble_pair(words, 15 - 8 * j, ASM)
             acc += x_low[:, None] * f_low
             acc += x_high[:, None] * f_high
@@ -377,7 +386,8 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-        FUSED_SUM=tickets is not None, PREFETCH_WORDS=2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0,
+        FUSED_SUM=tickets is not None, STAGES=config.num_stages,
+        X_WORDS=x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, PREFETCH_WORDS=2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0,
         **pdl, num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, x.dtype) if tickets is None else y
 
