@@ -102,9 +102,10 @@
 #   P6: (carrying .carry/b, .carry/p and .whl right after PG) int4 gptq g32 act-order, sequential with
 #      full-precision targets and the group grid search, over 100k tokens beside the bf16 baseline
 #      -> quant_quality_int4_grid_gpu.json. ~4 min.
-#   G4: (carrying .whl and .carry/gemv_base, the int4_gemm.py to compare against) the int4 GEMV with a pipelined K
-#      loop: the quantized-kernel and PDL GPU tests, bench/int4_gemv_sweep.py at M = 1 before/after
-#      (int4_gemv_sweep_<gpu>.json), quant_bench's engine rows for ${FORMATS:-bf16,int4} ($OUT/quant). ~9 min.
+#   G4: (carrying .whl and .carry/gemv_base, the int4_gemm.py to compare against) batch-1 GEMMs: the quantized-kernel
+#      and PDL GPU tests, bench/int4_gemv_sweep.py at M = 1 before/after (int4_gemv_sweep_<gpu>.json), the W8A8
+#      tile sweep at M = 1 (w8a8_tile_sweep_<gpu>.json; SKIP_W8A8=1 leaves it out), quant_bench's engine rows for
+#      ${FORMATS:-bf16,fp8,int4} ($OUT/quant). ~8 min.
 #   PL: (carrying .whl) programmatic dependent launch: its GPU test (a graph of PDL kernels against ordinary
 #       launches), the W8A8, quantized-kernel and argmax GPU tests with PDL on, then bench/pdl_bench.py on dummy
 #       Llama-3-8B: batch-1 decode with PDL on and off alternating in one process per format, W1 each way
@@ -372,8 +373,10 @@ case "${1:-A}" in
       > "$OUT/int4_gemv_sweep.log" 2>&1
     grep -E "top after|WRONG|Error" "$OUT/int4_gemv_sweep.log" | head -12
     grep -A16 "^layer" "$OUT/int4_gemv_sweep.log"
+    [ -n "${SKIP_W8A8:-}" ] || timeout 240 python3 bench/w8a8_tile_sweep.py --ms 1 --out "$OUT" > "$OUT/w8a8_tile_sweep.log" 2>&1
+    grep -E "M=1|WRONG" "$OUT/w8a8_tile_sweep.log" | cut -c1-400
     mkdir -p "$OUT/quant"
-    timeout 200 python3 bench/quant_bench.py --skip-gemm --formats ${FORMATS:-bf16,int4} --out "$OUT/quant" \
+    timeout 240 python3 bench/quant_bench.py --skip-gemm --formats ${FORMATS:-bf16,fp8,int4} --out "$OUT/quant" \
       > "$OUT/quant/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -6
     ;;

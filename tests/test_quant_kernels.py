@@ -59,15 +59,16 @@ def test_weight_only_gemm_tile_configs(config, M, group_size):
 
 @pytest.mark.parametrize("config", [GemvConfig(32, 64, 4, 2), GemvConfig(16, 32, 1, 2, fused_sum=True),
                                     GemvConfig(64, 128, 2, 3, fused_sum=True)])
-@pytest.mark.parametrize("M,K,N,group_size", [(1, 200, 72, 64), (3, 392, 40, 128), (2, 136, 24, 32),
-                                              (1, 256, 40, 128)])
-@pytest.mark.parametrize("dtype,x_offset", [(torch.float32, 0), (torch.float16, 0), (torch.bfloat16, 0),
-                                            (torch.bfloat16, 1)])
-def test_int4_gemv_matches_reference(config, M, K, N, group_size, dtype, x_offset):
-    """The one-row-per-program int4 kernel (codes read through a float's mantissa, scales applied per group):
-    ragged K inside a word and a group, N beyond the tile, split-K summed by a second kernel or by each tile's
-    last slice (twice: the tickets are reset, the sum is deterministic); a tile wider than the group is refused.
-    bf16 x is read two values per 32-bit load, unless the row starts off a 4-byte boundary (x_offset)."""
+@pytest.mark.parametrize("M,K,N,group_size,x_offset", [(1, 200, 72, 64, 0), (3, 392, 40, 128, 0),
+                                                       (2, 136, 24, 32, 1), (1, 256, 40, 128, 0),
+                                                       (1, 512, 128, 128, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int4_gemv_matches_reference(config, M, K, N, group_size, x_offset, dtype):
+    """The one-row-per-program int4 kernel (codes read through a float's mantissa, scales applied per K step):
+    ragged K inside a word and a group, N beyond the tile, and shapes the tiles divide (loads without masks);
+    split-K summed by a second kernel or by each tile's last slice (twice: the tickets are reset, the sum is
+    deterministic); a tile wider than the group is refused. bf16 x is read two values per 32-bit load, unless
+    the row starts off a 4-byte boundary (x_offset)."""
     qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=M)
     storage = torch.randn(M * K + x_offset, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
     x = storage[x_offset:].view(M, K)

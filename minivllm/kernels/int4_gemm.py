@@ -177,13 +177,16 @@ def _nibble_pair(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr):
+def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr, EVEN: tl.constexpr):
     """x at fields 2j (times 16, matching `_nibble_pair`'s 1 + q / 256) and 2j + 1 of the word rows.
     X_WORDS: bf16 x read as 32-bit words, a pair per load (a bf16 is the top half of its fp32), which the
     loop's pipeline can copy ahead like the codes; 16-bit loads it cannot."""
     k_low = offs_w * 8 + 2 * j
     if X_WORDS:
-        word = tl.load(x_row.to(tl.pointer_type(tl.int32)) + k_low // 2, mask=k_low < k_end, other=0)
+        if EVEN:
+            word = tl.load(x_row.to(tl.pointer_type(tl.int32)) + k_low // 2)
+        else:
+            word = tl.load(x_row.to(tl.pointer_type(tl.int32)) + k_low // 2, mask=k_low < k_end, other=0)
         low = (word << 16).to(tl.float32, bitcast=True)
         high = (word & -65536).to(tl.float32, bitcast=True)
     else:
@@ -196,15 +199,14 @@ def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr):
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K, group_size,
                       k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr,
-                      X_WORDS: tl.constexpr, STAGES: tl.constexpr, PREFETCH_WORDS: tl.constexpr,
+                      X_WORDS: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, PREFETCH_WORDS: tl.constexpr,
                       PDL: tl.constexpr):
     """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
 
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
-    FMA; the zero point and the scale are applied once per group and word row. With f = 1 + q / 16 for odd
+    FMA; the zero point and the scale are applied once per K step and column. With f = 1 + q / 16 for odd
     fields and f = 1 + q / 256 (times 16 x) for even ones, every product is x q / 16 plus a term
-    independent of q; starting the group's sum at minus those terms leaves acc = sum x q / 16, and
-    y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep (`tl.range`): without a dot in the loop
+    independent of q; the step's sum minus those terms is acc = sum x q / 16, and y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep (`tl.range`): without a dot in the loop
     Triton's pipeliner leaves a plain `range` alone, and each step waited for its own loads."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -215,28 +217,32 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
         prefetch_l2(qweight_ptr + word_rows.to(tl.int64) * stride_qk + n0, nbytes, word_rows * 8 < k_end, PDL)
     wait_for_previous(PDL)
     x_row = x_ptr + tl.program_id(0) * stride_xm
-    total = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         offs_w = k0 // 8 + tl.arange(0, WORDS)
-        words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
-                        mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
-        offset = tl.zeros((WORDS,), dtype=tl.float32)   # the q-independent part of each word row's products
+        if EVEN:
+            words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :])
+        else:
+            words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
+                            mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
+        offset = tl.zeros((WORDS,), dtype=tl.float32)   # the q-independent part of the step's products
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(4):
-            x_low, x_high = _x_pair(x_row, offs_w, j, k_end, X_WORDS)
-            offset += x_low + x_high
-            x_sum += x_low / 16.0 + x_high
-        acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32) - offset[:, None]
-        for j in tl.static_range(4):   # the same loads again: the compiler reuses them
-            x_low, x_high = _x_pair(x_row, offs_w, j, k_end, X_WORDS)
+            x_low, x_high = _x_pair(x_row, offs_w, j, k_end, X_WORDS, EVEN)
             f_low, f_high = _nibble_pair(words, 15 - 8 * j, ASM)
             acc += x_low[:, None] * f_low
             acc += x_high[:, None] * f_high
+            offset += x_low + x_high
+            x_sum += x_low / 16.0 + x_high
+        # the step's word rows summed before the group's scale and zero: once per column, not per word
+        # (a thread holds all rows of its columns when BLOCK_N >= 128 x num_warps)
+        column = tl.sum(acc, axis=0) - tl.sum(offset, axis=0)
         group = k0 // group_size
         scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        total += (16.0 * scale)[None, :] * acc - (scale * zero)[None, :] * x_sum[:, None]
-    y = tl.sum(total, axis=0)
+        total += (16.0 * scale) * column - (scale * zero) * tl.sum(x_sum, axis=0)
+    y = total
     row = tl.program_id(0)
     tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
              mask=mask_n)
@@ -382,13 +388,15 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     tickets = tile_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
     pdl = launch_options(x.device)
+    even = N % config.block_n == 0 and K % config.block_k == 0   # every tile and K step whole: no masks
+    x_words = x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+    prefetch = 2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-        FUSED_SUM=tickets is not None, STAGES=config.num_stages,
-        X_WORDS=x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, PREFETCH_WORDS=2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0,
-        **pdl, num_warps=config.num_warps, num_stages=config.num_stages)
+        FUSED_SUM=tickets is not None, X_WORDS=x_words, EVEN=even, STAGES=config.num_stages,
+        PREFETCH_WORDS=prefetch, **pdl, num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, x.dtype) if tickets is None else y
 
 
