@@ -238,7 +238,7 @@ case "${1:-A}" in
   R)
     timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
       | tee "$OUT/gpu_tests_R.log" | tail -3
-    timeout 420 python3 bench/quant_bench.py --formats bf16,fp8,int4,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    timeout 470 python3 bench/quant_bench.py --formats bf16,fp8,int4,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant_bench.log" | grep -v "M=" | tail -12
     ;;
   S2)

@@ -7,7 +7,8 @@ copy bandwidth, on the Llama-3-8B layer shapes (group 128), each candidate check
 candidate tile of both (kernels/int4_gemm.candidates, plus extra GEMV tiles for M = 1) is timed from a CUDA
 graph (tuning.device_seconds). Prints, per shape and M, the best of each with us, TB/s (packed weights,
 scales, zeros and activations) and the fraction of the measured copy bandwidth, then the four linears of
-one layer summed. Writes int4_gemv_sweep_<device>.json.
+one layer summed. Tiles differing only in pipeline depth (STAGED_GEMV) are timed for a module whose kernel
+takes STAGES. Writes int4_gemv_sweep_<device>.json.
 """
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def choices(module, M, N, K, device):
         staged = "STAGES" in module._int4_gemv_kernel.arg_names
         for tile in EXTRA_GEMV + (STAGED_GEMV if staged else []):
             for fill in (2, 4, 8):
-                out.append((tile, module.choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, sms, fill)))
+                # the module's own class: its kernel tells tiles apart by isinstance
+                out.append((module.GemvConfig(*tile), module.choose_split_k(M, N, K, 1, tile.block_n, tile.block_k,
+                                                                              sms, fill)))
     return [None] + list(dict.fromkeys(out))
 
 

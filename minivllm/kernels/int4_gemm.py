@@ -294,9 +294,9 @@ def default_config(M: int) -> GemmConfig:
         else GemmConfig(64, 32, 128, 4, 4)
 
 
-# the five best of 18 tiles summed over the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py), each with
-# the split-K sum fused, and the best three with it in a second kernel
-_BEST_GEMV = ((128, 128, 4, 3), (256, 128, 4, 3), (512, 64, 2, 3), (512, 32, 2, 3), (1024, 64, 4, 3))
+# the best tiles of the pipelined kernel on the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py, bf8a973), each
+# with the split-K sum fused, and three with it in a second kernel
+_BEST_GEMV = ((256, 64, 2, 4), (1024, 64, 4, 3), (512, 64, 2, 3), (512, 128, 4, 2), (512, 32, 2, 4), (256, 128, 2, 3))
 GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True) for t in _BEST_GEMV) + tuple(GemvConfig(*t) for t in _BEST_GEMV[:3])
 GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
 

@@ -101,12 +101,14 @@ class W8A8Tile(NamedTuple):
 def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | None]:
     """Tiles for M rows (None: the library GEMM), each with split-K filling the GPU about 2x and 4x."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    tiles = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (128, 256, 8, 3)]
+    # the last two: best on o / down and on gate_up at M = 1 of 17 tiles (H100, bench/w8a8_tile_sweep.py, bf8a973)
+    tiles = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (128, 256, 8, 3), (128, 256, 4, 4),
+             (64, 256, 4, 5)]
     fills = (2, 4)
     if M > 16:
         # W1's decode steps (M = 64) read the weights at 0.53-0.83 of the copy bandwidth with the tiles
         # above (788e695, 8909c14); deeper pipelines and longer K steps keep more loads in flight.
-        tiles += [(64, 256, 4, 5), (128, 128, 4, 6), (64, 512, 4, 3), (256, 128, 8, 3), (128, 256, 8, 4)]
+        tiles += [(128, 128, 4, 6), (64, 512, 4, 3), (256, 128, 8, 3), (128, 256, 8, 4)]
         fills = (1, 2, 4)
     out: list[W8A8Tile | None] = [None]
     for block_n, block_k, warps, stages in tiles:
