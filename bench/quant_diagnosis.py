@@ -7,7 +7,8 @@ Loads the default model unquantized (fp32) and swaps each linear layer's method 
 weights per output channel and/or the inputs per token through `w8a8.quantize_rows` (the served code's
 rounding) and multiplies in fp32; perplexity through the engine's prompt logprobs, 512-token windows
 every 448 tokens (--window, --stride). Prints one line per configuration, relative to the unquantized model.
---activations-only: only the inputs rounded, everywhere and at each site alone.
+--activations-only: only the inputs rounded, everywhere and at each site alone. --group G: the inputs' scales
+per token and G channels (block-wise activation scales) instead of per token.
 """
 from __future__ import annotations
 
@@ -26,22 +27,24 @@ from minivllm.layers.linear import LinearBase  # noqa: E402
 from minivllm.quantization.w8a8 import FP8, quantize_rows  # noqa: E402
 
 
-def fake_quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
-    codes, scale = quantize_rows(x, FP8 if kind == "fp8" else torch.int8)
-    return (codes.float() * scale).to(x.dtype)
+def fake_quantize(x: torch.Tensor, kind: str, group: int = 0) -> torch.Tensor:
+    """Rounded per row, or per `group` columns of each row (a scale per token and group of channels)."""
+    rows = x.reshape(-1, group) if group else x
+    codes, scale = quantize_rows(rows, FP8 if kind == "fp8" else torch.int8)
+    return (codes.float() * scale).to(x.dtype).reshape(x.shape)
 
 
 class FakeW8A8Method:
     """Weights rounded per output channel (once) and/or activations per token, product in full precision."""
 
-    def __init__(self, weight_kind: str | None, activation_kind: str | None):
-        self.weight_kind, self.activation_kind, self.weight = weight_kind, activation_kind, None
+    def __init__(self, weight_kind: str | None, activation_kind: str | None, group: int = 0):
+        self.weight_kind, self.activation_kind, self.weight, self.group = weight_kind, activation_kind, None, group
 
     def apply(self, layer, x, bias):
         if self.weight is None:
             self.weight = fake_quantize(layer.weight.data, self.weight_kind) if self.weight_kind else layer.weight.data
         if self.activation_kind:
-            x = fake_quantize(x.reshape(-1, x.shape[-1]), self.activation_kind).reshape(x.shape)
+            x = fake_quantize(x.reshape(-1, x.shape[-1]), self.activation_kind, self.group).reshape(x.shape)
         return torch.nn.functional.linear(x, self.weight, bias)
 
 
@@ -53,6 +56,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=448)
     parser.add_argument("--activations-only", action="store_true")
+    parser.add_argument("--group", type=int, default=0,
+                        help="activation scales per token and this many channels (0: per token)")
     args = parser.parse_args()
     llm = LLM(None, dtype="float32", kv_cache_memory=1 << 29, enable_prefix_caching=False)
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
@@ -64,7 +69,7 @@ def main() -> None:
     def run(name, weight_kind=None, activation_kind=None, selected=lambda n: True):
         nonlocal baseline
         for n, m in layers:
-            m.quant_method = FakeW8A8Method(weight_kind, activation_kind) if selected(n) else original[n]
+            m.quant_method = FakeW8A8Method(weight_kind, activation_kind, args.group) if selected(n) else original[n]
         started = time.time()
         ppl = perplexity(llm, ids, args.window, args.stride)["perplexity"]
         baseline = baseline or ppl

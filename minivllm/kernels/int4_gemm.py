@@ -155,30 +155,32 @@ def _weight_only_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
 
 
 @triton.jit
-def _mantissa_field(moved, MASK: tl.constexpr, ASM: tl.constexpr):
-    """The bits of `moved` under MASK in 1.0's mantissa, as a float: (moved & MASK) | 0x3F800000 in one
-    LOP3 (the compiler emits two logic ops for two immediates); plain ops under the interpreter."""
+def _mantissa_field(moved, MASK: tl.constexpr, BASE: tl.constexpr, ASM: tl.constexpr):
+    """The bits of `moved` under MASK in the mantissa of the float whose bits are BASE (a power of two), as a
+    float: (moved & MASK) | BASE in one LOP3 (the compiler emits two logic ops for two immediates); plain
+    ops under the interpreter."""
     if ASM:
-        return tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, 1065353216, 0xEA;", "=r,r", [moved],
+        return tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, {BASE}, 0xEA;", "=r,r", [moved],
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return ((moved & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
+        return ((moved & MASK) | BASE).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _nibble_pair(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
     """Word fields 2j and 2j + 1 (SHIFT = 15 - 8j moves them to bits 15-18 and 19-22) as the floats
-    1 + code / 256 and 1 + code / 16: exact, one logic op per weight and a shift per two."""
+    16 + code / 16 (in 16.0's mantissa) and 1 + code / 16 (in 1.0's): exact, one logic op per weight and a
+    shift per two."""
     if SHIFT > 0:
         moved = words << SHIFT
     else:
         moved = words >> -SHIFT   # arithmetic shift: the bits it drags in are masked off
-    return _mantissa_field(moved, 0x00078000, ASM), _mantissa_field(moved, 0x00780000, ASM)
+    return _mantissa_field(moved, 0x00078000, 0x41800000, ASM), _mantissa_field(moved, 0x00780000, 0x3F800000, ASM)
 
 
 @triton.jit
 def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr, EVEN: tl.constexpr):
-    """x at fields 2j (times 16, matching `_nibble_pair`'s 1 + q / 256) and 2j + 1 of the word rows.
+    """x at fields 2j and 2j + 1 of the word rows, in fp32.
     X_WORDS: bf16 x read as 32-bit words, a pair per load (a bf16 is the top half of its fp32), which the
     loop's pipeline can copy ahead like the codes; 16-bit loads it cannot."""
     k_low = offs_w * 8 + 2 * j
@@ -192,7 +194,7 @@ def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr, EVEN: 
     else:
         low = tl.load(x_row + k_low, mask=k_low < k_end, other=0.0).to(tl.float32)
         high = tl.load(x_row + k_low + 1, mask=k_low + 1 < k_end, other=0.0).to(tl.float32)
-    return 16.0 * low, high
+    return low, high
 
 
 @triton.jit
@@ -205,8 +207,8 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
 
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
     FMA; the zero point and the scale are applied once per K step and column. With f = 1 + q / 16 for odd
-    fields and f = 1 + q / 256 (times 16 x) for even ones, every product is x q / 16 plus a term
-    independent of q; the step's sum minus those terms is acc = sum x q / 16, and y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep (`tl.range`): without a dot in the loop
+    fields and f = 16 + q / 16 for even ones, every product is x q / 16 plus x or 16 x; the step's sum minus
+    those terms is acc = sum x q / 16, and y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep (`tl.range`): without a dot in the loop
     Triton's pipeliner leaves a plain `range` alone, and each step waited for its own loads."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -225,23 +227,25 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
         else:
             words = tl.load(qweight_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
                             mask=(offs_w[:, None] * 8 < k_end) & mask_n[None, :], other=0)
-        offset = tl.zeros((WORDS,), dtype=tl.float32)   # the q-independent part of the step's products
-        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        x_even = tl.zeros((WORDS,), dtype=tl.float32)   # sums of x at the even and the odd fields
+        x_odd = tl.zeros((WORDS,), dtype=tl.float32)
         acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(4):
             x_low, x_high = _x_pair(x_row, offs_w, j, k_end, X_WORDS, EVEN)
             f_low, f_high = _nibble_pair(words, 15 - 8 * j, ASM)
             acc += x_low[:, None] * f_low
             acc += x_high[:, None] * f_high
-            offset += x_low + x_high
-            x_sum += x_low / 16.0 + x_high
+            x_even += x_low
+            x_odd += x_high
         # the step's word rows summed before the group's scale and zero: once per column, not per word
         # (a thread holds all rows of its columns when BLOCK_N >= 128 x num_warps)
-        column = tl.sum(acc, axis=0) - tl.sum(offset, axis=0)
+        even, odd = tl.sum(x_even, axis=0), tl.sum(x_odd, axis=0)
+        x_sum = even + odd
+        column = tl.sum(acc, axis=0) - (16.0 * even + odd)   # minus the q-independent part of the products
         group = k0 // group_size
         scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        total += (16.0 * scale) * column - (scale * zero) * tl.sum(x_sum, axis=0)
+        total += (16.0 * scale) * column - (scale * zero) * x_sum
     y = total
     row = tl.program_id(0)
     tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
