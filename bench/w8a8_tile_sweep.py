@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
                    {**meta, "copy_bandwidth_bytes_per_s": copy_bw, "rows": rows})
     summary = {}
     for M in sorted({k[1] for k in best}):
-        summary[M] = {kind: sum(best[(n, M, kind)]["us"] for n, _, _ in LAYERS_8B) for kind in ("bf16", "engine", "all")}
+        summary[M] = {kind: sum(best[(n, M, kind)]["us"] for n, _, _ in LAYERS_8B)
+                      for kind in ("bf16", "engine", "all")}
         print(f"one layer's four linears at M={M}: " + "  ".join(f"{k} {v:.1f} us" for k, v in summary[M].items()))
     result = {**meta, "copy_bandwidth_bytes_per_s": copy_bw, "layer_sum_us": summary, "rows": rows,
               "best": [{"layer": k[0], "M": k[1], "kind": k[2], "us": v["us"], "candidate": v["candidate"]}

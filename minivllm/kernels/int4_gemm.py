@@ -208,8 +208,9 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
     FMA; the zero point and the scale are applied once per K step and column. With f = 1 + q / 16 for odd
     fields and f = 16 + q / 16 for even ones, every product is x q / 16 plus x or 16 x; the step's sum minus
-    those terms is acc = sum x q / 16, and y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep (`tl.range`): without a dot in the loop
-    Triton's pipeliner leaves a plain `range` alone, and each step waited for its own loads."""
+    those terms is acc = sum x q / 16, and y += 16 s acc - s z sum x. The K loop is pipelined STAGES deep
+    (`tl.range`): without a dot in the loop Triton's pipeliner leaves a plain `range` alone, and each step
+    waited for its own loads."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
     if PREFETCH_WORDS > 0:   # the codes depend on no earlier kernel: the first word rows load while it runs
