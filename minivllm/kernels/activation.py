@@ -2,11 +2,9 @@
 
 Rounds like Hugging Face's `act_fn(gate_proj(x)) * up_proj(x)`: silu is computed
 in fp32 and rounded to the input dtype, then the product is rounded again. With `quant_dtype` the row is
-also quantized for the W8A8 down projection, in one program per row (see kernels/rmsnorm.py). Below
-FUSED_QUANT_MIN_ROWS rows one program per row is latency-bound (one 14,336-wide row: 5.8 us on an H100,
-against 4.1 for this kernel plus quant_rows), so there each row is cut into chunks as quant_rows cuts it:
-every program forms the whole row's products for the scale (L2 serves the repeated reads) and rounds its
-own chunk, one kernel instead of two at batch 1. Owns only this function.
+also quantized for the W8A8 down projection, in one program per row (see kernels/rmsnorm.py); below
+FUSED_QUANT_MIN_ROWS rows that one program per row is latency-bound (one 14,336-wide row: 5.8 us on an H100,
+against 4.1 for this kernel plus quant_rows), so there the two kernels run. Owns only this function.
 """
 from __future__ import annotations
 
@@ -16,8 +14,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.pdl import launch_options, wait_for_previous
-from minivllm.kernels.quant_rows import (ROW_CHUNK, QuantizedRows, codes_on_grid, empty_quantized, quant_params,
-                                         row_scale, store_quantized_row)
+from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_rows,
+                                         store_quantized_row)
 
 FUSED_QUANT_MIN_ROWS = 16
 
@@ -61,27 +59,6 @@ def _silu_and_mul_quant_kernel(x_ptr, codes_ptr, scales_ptr, intermediate_size, 
                         QMAX, IS_FP8, EMULATED_CAST)
 
 
-@triton.jit
-def _silu_and_mul_quant_chunks_kernel(x_ptr, codes_ptr, scales_ptr, intermediate_size, x_stride,
-                                      BLOCK: tl.constexpr, CHUNK: tl.constexpr, QMAX: tl.constexpr,
-                                      IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr, PDL: tl.constexpr):
-    """A program per (row, CHUNK columns), for few rows: the scale from the whole row, the codes of one chunk."""
-    wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    dtype = x_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK)
-    whole = _gated_product(x_row, offs, offs < intermediate_size, intermediate_size).to(dtype)
-    scale = row_scale(whole.to(tl.float32), QMAX)
-    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < intermediate_size
-    part = _gated_product(x_row, cols, mask, intermediate_size).to(dtype)
-    v = codes_on_grid(part.to(tl.float32), scale, QMAX, IS_FP8, EMULATED_CAST)
-    tl.store(codes_ptr + row * intermediate_size + cols, v.to(codes_ptr.dtype.element_ty), mask=mask)
-    if tl.program_id(1) == 0:
-        tl.store(scales_ptr + row, scale)
-
-
 def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
     """x [..., 2 * intermediate] -> [..., intermediate], as `silu_and_mul_reference` (a QuantizedRows of
     that with `quant_dtype`)."""
@@ -91,20 +68,17 @@ def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if quant_dtype is not None and x2.shape[0] < FUSED_QUANT_MIN_ROWS:
+        out = silu_and_mul(x2)
+        return QuantizedRows(*quantize_rows(out, quant_dtype), torch.Size((*x.shape[:-1], intermediate_size)),
+                             x.dtype)
     if quant_dtype is not None:
         codes, scales = empty_quantized(x2.shape[0], intermediate_size, quant_dtype, x.device)
-        rows = x2.shape[0]
-        if rows > 0 and intermediate_size > 0:
+        if x2.shape[0] > 0 and intermediate_size > 0:
             block = triton.next_power_of_2(intermediate_size)
-            if rows < FUSED_QUANT_MIN_ROWS:
-                chunk = min(ROW_CHUNK, block)
-                _silu_and_mul_quant_chunks_kernel[(rows, triton.cdiv(intermediate_size, chunk))](
-                    x2, codes, scales, intermediate_size, x2.stride(0), BLOCK=block, CHUNK=chunk,
-                    **quant_params(quant_dtype), **launch_options(x.device), num_warps=8)
-            else:
-                _silu_and_mul_quant_kernel[(rows,)](
-                    x2, codes, scales, intermediate_size, x2.stride(0), BLOCK=block, **quant_params(quant_dtype),
-                    **launch_options(x.device), num_warps=max(1, min(16, block // 1024)))
+            _silu_and_mul_quant_kernel[(x2.shape[0],)](
+                x2, codes, scales, intermediate_size, x2.stride(0), BLOCK=block,
+                **quant_params(quant_dtype), **launch_options(x.device), num_warps=max(1, min(16, block // 1024)))
         return QuantizedRows(codes, scales, torch.Size((*x.shape[:-1], intermediate_size)), x.dtype)
     out = torch.empty((x2.shape[0], intermediate_size), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and intermediate_size > 0:
