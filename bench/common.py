@@ -106,6 +106,13 @@ def measure_copy_bandwidth(device: torch.device, num_bytes: int | None = None) -
     return 2 * num_bytes / seconds
 
 
+def announced_copy_bandwidth(device: torch.device, meta: dict) -> float:
+    """`measure_copy_bandwidth`, printed after the run's device and commit (the kernel sweeps' first line)."""
+    copy_bw = measure_copy_bandwidth(device)
+    print(f"{meta['device']} {meta['commit']} copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    return copy_bw
+
+
 def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int | None = None) -> float:
     """FLOP/s of an n x n x n matrix product on random data (8192 on the GPU)."""
     n = n or (8192 if device.type == "cuda" else 512)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import device_slug, measure_copy_bandwidth, run_metadata, write_json  # noqa: E402
+from bench.common import announced_copy_bandwidth, device_slug, run_metadata, write_json  # noqa: E402
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import int4_gemm  # noqa: E402
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
@@ -76,8 +76,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     meta = run_metadata(device)
-    copy_bw = measure_copy_bandwidth(device)
-    print(f"{meta['device']} {meta['commit']} copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    copy_bw = announced_copy_bandwidth(device, meta)
     versions = {"after": int4_gemm}
     if args.baseline:
         versions = {"before": load_module(args.baseline, "baseline_int4_gemm"), **versions}

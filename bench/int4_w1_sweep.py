@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import device_slug, measure_copy_bandwidth, run_metadata, write_json  # noqa: E402
+from bench.common import announced_copy_bandwidth, device_slug, run_metadata, write_json  # noqa: E402
 from bench.int4_gemv_sweep import random_int4  # noqa: E402
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import int4_gemm  # noqa: E402
@@ -93,8 +93,7 @@ def main(argv=None) -> dict:
     ms = [int(m) for m in args.ms.split(",") if m]
     large_ms = [int(m) for m in args.large_ms.split(",") if m]
     precompile(ms, args.jobs, sms)
-    copy_bw = measure_copy_bandwidth(device)
-    print(f"{meta['device']} {meta['commit']} copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    copy_bw = announced_copy_bandwidth(device, meta)
     rows, best = [], {}
     for name, K, N in LAYERS_8B:
         qweight, scales, zeros = random_int4(K, N, device)

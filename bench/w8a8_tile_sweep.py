@@ -18,11 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import device_slug, measure_copy_bandwidth, run_metadata, write_json  # noqa: E402
+from bench.common import announced_copy_bandwidth, device_slug, run_metadata, write_json  # noqa: E402
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import w8a8_gemm  # noqa: E402
 from minivllm.kernels.quant_rows import quantize_rows  # noqa: E402
-from minivllm.kernels.split_k import choose_split_k, num_sms  # noqa: E402
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, warps, stages): longer K steps and deeper pipelines than the M <= 16 candidates
@@ -32,14 +31,7 @@ EXTRA_TILES = ((64, 256, 4, 5), (128, 128, 4, 6), (64, 512, 4, 3), (32, 512, 4, 
 
 
 def extra_candidates(M: int, N: int, K: int, device) -> list[w8a8_gemm.W8A8Tile]:
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    out = []
-    for block_n, block_k, warps, stages in EXTRA_TILES:
-        for fill in (1, 2, 4, 8):
-            split = choose_split_k(M, N, K, block_m, block_n, block_k, num_sms(device), fill)
-            tile = w8a8_gemm.W8A8Tile(block_m, block_n, block_k, warps, stages, split)
-            out += [tile, tile._replace(fused_sum=True)] if split > 1 else [tile]
-    return out
+    return w8a8_gemm.split_tiles(M, N, K, device, EXTRA_TILES, (1, 2, 4, 8))
 
 
 def main(argv=None) -> dict:
@@ -49,8 +41,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     meta = run_metadata(device)
-    copy_bw = measure_copy_bandwidth(device)
-    print(f"{meta['device']} {meta['commit']} copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    copy_bw = announced_copy_bandwidth(device, meta)
     rows, best = [], {}
     for name, K, N in LAYERS_8B:
         generator = torch.Generator(device=device).manual_seed(0)

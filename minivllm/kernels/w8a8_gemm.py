@@ -98,9 +98,21 @@ class W8A8Tile(NamedTuple):
     fused_sum: bool = False
 
 
+def split_tiles(M: int, N: int, K: int, device: torch.device, tiles, fills) -> list[W8A8Tile]:
+    """Each (BLOCK_N, BLOCK_K, warps, stages) of `tiles` for M rows, with the split-K that fills the GPU about
+    `fill` times for each of `fills`; split tiles also with the sum fused."""
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    out = []
+    for block_n, block_k, warps, stages in tiles:
+        for fill in fills:
+            split = choose_split_k(M, N, K, block_m, block_n, block_k, num_sms(device), fill)
+            tile = W8A8Tile(block_m, block_n, block_k, warps, stages, split)
+            out += [tile, tile._replace(fused_sum=True)] if split > 1 else [tile]
+    return out
+
+
 def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | None]:
     """Tiles for M rows (None: the library GEMM), each with split-K filling the GPU about 2x and 4x."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     # the last two: best on o / down and on gate_up at M = 1 of 17 tiles (H100, bench/w8a8_tile_sweep.py, bf8a973)
     tiles = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (128, 256, 8, 3), (128, 256, 4, 4),
              (64, 256, 4, 5)]
@@ -110,13 +122,7 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | 
         # above (788e695, 8909c14); deeper pipelines and longer K steps keep more loads in flight.
         tiles += [(128, 128, 4, 6), (64, 512, 4, 3), (256, 128, 8, 3), (128, 256, 8, 4)]
         fills = (1, 2, 4)
-    out: list[W8A8Tile | None] = [None]
-    for block_n, block_k, warps, stages in tiles:
-        for fill in fills:
-            split = choose_split_k(M, N, K, block_m, block_n, block_k, num_sms(device), fill)
-            tile = W8A8Tile(block_m, block_n, block_k, warps, stages, split)
-            out += [tile, tile._replace(fused_sum=True)] if split > 1 else [tile]
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys([None, *split_tiles(M, N, K, device, tiles, fills)]))
 
 
 def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
