@@ -4,7 +4,8 @@
 
 Each variant is (label, weights, activations, SmoothQuant alpha or None): weights "rtn-fp8" / "rtn-int8"
 (per-channel round to nearest, the served code's rounding) or "gptq-fp8" / "gptq-int8" (GPTQ rounding onto
-the same per-channel grid, act-order), activations "fp8" / "int8" per token or None. Calibration:
+the same per-channel grid, act-order), activations "fp8" / "int8" per token, "fp8g32" per token and 32
+channels, or None. Calibration:
 calib.txt (32 windows x 256 tokens); scored text: $HELD (default heldout.txt), its first 4,096 tokens in
 512-token windows every 448, both files in the working directory. Prints perplexity against fp32.
 Used to pick SmoothQuant's alpha for int8 on a validation text (Exodus) before the held-out table.
@@ -43,8 +44,11 @@ def ppl(model, window=512, stride=448):
     return math.exp(nll / count), count
 
 def fq(x, kind):
-    codes, scale = quantize_rows_reference(x, FP8 if kind == "fp8" else torch.int8)
-    return codes.float() * scale
+    """kind "fp8" / "int8" per row, or "fp8g32" etc.: a scale per row and 32 columns."""
+    kind, _, group = kind.partition("g")
+    rows = x.reshape(-1, int(group)) if group else x
+    codes, scale = quantize_rows_reference(rows, FP8 if kind == "fp8" else torch.int8)
+    return (codes.float() * scale).reshape(x.shape)
 
 class FakeLinear(torch.nn.Module):
     def __init__(self, w, act):

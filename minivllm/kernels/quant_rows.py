@@ -7,6 +7,7 @@ codes[r] = round(clamp(x[r] / s[r], -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in f
 nine kernels per linear layer; at batch 1 that was about 2.5 ms of a 7 ms Llama-3-8B decode step.
 `store_quantized_row` is the same rounding for kernels that produce a whole row anyway (RMSNorm,
 SiLU-and-mul): they hand the W8A8 GEMM a `QuantizedRows` instead of a 16-bit row, saving this kernel.
+Kernels that split a row over programs hand it `RowsWithMaxima` instead, and the GEMM rounds as it reads.
 """
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ class QuantizedRows(NamedTuple):
     @property
     def is_cuda(self) -> bool:
         return self.codes.is_cuda
+
+
+class RowsWithMaxima(NamedTuple):
+    """16-bit activations [R, C] with max |x| over column chunks of each row (fp32 [R, P]), both written by
+    the kernel that produced them when it runs several programs per row and so cannot quantize the row
+    itself (the scale needs the whole row). The max over a row's chunks is its scale's numerator: the W8A8
+    GEMM quantizes the row as it reads it, exactly as quantize_rows would, and no quantization kernel runs."""
+    values: torch.Tensor
+    maxima: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.values.is_cuda
 
 
 @triton.jit
