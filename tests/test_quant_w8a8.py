@@ -239,9 +239,9 @@ def test_gpu_producer_kernels_quantize_as_quantize_rows(rows, dtype):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 def test_gpu_w8a8_gemm_rows_equals_quantize_then_gemm(rows, dtype):
-    """On the 8B down_proj shape: SiLU-and-mul's rows through the tuned dispatch and through Triton candidates
-    (split-K with the sum in a second kernel and in the last slice), quantized by the GEMM as it reads them,
-    equal quantize_rows followed by the same GEMM."""
+    """On the 8B down_proj shape: SiLU-and-mul's rows through Triton candidates (split-K with the sum in a second
+    kernel and in the last slice), quantized by the GEMM as it reads them, equal quantize_rows followed by the
+    same GEMM; the tuned dispatch (which may pick either way) matches the reference."""
     from minivllm.kernels.activation import silu_and_mul
     from minivllm.kernels.w8a8_gemm import candidates, w8a8_gemm_rows, w8a8_triton_rows
     generator = torch.Generator(device="cuda").manual_seed(rows)
@@ -250,7 +250,9 @@ def test_gpu_w8a8_gemm_rows_equals_quantize_then_gemm(rows, dtype):
     w_codes, w_scale = quantize_rows(torch.randn(4096, 14336, device="cuda", generator=generator) * 0.02, dtype)
     x_codes, x_scale = quantize_rows(produced.values, dtype)
     args = (w_codes, w_scale.view(-1), torch.bfloat16)
-    assert torch.equal(w8a8_gemm_rows(produced, *args), w8a8_gemm(x_codes, x_scale, *args))
+    reference = w8a8_reference(x_codes, x_scale, *args[:2], torch.float32)
+    torch.testing.assert_close(w8a8_gemm_rows(produced, *args).float(), reference, rtol=2e-2,
+                               atol=2e-2 * reference.abs().max().item())
     tiles = [c for c in candidates(rows, 4096, 14336, gate_up.device) if c is not None]
     # three of each kind (compiling every candidate takes minutes)
     for config in [t for t in tiles if t.fused_sum][:3] + [t for t in tiles if not t.fused_sum][:3]:

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
-from minivllm.kernels.quant_rows import RowsWithMaxima, codes_on_grid, quant_params, quantize_rows
+from minivllm.kernels.quant_rows import RowsWithMaxima, codes_on_grid, quant_params, quantize_rows, reciprocal
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -71,7 +71,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, ti
         maxima = tl.load(maxima_ptr + offs_m[:, None] * stride_mx + chunks[None, :],
                          mask=mask_m[:, None] & (chunks[None, :] < num_maxima), other=0.0)
         row_scale = tl.maximum(tl.max(maxima, axis=1), 1e-12) / QMAX
-        tile_scale = tl.broadcast_to(row_scale[:, None], (BLOCK_M, BLOCK_K))
+        tile_inverse = tl.broadcast_to(reciprocal(row_scale)[:, None], (BLOCK_M, BLOCK_K))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
     X_ZERO: tl.constexpr = 0.0 if QUANTIZE_X else ZERO
@@ -81,7 +81,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, ti
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=X_ZERO)
         if QUANTIZE_X:
-            x = codes_on_grid(x.to(tl.float32), tile_scale, QMAX, not IS_INT, EMULATED_CAST)
+            x = codes_on_grid(x.to(tl.float32), tile_inverse, QMAX, not IS_INT, EMULATED_CAST)
             if not WIDEN:
                 x = x.to(tl.int8 if IS_INT else tl.float8e4nv)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
@@ -180,35 +180,33 @@ def _launch(x, x_scale, maxima, w_codes, w_scale, out_dtype, config: W8A8Tile) -
     return sum_partials(out, out_dtype) if tickets is None else y
 
 
-def _tuned_tile(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, args) -> W8A8Tile | None:
-    """The fastest tile for M rows (None: the library GEMM), timed on the first call of the shape with
-    `args()` (x_codes, x_scale, w_codes, w_scale, out_dtype)."""
-    if M > TRITON_MAX_M:
-        return None
-    bucket = 1 << max(0, M - 1).bit_length()
-    return tuning.pick(("w8a8", dtype, bucket, N, K), candidates(bucket, N, K, device),
-                       lambda c: w8a8_library(*args()) if c is None else w8a8_triton(*args(), c), default=None)
-
-
 def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
     """x_codes [M, K], x_scale [M, 1] fp32, w_codes [N, K], w_scale [N] -> [M, N] in out_dtype (CUDA)."""
+    M, K = x_codes.shape
+    N = w_codes.shape[0]
+    if M > TRITON_MAX_M:
+        return w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype)
+    bucket = 1 << max(0, M - 1).bit_length()
     args = (x_codes, x_scale, w_codes, w_scale, out_dtype)
-    config = _tuned_tile(x_codes.shape[0], w_codes.shape[0], x_codes.shape[1], x_codes.dtype, x_codes.device,
-                         lambda: args)
+    config = tuning.pick(("w8a8", x_codes.dtype, bucket, N, K), candidates(bucket, N, K, x_codes.device),
+                         lambda c: w8a8_library(*args) if c is None else w8a8_triton(*args, c), default=None)
     return w8a8_library(*args) if config is None else w8a8_triton(*args, config)
 
 
 def w8a8_gemm_rows(rows: RowsWithMaxima, w_codes, w_scale, out_dtype) -> torch.Tensor:
-    """`w8a8_gemm` of rows quantized per row to the weights' dtype (CUDA): a Triton tile rounds them as it
-    reads them; the library GEMM gets them from quantize_rows. The tile is the one tuned for the codes."""
+    """`w8a8_gemm` of rows quantized per row to the weights' dtype (CUDA): a Triton tile that rounds them as it
+    reads them, or (None, where no such tile is faster) quantize_rows and then `w8a8_gemm`; timed per shape
+    like the tiles there, since the rounding in every program costs more in some tiles than in others."""
     x = rows.values
     M, K = x.shape
-    codes = []
+    N = w_codes.shape[0]
 
-    def quantized():   # only when the tile is timed or the library runs
-        codes[:] = codes or quantize_rows(x, w_codes.dtype)
-        return (*codes, w_codes, w_scale, out_dtype)
-    config = _tuned_tile(M, w_codes.shape[0], K, w_codes.dtype, x.device, quantized)
-    if config is None:
-        return w8a8_library(*quantized())
-    return w8a8_triton_rows(rows, w_codes, w_scale, out_dtype, config)
+    def separately():
+        return w8a8_gemm(*quantize_rows(x, w_codes.dtype), w_codes, w_scale, out_dtype)
+    if M > TRITON_MAX_M:
+        return separately()
+    bucket = 1 << max(0, M - 1).bit_length()
+    args = (rows, w_codes, w_scale, out_dtype)
+    config = tuning.pick(("w8a8_rows", w_codes.dtype, bucket, N, K), candidates(bucket, N, K, x.device),
+                         lambda c: separately() if c is None else w8a8_triton_rows(*args, c), default=None)
+    return separately() if config is None else w8a8_triton_rows(*args, config)
