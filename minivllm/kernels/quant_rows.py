@@ -2,15 +2,11 @@
 below 16 rows one per 1,024 columns (each reads the whole row for its scale: one 14,336-wide row left to a
 single program bounded the batch-1 W8A8 step).
 
-codes[r] = round(clamp(x[r] * (1 / s[r]), -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in fp32, into
-float8_e4m3fn (QMAX 448) or int8 (QMAX 127, round half to even). One IEEE division per row, then products (as
-vLLM's quantization kernels do): a GEMM rounding rows as it reads them repeats the rounding in every program,
-and dividing each element there made the batch-1 down projection 3x slower (H100, bench/w8a8_input_ab.py).
-The unfused reference, `quantize_rows_reference`, took nine kernels per linear layer; at batch 1 that was
-about 2.5 ms of a 7 ms Llama-3-8B decode step.
+codes[r] = round(clamp(x[r] / s[r], -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in fp32, into float8_e4m3fn
+(QMAX 448) or int8 (QMAX 127, round half to even). The unfused reference, `quantize_rows_reference`, took
+nine kernels per linear layer; at batch 1 that was about 2.5 ms of a 7 ms Llama-3-8B decode step.
 `store_quantized_row` is the same rounding for kernels that produce a whole row anyway (RMSNorm,
 SiLU-and-mul): they hand the W8A8 GEMM a `QuantizedRows` instead of a 16-bit row, saving this kernel.
-Kernels that split a row over programs hand it `RowsWithMaxima` instead, and the GEMM rounds as it reads.
 """
 from __future__ import annotations
 
@@ -35,11 +31,11 @@ def quantize_rows_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.
     """Each row scaled to the 8-bit range: (codes [R, C] in `dtype`, scales [R, 1] fp32)."""
     qmax = FP8_MAX if dtype == FP8 else INT8_MAX
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
-    return round_to_codes(x.float() * (1.0 / scale), dtype), scale
+    return round_to_codes(x.float() / scale, dtype), scale
 
 
 def round_to_codes(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values already in units of their scale -> the nearest 8-bit codes (e4m3 or int8), saturating."""
+    """Values already divided by their scale -> the nearest 8-bit codes (e4m3 or int8), saturating."""
     if dtype == FP8:
         return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -58,34 +54,13 @@ class QuantizedRows(NamedTuple):
         return self.codes.is_cuda
 
 
-class RowsWithMaxima(NamedTuple):
-    """16-bit activations [R, C] with max |x| over column chunks of each row (fp32 [R, P]), both written by
-    the kernel that produced them when it runs several programs per row and so cannot quantize the row
-    itself (the scale needs the whole row). The max over a row's chunks is its scale's numerator: the W8A8
-    GEMM quantizes the row as it reads it, exactly as quantize_rows would, and no quantization kernel runs."""
-    values: torch.Tensor
-    maxima: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.values.is_cuda
-
-
 @triton.jit
 def store_quantized_row(codes_row_ptr, scale_ptr, x, offs, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr,
                         EMULATED_CAST: tl.constexpr):
     """One whole row in fp32 (masked lanes 0) -> its codes at `codes_row_ptr + offs` and its scale at
     `scale_ptr`, exactly as `quantize_rows_reference`."""
     scale = row_scale(x, QMAX)
-    v = codes_on_grid(x, reciprocal(scale), QMAX, IS_FP8, EMULATED_CAST)
+    v = codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST)
     tl.store(codes_row_ptr + offs, v.to(codes_row_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr, scale)
 
@@ -97,16 +72,10 @@ def row_scale(x, QMAX: tl.constexpr):
 
 
 @triton.jit
-def reciprocal(scale):
-    """1 / scale correctly rounded, as torch's (the codes then match the reference exactly)."""
-    return tl.math.div_rn(1.0, scale)
-
-
-@triton.jit
-def codes_on_grid(x, inverse_scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
-    """fp32 values of a row and the reciprocal of its scale -> values whose cast to the 8-bit dtype gives the
-    codes of `quantize_rows_reference` (on the grid already, but for fp8 outside the interpreter)."""
-    v = x * inverse_scale
+def codes_on_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATED_CAST: tl.constexpr):
+    """fp32 values of a row and its scale -> values whose cast to the 8-bit dtype gives the codes of
+    `quantize_rows_reference` (on the grid already, but for fp8 outside the interpreter)."""
+    v = tl.math.div_rn(x, scale)   # IEEE division, as torch's: the codes match the reference exactly
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if IS_FP8:
         if EMULATED_CAST:   # the interpreter's fp8 cast is exact only on the grid (see kv_write.py)
@@ -140,7 +109,7 @@ def _quantize_row_chunks_kernel(x_ptr, codes_ptr, scales_ptr, C, stride_x, strid
     scale = row_scale(tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0).to(tl.float32), QMAX)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
-    v = codes_on_grid(x, reciprocal(scale), QMAX, IS_FP8, EMULATED_CAST)
+    v = codes_on_grid(x, scale, QMAX, IS_FP8, EMULATED_CAST)
     tl.store(codes_ptr + row * stride_c + cols, v.to(codes_ptr.dtype.element_ty), mask=cols < C)
     if tl.program_id(1) == 0:
         tl.store(scales_ptr + row, scale)

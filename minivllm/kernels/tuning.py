@@ -43,11 +43,6 @@ def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -
     return sorted(times)[len(times) // 2]
 
 
-def chosen(key: Hashable) -> object:
-    """What `pick` chose for `key` (None if not timed yet; benchmarks report it)."""
-    return _chosen.get(key)
-
-
 def pick(key: Hashable, candidates: Sequence[Config], run: Callable[[Config], object], default: Config) -> Config:
     """The fastest of `candidates` for `key` (timed on its first call), or `default` where timing can't run."""
     if key in _chosen:

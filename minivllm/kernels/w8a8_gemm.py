@@ -6,9 +6,7 @@ there. At decode sizes those launch too few tiles and read the weights at about 
 8B layer shapes; bench/results/quant_h100.json), so for M <= 64 a Triton kernel splits K across programs:
 each multiplies a BLOCK_M x BLOCK_K tile of codes by a BLOCK_K x BLOCK_N tile of weight codes on the
 tensor cores and writes its partial already scaled; one more kernel sums the partials, or each tile's last
-slice does (kernels/split_k.py; a candidate like any tile). Given 16-bit rows with their chunk maxima
-(`RowsWithMaxima`, from a producer that splits rows over programs), the tile rounds them to codes as it reads
-them, so no quantization kernel runs before it.
+slice does (kernels/split_k.py; a candidate like any tile).
 At batch 1 every kernel counts: the first version scaled and cast after the sum in four torch ops, which
 cost more than the GEMM on the small layers. The configuration
 (tile, split) is timed per shape against the library path (kernels/tuning.py).
@@ -25,7 +23,6 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
-from minivllm.kernels.quant_rows import RowsWithMaxima, codes_on_grid, quant_params, quantize_rows, reciprocal
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -53,37 +50,23 @@ def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, tickets_ptr, maxima_ptr, M, N, K,
-                      k_per_split, num_maxima, stride_xm, stride_wn, stride_os, stride_om, stride_mx,
+def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, tickets_ptr, M, N, K, k_per_split,
+                      stride_xm, stride_wn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr, FUSED_SUM: tl.constexpr,
-                      QUANTIZE_X: tl.constexpr, MAXIMA_BLOCK: tl.constexpr, QMAX: tl.constexpr,
-                      EMULATED_CAST: tl.constexpr, PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
-    """QUANTIZE_X: x is 16-bit with its rows' chunk maxima (a RowsWithMaxima) and each tile is rounded to
-    codes as it is read; x_scale_ptr is unused."""
+                      PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     if PREFETCH_K > 0:   # the weights depend on no earlier kernel: their first K steps load while it runs
         nbytes = tl.zeros_like(offs_n) + tl.minimum(k_end - k_start, PREFETCH_K)
         prefetch_l2(w_ptr + offs_n.to(tl.int64) * stride_wn + k_start, nbytes, mask_n, PDL)
     wait_for_previous(PDL)
-    if QUANTIZE_X:   # the rows' scales, as quantize_rows computes them, from the producer's chunk maxima
-        chunks = tl.arange(0, MAXIMA_BLOCK)
-        maxima = tl.load(maxima_ptr + offs_m[:, None] * stride_mx + chunks[None, :],
-                         mask=mask_m[:, None] & (chunks[None, :] < num_maxima), other=0.0)
-        row_scale = tl.maximum(tl.max(maxima, axis=1), 1e-12) / QMAX
-        tile_inverse = tl.broadcast_to(reciprocal(row_scale)[:, None], (BLOCK_M, BLOCK_K))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
-    X_ZERO: tl.constexpr = 0.0 if QUANTIZE_X else ZERO
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=X_ZERO)
-        if QUANTIZE_X:
-            x = codes_on_grid(x.to(tl.float32), tile_inverse, QMAX, not IS_INT, EMULATED_CAST)
-            if not WIDEN:
-                x = x.to(tl.int8 if IS_INT else tl.float8e4nv)
+                    other=ZERO)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=ZERO)
         if WIDEN:   # the interpreter has no 8-bit products: the same sums over widened codes
@@ -93,10 +76,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, ti
         else:
             acc += tl.dot(x, w, out_dtype=tl.float32)
     # Scaled here (the scales factor out of the sum over K); one split stores y, several store partials.
-    if QUANTIZE_X:
-        x_scale = row_scale
-    else:
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     tile = offs_m[:, None] * stride_om + offs_n[None, :]
@@ -146,35 +126,19 @@ def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | 
 
 
 def w8a8_triton(x_codes, x_scale, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
-    return _launch(x_codes, x_scale, None, w_codes, w_scale, out_dtype, config)
-
-
-def w8a8_triton_rows(rows: RowsWithMaxima, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
-    """`w8a8_triton` on 16-bit rows that the kernel quantizes as it reads them (quantize_rows's codes, in the
-    weights' dtype)."""
-    return _launch(rows.values, None, rows.maxima, w_codes, w_scale, out_dtype, config)
-
-
-def _launch(x, x_scale, maxima, w_codes, w_scale, out_dtype, config: W8A8Tile) -> torch.Tensor:
-    M, K = x.shape
+    M, K = x_codes.shape
     N = w_codes.shape[0]
     k_per_split, split_k = k_slices(K, config.split_k, config.block_k)
-    out = partials_buffer(split_k, M, N, x.device, out_dtype)
+    out = partials_buffer(split_k, M, N, x_codes.device, out_dtype)
     grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n), split_k)
-    tickets = tile_tickets(x.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
-    y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=out_dtype)
-    pdl = launch_options(x.device)
-    quantize = maxima is not None
-    params = quant_params(w_codes.dtype)   # x's codes take the weights' dtype
+    tickets = tile_tickets(x_codes.device, grid[0] * grid[1]) if config.fused_sum and split_k > 1 else None
+    y = out if tickets is None else torch.empty(M, N, device=x_codes.device, dtype=out_dtype)
+    pdl = launch_options(x_codes.device)
     _w8a8_gemm_kernel[grid](
-        x, w_codes, x if x_scale is None else x_scale, w_scale, out, y, out if tickets is None else tickets,
-        maxima if quantize else out, M, N, K, k_per_split, maxima.shape[1] if quantize else 0,
-        x.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), maxima.stride(0) if quantize else 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        IS_INT=w_codes.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
-        FUSED_SUM=tickets is not None, QUANTIZE_X=quantize,
-        MAXIMA_BLOCK=triton.next_power_of_2(maxima.shape[1]) if quantize else 1,
-        QMAX=params["QMAX"], EMULATED_CAST=params["EMULATED_CAST"],
+        x_codes, w_codes, x_scale, w_scale, out, y, out if tickets is None else tickets, M, N, K, k_per_split,
+        x_codes.stride(0), w_codes.stride(0), out.stride(0), out.stride(1), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_INT=x_codes.dtype == torch.int8,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", FUSED_SUM=tickets is not None,
         PREFETCH_K=PREFETCH_STEPS * config.block_k if pdl["PDL"] and rows_prefetchable(w_codes) else 0, **pdl,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return sum_partials(out, out_dtype) if tickets is None else y
@@ -191,22 +155,3 @@ def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
     config = tuning.pick(("w8a8", x_codes.dtype, bucket, N, K), candidates(bucket, N, K, x_codes.device),
                          lambda c: w8a8_library(*args) if c is None else w8a8_triton(*args, c), default=None)
     return w8a8_library(*args) if config is None else w8a8_triton(*args, config)
-
-
-def w8a8_gemm_rows(rows: RowsWithMaxima, w_codes, w_scale, out_dtype) -> torch.Tensor:
-    """`w8a8_gemm` of rows quantized per row to the weights' dtype (CUDA): a Triton tile that rounds them as it
-    reads them, or (None, where no such tile is faster) quantize_rows and then `w8a8_gemm`; timed per shape
-    like the tiles there, since the rounding in every program costs more in some tiles than in others."""
-    x = rows.values
-    M, K = x.shape
-    N = w_codes.shape[0]
-
-    def separately():
-        return w8a8_gemm(*quantize_rows(x, w_codes.dtype), w_codes, w_scale, out_dtype)
-    if M > TRITON_MAX_M:
-        return separately()
-    bucket = 1 << max(0, M - 1).bit_length()
-    args = (rows, w_codes, w_scale, out_dtype)
-    config = tuning.pick(("w8a8_rows", w_codes.dtype, bucket, N, K), candidates(bucket, N, K, x.device),
-                         lambda c: separately() if c is None else w8a8_triton_rows(*args, c), default=None)
-    return separately() if config is None else w8a8_triton_rows(*args, config)

@@ -2,8 +2,7 @@
 dynamic per-token activation scales computed in each forward.
 
 y[m, n] = sum_k xq[m, k] wq[n, k] * sx[m] * sw[n], with xq = quant(x / sx), sx = max|x[m]| / QMAX.
-On CUDA the activations are quantized by one Triton kernel (kernels/quant_rows.py), by the kernel that
-produced them, or by the GEMM as it reads them (given their chunk maxima), and the 8-bit product
+On CUDA the activations are quantized by one Triton kernel (kernels/quant_rows.py) and the 8-bit product
 runs on the tensor cores (kernels/w8a8_gemm.py: a split-K Triton GEMM at decode sizes, torch._scaled_mm /
 torch._int_mm above); elsewhere `w8a8_reference` emulates it: the same 8-bit values (fp8 rounding through
 real torch.float8_e4m3fn casts), products summed in fp32.
@@ -13,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, QuantizedRows, RowsWithMaxima,  # noqa: F401
-                                         quantize_rows, quantize_rows_reference)
-from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_rows, w8a8_reference
+from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, QuantizedRows, quantize_rows,  # noqa: F401
+                                         quantize_rows_reference)
+from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_reference
 from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
 
 
@@ -91,20 +90,14 @@ class W8A8LinearMethod:
             replace_param(layer, "weight", codes)
             layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows | RowsWithMaxima,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        if isinstance(x, RowsWithMaxima) and x.is_cuda:
-            rows = RowsWithMaxima(x.values.reshape(-1, shape[-1]), x.maxima)
-            out = w8a8_gemm_rows(rows, layer.weight, layer.weight_scale, x.dtype)
+        if isinstance(x, QuantizedRows):
+            x_codes, x_scale = x.codes, x.scales
         else:
-            if isinstance(x, QuantizedRows):
-                x_codes, x_scale = x.codes, x.scales
-            else:
-                values = x.values if isinstance(x, RowsWithMaxima) else x
-                x_codes, x_scale = quantize_rows(values.reshape(-1, shape[-1]), self.dtype)
-            gemm = w8a8_gemm if x.is_cuda else w8a8_reference
-            out = gemm(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
+            x_codes, x_scale = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
+        gemm = w8a8_gemm if x.is_cuda else w8a8_reference
+        out = gemm(x_codes, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if bias is not None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
