@@ -1,5 +1,6 @@
 """The fp8 W8A8 GEMM at decode sizes: every candidate tile (kernels/w8a8_gemm.candidates) and a set of extra
-ones, on the Llama-3-8B layer shapes, against bf16 cuBLAS and the copy bandwidth.
+ones (split-K at several fills, and narrow tiles unsplit), on the Llama-3-8B layer shapes, against bf16 cuBLAS
+and the copy bandwidth.
 
     python bench/w8a8_tile_sweep.py --out bench/results [--ms 1,16]
 
@@ -30,8 +31,15 @@ EXTRA_TILES = ((64, 256, 4, 5), (128, 128, 4, 6), (64, 512, 4, 3), (32, 512, 4, 
                (32, 512, 8, 4), (64, 128, 4, 8))
 
 
+# unsplit (no partials to sum, no second kernel): narrow tiles, so that N alone gives about a program per SM
+SPLIT_ONE_TILES = ((16, 512, 4, 4), (16, 1024, 4, 3), (16, 256, 4, 6), (16, 512, 2, 4), (32, 512, 4, 4),
+                   (32, 1024, 4, 3), (32, 256, 4, 6), (32, 512, 2, 4), (64, 256, 4, 5), (64, 512, 4, 3))
+
+
 def extra_candidates(M: int, N: int, K: int, device) -> list[w8a8_gemm.W8A8Tile]:
-    return w8a8_gemm.split_tiles(M, N, K, device, EXTRA_TILES, (1, 2, 4, 8))
+    block_m = w8a8_gemm.split_tiles(M, N, K, device, EXTRA_TILES[:1], (1,))[0].block_m
+    return w8a8_gemm.split_tiles(M, N, K, device, EXTRA_TILES, (1, 2, 4, 8)) + [
+        w8a8_gemm.W8A8Tile(block_m, *tile, split_k=1) for tile in SPLIT_ONE_TILES]
 
 
 def main(argv=None) -> dict:
