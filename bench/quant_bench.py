@@ -3,8 +3,8 @@
     python bench/quant_bench.py --out bench/results                  # 8B engine runs + GEMM table
     python bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm --out bench/results
 
-Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128, and fp8kv = bf16 weights
-with kv_cache_dtype="fp8"): batch-1 decode tok/s (1 x 512 -> 128, median time per output token) and W1
+Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128, int4-lmhead = the same
+with the LM head quantized too (GPTQ's `lm_head: true`), and fp8kv = bf16 weights with kv_cache_dtype="fp8"): batch-1 decode tok/s (1 x 512 -> 128, median time per output token) and W1
 (64 x 512 -> 256 output tok/s), each with its ratio to bf16, and the KV capacity (blocks and tokens at the
 same gpu_memory_utilization) with its ratio to bf16's. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096}
 x the 8B layer shapes, as the linear layers run it (activation quantization included for W8A8), with
@@ -17,7 +17,9 @@ and a format that fails records its error instead of stopping the run.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -31,6 +33,9 @@ from bench.throughput import Workload, free_device_memory, random_prompts, timed
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
 
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
+# formats named by a checkpoint's quantization_config (dummy weights of a config.json holding it)
+STORED_CONFIG = {"int4-lmhead": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                                 "sym": True, "lm_head": True}}
 KV_CACHE_DTYPE = {"fp8kv": "fp8"}   # engine-only formats: bf16 weights, another KV cache dtype
 SINGLE, W1 = Workload(1, 512, 128), Workload(64, 512, 256)
 QUICK_SINGLE, QUICK_W1 = Workload(1, 16, 4), Workload(2, 16, 4)
@@ -43,6 +48,8 @@ GEMM_M = (1, 16, 64, 256, 4096)
 def engine_options(model: str | None, fmt: str, device: torch.device, w1: Workload,
                    gpu_memory_utilization: float) -> dict:
     """`LLM` arguments for one format's engine on dummy weights, sized for W1."""
+    if fmt in STORED_CONFIG:
+        model = dummy_config_with(model, STORED_CONFIG[fmt])
     options = dict(model=model, load_format="dummy", quantization=QUANTIZATION.get(fmt),
                    kv_cache_dtype=KV_CACHE_DTYPE.get(fmt, "auto"), dtype="bfloat16"
                    if device.type == "cuda" else "float32", device=device.type, max_num_seqs=w1.num_requests,
@@ -54,6 +61,15 @@ def engine_options(model: str | None, fmt: str, device: torch.device, w1: Worklo
     return options
 
 
+def dummy_config_with(model: str, quantization_config: dict) -> str:
+    """A config.json (in a temporary folder) of the shipped dummy config `model` with that quantization_config."""
+    from minivllm.models.loader import CONFIGS_DIR
+    config = json.loads((CONFIGS_DIR / f"{model}.json").read_text())
+    path = Path(tempfile.mkdtemp()) / "config.json"
+    path.write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    return str(path)
+
+
 def engine_row(args, fmt: str, device: torch.device) -> dict:
     from minivllm import LLM
     single, w1 = (QUICK_SINGLE, QUICK_W1) if args.quick else (SINGLE, W1)
@@ -61,7 +77,9 @@ def engine_row(args, fmt: str, device: torch.device) -> dict:
     llm = LLM(**options)
     runner = llm.llm_engine.runner
     vocab = runner.vocab_size
-    row = {"format": fmt, "quantization": QUANTIZATION.get(fmt), "weight_bytes": runner.weight_bytes,
+    row = {"format": fmt, "quantization": QUANTIZATION.get(fmt, STORED_CONFIG.get(fmt, {}).get("quant_method")),
+           **({"quantization_config": STORED_CONFIG[fmt]} if fmt in STORED_CONFIG else {}),
+           "weight_bytes": runner.weight_bytes,
            "kv_cache_dtype": options["kv_cache_dtype"], "num_gpu_blocks": runner.num_blocks,
            "kv_cache_tokens": runner.num_kv_tokens}
     warm_up(llm, w1, vocab)

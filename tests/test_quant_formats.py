@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.conftest import PagedRun, assert_logits_close, make_tiny_hf_checkpoint
 from minivllm.models.loader import load_model, resolve_model
@@ -103,6 +103,8 @@ def write_quantized(folder, reference, fmt: str, seed: int = 0):
     tensors, expected, orders = {}, {}, {}
     for name, tensor in reference.state_dict().items():
         module = name.rsplit(".", 1)[0]
+        if name == "lm_head.weight" and reference.config.tie_word_embeddings:
+            continue   # tied checkpoints store the embedding only
         if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS):
             tensors[name] = tensor.contiguous()
             continue
@@ -208,6 +210,48 @@ def test_cli_quantization_flags():
     assert (args.model, args.method, args.alpha) == (None, "smoothquant", 0.3)
     args = build_parser().parse_args(["eval-ppl", "m", "--text", "t.txt", "--quantization", "int8"])
     assert (args.window, args.stride, engine_config_from_args(args).quantization) == (1024, 512, "int8")
+
+
+def write_quantized_lm_head(folder, reference) -> torch.Tensor:
+    """GPTQModel's `lm_head: true`: the head in GPTQ layout too (act-order), the embedding left as it was
+    (a tied model's head gets its own tensors); returns the dequantized head, now also the reference's."""
+    weight = reference.lm_head.weight.detach().clone()
+    K = weight.shape[1]
+    g_idx = (np.arange(K) // GROUP)[np.random.default_rng(1).permutation(K)]
+    codes, scales, zeros = quantize_groups(weight, g_idx, sym=False)
+    tensors = {name: t for name, t in load_file(str(folder / "model.safetensors")).items() if name != "lm_head.weight"}
+    tensors.update({f"lm_head.{key}": value.contiguous()
+                    for key, value in gptq_tensors(codes, scales, zeros, g_idx).items()})
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["lm_head"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    head = torch.tensor(((codes - zeros[g_idx]) * scales[g_idx]).T, dtype=torch.float32)
+    reference.lm_head.weight = torch.nn.Parameter(head.clone(), requires_grad=False)   # unties a tied reference
+    return head
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("arch", ["llama3", "llama-tied-bias"])
+def test_gptq_quantized_lm_head(arch, device, tmp_path):
+    """A GPTQ checkpoint with `lm_head: true` (the head in the format as well, act-order; on a tied model the
+    embedding keeps its own weight): the head holds exactly the test's dequantized weight and the logits match
+    transformers with it; the engine reports the head's quantization."""
+    reference = make_tiny_hf_checkpoint(tmp_path, arch)
+    write_quantized(tmp_path, reference, "gptq-asym-desc-act")
+    head = write_quantized_lm_head(tmp_path, reference)
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device(device))
+    lm_head = model.lm_head
+    assert not hasattr(lm_head, "weight") and model.quant_config.describe().endswith("lm_head)")
+    ours = dequantize(lm_head.qweight, lm_head.scales, lm_head.zeros, GROUP, 4, lm_head.input_size)
+    ours = ours[torch.argsort(lm_head.perm)].t().cpu()
+    torch.testing.assert_close(ours, head, rtol=0, atol=1e-6)
+    assert torch.equal(model.model.embed_tokens.weight.cpu(), reference.model.embed_tokens.weight)
+    sequences = [[3, 5, 7, 11, 13, 17], [19, 23, 29]]
+    with torch.no_grad():
+        for seq, logits in zip(sequences, PagedRun(model, len(sequences), 8).step(sequences)):
+            assert_logits_close(logits.cpu(), reference(torch.tensor([seq])).logits[0])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,9 @@
 """Token embedding and LM head. The head may share its weight with the embedding (tied embeddings,
 e.g. SmolLM2, Qwen2.5-0.5B); then the checkpoint has no separate `lm_head.weight` to load.
 
+A GPTQ checkpoint may store the head quantized (`lm_head: true`, as GPTQModel writes): the head then
+holds the format's tensors instead of `weight`, is never tied, and runs the format's GEMM.
+
 Under tensor parallelism the vocabulary splits into equal shards of ceil(vocab / ranks) rows (the
 last padded): the embedding looks up the ids in its shard, zeroes the others and all-reduces; the
 head computes its shard's logits and gathers them on the driver, which drops the padding columns.
@@ -13,6 +16,7 @@ from torch import nn
 
 from minivllm.distributed import gather_to_driver, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from minivllm.layers.linear import default_weight_loader
+from minivllm.quantization import current_lm_head_method
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,12 +61,23 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.quant_method = current_lm_head_method(self)
+        if self.quant_method is not None:
+            if get_tp_size() > 1:
+                raise ValueError("a quantized LM head (lm_head: true) needs tensor_parallel_size 1")
+            del self.weight
+            self.input_size, self.output_size = embedding_dim, self.shard_size
+            self.quant_method.create_weights(self, embedding_dim, self.shard_size)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
+        if self.quant_method is None:   # a quantized head keeps its own tensors
+            self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden_states, self.bias)
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
         if get_tp_size() == 1:
             return logits
         logits = gather_to_driver(logits)

@@ -75,6 +75,12 @@ def current_quant_method(layer):
     return None if config is None else config.get_quant_method(layer)
 
 
+def current_lm_head_method(layer):
+    """The method for the LM head: only where the active config quantizes it (GPTQ's `lm_head: true`)."""
+    config = _current[-1]
+    return config.get_quant_method(layer) if config is not None and config.quantizes_lm_head else None
+
+
 def init_dummy_quantized_weights(model) -> None:
     """After the loader's random fill: scales and zero points that keep activations at bf16's scale."""
     for module in model.modules():

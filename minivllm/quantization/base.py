@@ -15,6 +15,7 @@ from torch import nn
 
 class QuantizationConfig:
     name: str = ""
+    quantizes_lm_head: bool = False   # the checkpoint stores the LM head in the format too (GPTQ `lm_head`)
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizationConfig":

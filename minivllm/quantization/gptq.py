@@ -6,6 +6,7 @@ Per linear layer with K inputs, N outputs, G = K / group_size groups, pf = 32 / 
                              (v1) stores zero - 1, "gptq_v2" (GPTQModel) the zero itself;
   scales  [G, N] fp16;       g_idx [K] int32: the group of each input (read only with desc_act, whose act-order permutes it).
 W[k, n] = (code[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n].
+`lm_head: true` (GPTQModel's quantized LM head): `lm_head.qweight` etc. too, with N the vocabulary.
 """
 from __future__ import annotations
 
@@ -20,20 +21,24 @@ from minivllm.quantization.weight_only import WeightOnlyLinearMethod
 class GPTQConfig(QuantizationConfig):
     name = "gptq"
 
-    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str = "gptq"):
+    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str = "gptq",
+                 lm_head: bool = False):
         pack_factor(bits)
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}")
         self.bits, self.group_size, self.desc_act, self.sym = bits, group_size, desc_act, sym
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+        self.quantizes_lm_head = lm_head
 
     @classmethod
     def from_config(cls, config: dict) -> "GPTQConfig":
         return cls(int(config.get("bits", 4)), int(config.get("group_size", 128)), bool(config.get("desc_act", False)),
-                   bool(config.get("sym", True)), config.get("checkpoint_format", "gptq"))
+                   bool(config.get("sym", True)), config.get("checkpoint_format", "gptq"),
+                   bool(config.get("lm_head", False)))
 
     def describe(self) -> str:
-        return f"gptq (int{self.bits}, group {self.group_size}{', desc_act' if self.desc_act else ''})"
+        extras = (", desc_act" if self.desc_act else "") + (", lm_head" if self.quantizes_lm_head else "")
+        return f"gptq (int{self.bits}, group {self.group_size}{extras})"
 
     def get_quant_method(self, layer: nn.Module):
         return GPTQLinearMethod(self)
