@@ -8,7 +8,8 @@ weights per output channel and/or the inputs per token through `w8a8.quantize_ro
 rounding) and multiplies in fp32; perplexity through the engine's prompt logprobs, 512-token windows
 every 448 tokens (--window, --stride). Prints one line per configuration, relative to the unquantized model.
 --activations-only: only the inputs rounded, everywhere and at each site alone. --group G: the inputs' scales
-per token and G channels (block-wise activation scales) instead of per token.
+per token and G channels (block-wise activation scales) instead of per token. --lm-head 128,32: only the LM head
+rounded to int4 per group (what a quantized head, GPTQ's lm_head: true, costs before any error feedback).
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--activations-only", action="store_true")
     parser.add_argument("--group", type=int, default=0,
                         help="activation scales per token and this many channels (0: per token)")
+    parser.add_argument("--lm-head", default="",
+                        help="instead: the LM head alone rounded to int4 (asymmetric, per group of these sizes, "
+                             "comma-separated), the rest unquantized")
     args = parser.parse_args()
     llm = LLM(None, dtype="float32", kv_cache_memory=1 << 29, enable_prefix_caching=False)
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
@@ -76,6 +80,14 @@ def main() -> None:
         print(f"{name:42s} {ppl:8.4f} {100 * (ppl / baseline - 1):+7.2f}%  ({time.time() - started:.0f} s)", flush=True)
 
     run("fp32")
+    if args.lm_head:   # the head's own weight (untied from the embedding), rounded to nearest per group
+        from minivllm.quantization.algorithms import fake_quantize
+        head = llm.llm_engine.runner.model.lm_head
+        weight = head.weight.data.clone()
+        for group in (int(g) for g in args.lm_head.split(",")):
+            head.weight = torch.nn.Parameter(fake_quantize(weight, 4, group, sym=False), requires_grad=False)
+            run(f"int4 LM head, rtn, group {group}")
+        return
     edge = ("0", "1", "28", "29")
     sites = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     for kind in args.kinds:

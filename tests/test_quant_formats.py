@@ -248,10 +248,16 @@ def test_gptq_quantized_lm_head(arch, device, tmp_path):
     ours = ours[torch.argsort(lm_head.perm)].t().cpu()
     torch.testing.assert_close(ours, head, rtol=0, atol=1e-6)
     assert torch.equal(model.model.embed_tokens.weight.cpu(), reference.model.embed_tokens.weight)
-    sequences = [[3, 5, 7, 11, 13, 17], [19, 23, 29]]
     with torch.no_grad():
+        if device == "cuda":   # the head's CUDA GEMM (GEMV at one row) on hidden states
+            for rows in (1, 5, 40):
+                hidden = torch.randn(rows, head.shape[1], device=device)
+                torch.testing.assert_close(model.compute_logits(hidden).cpu(), hidden.cpu() @ head.t(),
+                                           rtol=1e-3, atol=1e-3)
+            return
+        sequences = [[3, 5, 7, 11, 13, 17], [19, 23, 29]]
         for seq, logits in zip(sequences, PagedRun(model, len(sequences), 8).step(sequences)):
-            assert_logits_close(logits.cpu(), reference(torch.tensor([seq])).logits[0])
+            assert_logits_close(logits, reference(torch.tensor([seq])).logits[0])
 
 
 @pytest.mark.gpu

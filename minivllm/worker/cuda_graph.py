@@ -121,9 +121,11 @@ class CUDAGraphRunner:
         with set_forward_context(metadata):
             ids, positions = self.input_ids[:num_tokens], self.positions[:num_tokens]
             self.hidden[:num_tokens] = self.model(ids, positions)  # warm-up: compiles kernels, sizes buffers
-            if with_logits:
+            if decode and self.compute_logits is not None:
+                # also for rows whose logits run outside the graph: a quantized LM head's GEMM tunes its tile
+                # for this size now, not in the first step that has that many rows
                 logits = self.compute_logits(self.hidden[:num_tokens])
-                if self.logits is None:
+                if with_logits and self.logits is None:
                     self.logits = logits.new_empty(LOGITS_IN_GRAPH_MAX_ROWS, logits.shape[1])
             torch.cuda.synchronize()
             # What the backend derived in the warm-up is recomputed inside the graph, or replays would
