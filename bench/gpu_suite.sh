@@ -40,8 +40,9 @@
 #      stream vs floor) -> gemma2/models_<gpu>.json (a subfolder, so stage M's file is not overwritten). ~5 min.
 #   P4: (carrying .carry/p, right after F2 while the model file is still there) stage P's int4 rows (rtn, gptq
 #      act-order, awq; asymmetric, group 32) and the bf16 baseline over 100k tokens -> quant_quality_int4_gpu.json.
-#   R: (carrying .carry/a) the quantized kernels' GPU tests, then bench/quant_bench.py on dummy Llama-3-8B for
-#      bf16, fp8, int4 and fp8kv (GEMM table + engine rows, quant_<gpu>.json). ~7 min. Then S2 (.carry/b).
+#   R: (carrying .carry/a) the quantized kernels' and formats' GPU tests, then bench/quant_bench.py on dummy
+#      Llama-3-8B for bf16, fp8, int4, int4-lmhead and fp8kv (GEMM table + engine rows, quant_<gpu>.json). ~8 min.
+#      Then S2 (.carry/b).
 #   S2: speculative decoding, real model (no speculation vs n-gram, batch 1) and under load (W1 and 256 x 512
 #      -> 256): spec_decode_<gpu>.json (the verify-cost and draft-layers parts as measured before). ~5 min.
 #   Z: Llama-3-70B dummy, int4 and fp8 weights on one GPU: W1 + batch-1 decode (quant_70b_<gpu>.json). ~4 min.
@@ -236,9 +237,9 @@ case "${1:-A}" in
     int4_rows
     ;;
   R)
-    timeout 120 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py 2>&1 \
-      | tee "$OUT/gpu_tests_R.log" | tail -3
-    timeout 470 python3 bench/quant_bench.py --formats bf16,fp8,int4,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py \
+      tests/test_quant_formats.py 2>&1 | tee "$OUT/gpu_tests_R.log" | tail -3
+    timeout 520 python3 bench/quant_bench.py --formats bf16,fp8,int4,int4-lmhead,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant_bench.log" | grep -v "M=" | tail -12
     ;;
   S2)
