@@ -203,7 +203,7 @@ case "${1:-A}" in
     python3 bench/structured_bench.py --out "$OUT" > "$OUT/structured_bench.log" 2>&1; tail -10 "$OUT/structured_bench.log"
     ;;
   Q)
-    timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py \
+    timeout 240 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py \
       tests/test_kv_cache_fp8.py 2>&1 | tee "$OUT/gpu_tests_Q.log" | tail -3
     timeout 320 python3 bench/quant_bench.py --out "$OUT" > "$OUT/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant_bench.log" | tail -30
@@ -237,9 +237,9 @@ case "${1:-A}" in
     int4_rows
     ;;
   R)
-    timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py \
+    timeout 240 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_w8a8.py \
       tests/test_quant_formats.py 2>&1 | tee "$OUT/gpu_tests_R.log" | tail -3
-    timeout 520 python3 bench/quant_bench.py --formats bf16,fp8,int4,int4-lmhead,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
+    timeout 480 python3 bench/quant_bench.py --formats bf16,fp8,int4,int4-lmhead,fp8kv --out "$OUT" > "$OUT/quant_bench.log" 2>&1
     grep -v "^ " "$OUT/quant_bench.log" | grep -v "M=" | tail -12
     ;;
   S2)
