@@ -113,6 +113,19 @@ def announced_copy_bandwidth(device: torch.device, meta: dict) -> float:
     return copy_bw
 
 
+def checked_timing(fn, reference: torch.Tensor | None, label: str) -> tuple[float, float] | None:
+    """A candidate kernel's (max |fn() - reference| / max |reference|, seconds per call from a CUDA graph), the
+    error 0 without a reference; None, with the reason printed after `label`, where it cannot run on this GPU
+    (shared memory, registers)."""
+    from minivllm.kernels.tuning import device_seconds
+    try:
+        error = 0.0 if reference is None else ((fn().float() - reference).abs().max() / reference.abs().max()).item()
+        return error, device_seconds(fn, calls=10, repeats=10)
+    except Exception as e:
+        print(f"  {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+
+
 def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int | None = None) -> float:
     """FLOP/s of an n x n x n matrix product on random data (8192 on the GPU)."""
     n = n or (8192 if device.type == "cuda" else 512)

@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import announced_copy_bandwidth, device_slug, run_metadata, write_json  # noqa: E402
+from bench.common import (announced_copy_bandwidth, checked_timing, device_slug, run_metadata,  # noqa: E402
+                          write_json)
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import int4_gemm  # noqa: E402
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
@@ -100,12 +101,10 @@ def main(argv=None) -> dict:
                         return module.weight_only_gemm(x, qweight, scales, zeros, GROUP, 4, split_k=choice[1],
                                                        config=choice[0])
                     label = "dequant+cublas" if choice is None else f"{choice[0]}/split{choice[1]}"
-                    try:
-                        error = ((fn().float() - reference).abs().max() / reference.abs().max()).item()
-                        seconds = device_seconds(fn, calls=10, repeats=10)
-                    except Exception as e:   # a tile that does not fit this GPU
-                        print(f"  {version} {name} M={M} {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    timing = checked_timing(fn, reference, f"{version} {name} M={M} {label}")
+                    if timing is None:
                         continue
+                    error, seconds = timing
                     row = {"version": version, "layer": name, "K": K, "N": N, "M": M, "candidate": label,
                            "us": 1e6 * seconds, "bytes_per_s": moved / seconds, "max_rel_error": error,
                            "correct": error < 2e-2}

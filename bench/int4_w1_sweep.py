@@ -21,12 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import announced_copy_bandwidth, device_slug, run_metadata, write_json  # noqa: E402
+from bench.common import (announced_copy_bandwidth, checked_timing, device_slug, run_metadata,  # noqa: E402
+                          write_json)
 from bench.int4_gemv_sweep import random_int4  # noqa: E402
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import int4_gemm  # noqa: E402
 from minivllm.kernels.split_k import choose_split_k  # noqa: E402
-from minivllm.kernels.tuning import device_seconds  # noqa: E402
 
 GROUP = 128
 WARPS_STAGES = ((4, 3), (4, 4), (8, 3))
@@ -105,12 +105,10 @@ def main(argv=None) -> dict:
             moved = weight_bytes + M * (K + N) * 2
 
             def record(family, label, fn, check=True):
-                try:
-                    error = ((fn().float() - reference).abs().max() / reference.abs().max()).item() if check else 0.0
-                    seconds = device_seconds(fn, calls=10, repeats=10)
-                except Exception as e:   # a tile that does not fit this GPU
-                    print(f"  {name} M={M} {label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                timing = checked_timing(fn, reference if check else None, f"{name} M={M} {label}")
+                if timing is None:
                     return
+                error, seconds = timing
                 row = {"family": family, "layer": name, "K": K, "N": N, "M": M, "candidate": label,
                        "us": 1e6 * seconds, "bytes_per_s": moved / seconds, "flops_per_s": 2 * M * K * N / seconds,
                        "max_rel_error": error, "correct": error < 2e-2}

@@ -4,9 +4,10 @@
     python bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm --out bench/results
 
 Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128, int4-lmhead = the same
-with the LM head quantized too (GPTQ's `lm_head: true`), and fp8kv = bf16 weights with kv_cache_dtype="fp8"): batch-1 decode tok/s (1 x 512 -> 128, median time per output token) and W1
-(64 x 512 -> 256 output tok/s), each with its ratio to bf16, and the KV capacity (blocks and tokens at the
-same gpu_memory_utilization) with its ratio to bf16's. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096}
+with the LM head quantized too (GPTQ's `lm_head: true`), and fp8kv = bf16 weights with kv_cache_dtype="fp8"):
+batch-1 decode tok/s (1 x 512 -> 128, median time per output token) and W1 (64 x 512 -> 256 output tok/s),
+each with its ratio to bf16, and the KV capacity (blocks and tokens at the same gpu_memory_utilization) with
+its ratio to bf16's. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096}
 x the 8B layer shapes, as the linear layers run it (activation quantization included for W8A8), with
 achieved weight+activation bytes/s against the measured copy bandwidth and FLOP/s against the measured bf16
 matmul rate.

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import announced_copy_bandwidth, device_slug, run_metadata, write_json  # noqa: E402
+from bench.common import (announced_copy_bandwidth, checked_timing, device_slug, run_metadata,  # noqa: E402
+                          write_json)
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import w8a8_gemm  # noqa: E402
 from minivllm.kernels.quant_rows import quantize_rows  # noqa: E402
@@ -68,12 +69,10 @@ def main(argv=None) -> dict:
             for tile in list(dict.fromkeys(engine + extra_candidates(M, N, K, device))):
                 def fn(tile=tile):
                     return w8a8_gemm.w8a8_triton(x_codes, x_scale, w_codes, w_scale, torch.bfloat16, tile)
-                try:
-                    error = ((fn().float() - reference).abs().max() / reference.abs().max()).item()
-                    seconds = device_seconds(fn, calls=10, repeats=10)
-                except Exception as e:   # a tile that does not fit this GPU
-                    print(f"  {name} M={M} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                timing = checked_timing(fn, reference, f"{name} M={M} {tile}")
+                if timing is None:
                     continue
+                error, seconds = timing
                 row = {"layer": name, "K": K, "N": N, "M": M, "candidate": str(tile), "engine": tile in engine,
                        "us": 1e6 * seconds, "bytes_per_s": moved / seconds, "copy_fraction": moved / seconds / copy_bw,
                        "max_rel_error": error, "correct": error < 2e-2}

@@ -129,6 +129,15 @@ def write_quantized(folder, reference, fmt: str, seed: int = 0):
     return expected
 
 
+def dequantized_weight(module) -> torch.Tensor:
+    """A weight-only layer's weight [N, K] as our layout holds it, inputs back in checkpoint order."""
+    group_size, _ = module.quant_method.groups(module.input_size)
+    w = dequantize(module.qweight, module.scales, module.zeros, group_size, 4, module.input_size)
+    if module.perm is not None:   # act-order: our rows are in permuted input order
+        w = w[torch.argsort(module.perm)]
+    return w.t()
+
+
 def loaded_weight(model, layer: int, proj: str) -> torch.Tensor:
     """Our model's dequantized weight [N, K] for one checkpoint projection (slicing packed layers)."""
     block = model.model.layers[layer]
@@ -138,11 +147,7 @@ def loaded_weight(model, layer: int, proj: str) -> torch.Tensor:
               "down_proj": ("mlp.down_proj", None)}
     module_name, shard = packed[proj]
     module = block.get_submodule(module_name)
-    group_size, _ = module.quant_method.groups(module.input_size)
-    w = dequantize(module.qweight, module.scales, module.zeros, group_size, 4, module.input_size)
-    if module.perm is not None:   # act-order: our rows are in permuted input order
-        w = w[torch.argsort(module.perm)]
-    w = w.t()
+    w = dequantized_weight(module)
     if shard is not None:
         start, size = module.shard_offsets[shard]
         w = w[start:start + size]
@@ -242,11 +247,8 @@ def test_gptq_quantized_lm_head(arch, device, tmp_path):
     write_quantized(tmp_path, reference, "gptq-asym-desc-act")
     head = write_quantized_lm_head(tmp_path, reference)
     model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device(device))
-    lm_head = model.lm_head
-    assert not hasattr(lm_head, "weight") and model.quant_config.describe().endswith("lm_head)")
-    ours = dequantize(lm_head.qweight, lm_head.scales, lm_head.zeros, GROUP, 4, lm_head.input_size)
-    ours = ours[torch.argsort(lm_head.perm)].t().cpu()
-    torch.testing.assert_close(ours, head, rtol=0, atol=1e-6)
+    assert not hasattr(model.lm_head, "weight") and model.quant_config.describe().endswith("lm_head)")
+    torch.testing.assert_close(dequantized_weight(model.lm_head).cpu(), head, rtol=0, atol=1e-6)
     assert torch.equal(model.model.embed_tokens.weight.cpu(), reference.model.embed_tokens.weight)
     with torch.no_grad():
         if device == "cuda":   # the head's CUDA GEMM (GEMV at one row) on hidden states
