@@ -115,6 +115,13 @@
 #   P5: (carrying .carry/b, .carry/p and .whl right after PF) int4 gptq g32 act-order quantized on the device
 #      host one-pass and sequential with full-precision targets (GPTAQ-style), scored over 100k tokens beside the
 #      bf16 baseline -> quant_quality_int4_seq_gpu.json. ~8 min.
+#   PK: (carrying .carry/b, .carry/p and .whl right after PG) distillation after rounding, swept on the validation
+#      text (Exodus, 30k tokens): int4 gptq g32 act-order asymmetric, then fp8 W8A8 gptq, each rounded once and
+#      distilled per STEPS:LR:SCALE_LR setting (bench/distill_sweep.py) -> distill_int4_valid.json, distill_fp8_valid.json.
+#      INT4_SETTINGS / FP8_SETTINGS override the settings. ~9 min.
+#   PH: (carrying .carry/b, .carry/p and .whl right after PG) the distilled folders at the settings chosen on the
+#      validation text (INT4_DISTILL, FP8_DISTILL as STEPS:LR:SCALE_LR), appended over 100k held-out tokens to a copy of
+#      bench/results/quant_quality.json beside a fresh bf16 row. ~8 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -133,6 +140,7 @@ quality_setup() {
   QUANTIZE="python3 -m minivllm.cli quantize --calib $T/calib.txt"
 }
 add() { [ -f "$Q/$2/tokenizer.json" ] && timeout 120 $PPL --append --variant "$1=$Q/$2${3:-}" 2>&1 | grep ppl; }
+distill_args() { IFS=: read -r steps lr scale_lr <<< "$1"; echo "--distill-steps $steps --distill-lr $lr --distill-scale-lr $scale_lr"; }
 int4_rows() {   # int4 rtn, gptq (act-order) and awq, asymmetric, group 32
   timeout 60 $QUANTIZE --method rtn --no-sym --group-size 32 --out $Q/rtn32 2>&1 | tail -1
   add int4-rtn-g32 rtn32
@@ -354,6 +362,31 @@ case "${1:-A}" in
     timeout 150 $QUANTIZE --method gptq --no-sym --desc-act --group-size 128 --sequential --target-full-precision \
       --out $Q/gptaq128 2>&1 | tail -1
     add int4-gptq-g128-sequential-fp-target gptaq128
+    ;;
+  PK)
+    quality_setup unused.json
+    INT4_ARGS=""; FP8_ARGS=""
+    for setting in ${INT4_SETTINGS:-400:0:0.001 400:0.01:0.001 400:0.03:0.001 400:0.01:0.003 400:0.01:0.0003}; do INT4_ARGS="$INT4_ARGS --setting $setting"; done
+    for setting in ${FP8_SETTINGS:-400:0.01:0.0001 400:0.03:0.0001 400:0.01:0.001}; do FP8_ARGS="$FP8_ARGS --setting $setting"; done
+    timeout 290 python3 bench/distill_sweep.py --calib $T/calib.txt --valid $T/valid.txt --method gptq --no-sym \
+      --desc-act --group-size 32 $INT4_ARGS --folders $Q/int4 --name distill_int4_valid.json --out "$OUT" \
+      > "$OUT/distill_int4.log" 2>&1
+    grep -E "distill|rounded|ppl" "$OUT/distill_int4.log" | grep -v "step "
+    timeout 250 python3 bench/distill_sweep.py --calib $T/calib.txt --valid $T/valid.txt --method gptq \
+      --desc-act --w8a8 fp8 $FP8_ARGS --folders $Q/fp8 --name distill_fp8_valid.json --out "$OUT" \
+      > "$OUT/distill_fp8.log" 2>&1
+    grep -E "distill|rounded|ppl" "$OUT/distill_fp8.log" | grep -v "step "
+    ;;
+  PH)
+    quality_setup quant_quality.json
+    cp bench/results/quant_quality.json "$OUT/"
+    timeout 60 $PPL --append --variant bf16-rerun= 2>&1 | grep ppl
+    timeout 200 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --seq-len 512 \
+      $(distill_args $INT4_DISTILL) --out $Q/gptq32d 2>&1 | grep -v "step "
+    add int4-gptq-g32-distilled gptq32d
+    timeout 200 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --seq-len 512 \
+      $(distill_args $FP8_DISTILL) --out $Q/fp8d 2>&1 | grep -v "step "
+    add fp8-gptq-distilled fp8d
     ;;
   PT)
     mkdir -p "$OUT/quant" "$OUT/profile"

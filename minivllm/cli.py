@@ -205,6 +205,13 @@ def add_quantization_commands(sub) -> None:
     quantize.add_argument("--grid-search", action="store_true",
                           help="rtn/gptq int: each group's scale and zero from a grid of scaled ranges and shifted "
                                "zeros (least H-diagonal-weighted rounding error) instead of min/max")
+    quantize.add_argument("--distill-steps", type=int, default=0,
+                          help="after rounding, fine-tune the weights on their grids, the scales and the norms "
+                               "towards the unquantized model's next-token distributions on --calib (Adam steps)")
+    quantize.add_argument("--distill-lr", type=float, default=0.01,
+                          help="distillation learning rate of the weights, in grid steps per Adam step")
+    quantize.add_argument("--distill-scale-lr", type=float, default=0.001,
+                          help="distillation learning rate of the scales' log-ratios and the norm weights")
     quantize.add_argument("--out", required=True, help="output folder")
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a text through the engine's prompt logprobs")
@@ -226,7 +233,8 @@ def _run_quantization_command(args: argparse.Namespace) -> None:
         folder = quantize_model(args.model, args.method, args.out, args.bits, args.group_size, args.calib,
                                 args.num_samples, args.seq_len, args.sym, args.desc_act, args.w8a8,
                                 args.smoothquant_alpha, args.sequential, args.fp8_inputs,
-                                args.target_full_precision, args.grid_search)
+                                args.target_full_precision, args.grid_search, args.distill_steps,
+                                args.distill_lr, args.distill_scale_lr)
         print(f"wrote {folder}")
         return
     import json

@@ -11,27 +11,36 @@ a text file and accumulates, per linear-layer input, H = X^T X and mean |x| (one
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from minivllm.quantization.algorithms import (awq_search_clip, awq_search_scale, dequantize_groups, gptq_quantize,
                                               gptq_quantize_rows, quantize_rtn)
 from minivllm.quantization.awq import AWQ_ORDER
+from minivllm.quantization.distill import GroupRounding, RowRounding, distill
 from minivllm.quantization.packing import pack_cols, pack_rows
 from minivllm.quantization.sequential import SequentialCalibration, fit_to_full_precision
 from minivllm.quantization.smoothquant import smooth_layers
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DISTILL_LR = 0.01          # weights: grid steps per Adam step, at the top of the schedule
+DISTILL_SCALE_LR = 0.001   # scales' log-ratios and norm weights
 # linear -> the projection whose input statistics it shares
 INPUT_OF = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
             "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
 
 
+def calibration_tokens(text: str, tokenizer) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+
 def calibration_windows(text: str, tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
     """`num_samples` token windows spread evenly over the text."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = calibration_tokens(text, tokenizer)
     if len(ids) < seq_len:
         raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one window of {seq_len}")
     starts = torch.linspace(0, len(ids) - seq_len, num_samples).long()
@@ -113,6 +122,13 @@ def awq_format_tensors(codes, scales, zeros, g_idx, bits: int) -> dict:
             "scales": scales.half()}
 
 
+def rounded_weight(part: GroupRounding | RowRounding) -> torch.Tensor:
+    """The weights [N, K] a linear's rounding stands for."""
+    if isinstance(part, RowRounding):
+        return part.codes.float() * part.scale.float().view(-1, 1)
+    return dequantize_groups(*part)
+
+
 def w8a8_format_tensors(codes, scale) -> dict:
     return {"weight": codes, "weight_scale": scale.float().unsqueeze(1)}
 
@@ -138,23 +154,55 @@ def quantization_config(method: str, bits: int, group_size: int, sym: bool, desc
             "damp_percent": 0.01, "quantizer": f"minivllm-{method}"}
 
 
-@torch.no_grad()
+class QuantizationOptions(NamedTuple):
+    """What `minivllm quantize` was asked for (validated by `check_options`)."""
+    method: str
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    desc_act: bool = False
+    w8a8: str | None = None
+    smooth_alpha: float | None = None
+    sequential: bool = False
+    fp8_inputs: bool = False
+    target_full_precision: bool = False
+    grid_search: bool = False
+    num_samples: int = 32
+    seq_len: int = 256
+
+
 def quantize_model(model: str | None, method: str, out: str, bits: int = 4, group_size: int = 128,
                    calib: str | None = None, num_samples: int = 32, seq_len: int = 256,
                    sym: bool | None = None, desc_act: bool = False, w8a8: str | None = None,
                    smooth_alpha: float | None = None, sequential: bool = False, fp8_inputs: bool = False,
-                   target_full_precision: bool = False, grid_search: bool = False) -> Path:
+                   target_full_precision: bool = False, grid_search: bool = False, distill_steps: int = 0,
+                   distill_lr: float = DISTILL_LR, distill_scale_lr: float = DISTILL_SCALE_LR) -> Path:
     """Quantize `model` (HF folder or .gguf; None: the default model) into the folder `out`. gptq only:
     `sequential` calibrates each linear on the outputs of the already quantized ones (sequential.py);
     with it, `fp8_inputs` rounds the calibration activations per token to fp8 as served W8A8 fp8 does,
     and `target_full_precision` fits each linear to the unquantized model's outputs (GPTAQ-style).
     rtn and gptq int weights: `grid_search` picks each group's scale and zero from a grid of scaled ranges
-    and shifted zeros (algorithms.search_group_params) instead of the group's min/max."""
-    import transformers
-    from safetensors.torch import save_file
+    and shifted zeros (algorithms.search_group_params) instead of the group's min/max.
+    `distill_steps` > 0: after rounding, fine-tune the weights on their grids, the scales and the norms
+    towards the unquantized model on the calibration text (distill.py; `distill_lr` in grid steps for the
+    weights, `distill_scale_lr` for the scales' log-ratios and the norms)."""
+    options = check_options(method, bits, group_size, calib, sym, desc_act, w8a8, smooth_alpha, sequential,
+                            fp8_inputs, target_full_precision, grid_search, distill_steps,
+                            distill_lr, distill_scale_lr, num_samples, seq_len)
+    hf_model, tokenizer = load_for_quantization(model)
+    text = Path(calib).read_text(encoding="utf-8", errors="replace") if calib else None
+    teacher = copy.deepcopy(hf_model) if distill_steps else None
+    roundings, prefixes = round_linears(hf_model, tokenizer, text, options)
+    if distill_steps:
+        roundings = distill_roundings(hf_model, teacher, roundings, tokenizer, text, options, distill_steps,
+                                      distill_lr, distill_scale_lr)
+    return write_folder(hf_model, tokenizer, roundings, prefixes, options, out)
 
-    from minivllm.models.loader import resolve_model
 
+def check_options(method, bits, group_size, calib, sym, desc_act, w8a8, smooth_alpha, sequential, fp8_inputs,
+                  target_full_precision, grid_search, distill_steps=0, distill_lr=DISTILL_LR,
+                  distill_scale_lr=DISTILL_SCALE_LR, num_samples=32, seq_len=256) -> QuantizationOptions:
+    """The options, with `sym`'s default filled in; a ValueError naming the first bad one."""
     if method not in ("rtn", "gptq", "awq"):
         raise ValueError(f"unknown method {method!r} (rtn, gptq or awq)")
     if method == "awq" and bits != 4:
@@ -169,9 +217,12 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
         raise ValueError("awq scales the inputs itself; smoothing applies to rtn and gptq")
     if smooth_alpha is not None and not 0 <= smooth_alpha <= 1:
         raise ValueError(f"smoothing alpha must be in [0, 1], got {smooth_alpha}")
-    if (method != "rtn" or smooth_alpha is not None) and not calib:
-        raise ValueError(f"{method}{' with smoothing' if smooth_alpha is not None else ''} needs calibration text "
-                         "(--calib FILE)")
+    if (method != "rtn" or smooth_alpha is not None or distill_steps) and not calib:
+        raise ValueError(f"{method}{' with smoothing' if smooth_alpha is not None else ''}"
+                         f"{' with distillation' if distill_steps else ''} needs calibration text (--calib FILE)")
+    if distill_steps < 0 or distill_lr < 0 or distill_scale_lr < 0 or distill_lr + distill_scale_lr == 0:
+        raise ValueError(f"distillation needs steps >= 0 and learning rates >= 0, not both 0; got {distill_steps}, "
+                         f"{distill_lr} and {distill_scale_lr}")
     if (sequential or fp8_inputs or target_full_precision) and method != "gptq":
         raise ValueError("sequential calibration applies to gptq only")
     if (fp8_inputs or target_full_precision) and not sequential:
@@ -183,30 +234,45 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
     sym = (method != "awq") if sym is None else sym
     if method == "awq" and sym:
         raise ValueError("awq's format is asymmetric (zero points); drop --sym")
+    return QuantizationOptions(method, bits, group_size, sym, desc_act, w8a8, smooth_alpha, sequential, fp8_inputs,
+                               target_full_precision, grid_search, num_samples, seq_len)
+
+
+def load_for_quantization(model: str | None):
+    """(the transformers model in fp32, its tokenizer)."""
+    import transformers
+
+    from minivllm.models.loader import resolve_model
     source = resolve_model(model)
     if source.weights_dir is None or source.tokenizer_dir is None:
         raise ValueError(f"{model!r} has no weights or no tokenizer to quantize with")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    return hf_model, transformers.AutoTokenizer.from_pretrained(source.tokenizer_dir)
+
+
+@torch.no_grad()
+def round_linears(hf_model, tokenizer, text: str | None, options: QuantizationOptions) -> tuple[dict, dict]:
+    """Choose every decoder linear's grid and codes: ({module: GroupRounding | RowRounding}, {module: its
+    checkpoint prefix}). Smoothing and AWQ fold their scales into `hf_model` (its function is kept);
+    sequential calibration leaves the rounded weights in it."""
+    o = options
     stats, sequential_calibration = {}, None
-    if method != "rtn" or smooth_alpha is not None:
-        text = Path(calib).read_text(encoding="utf-8", errors="replace")
-        windows = calibration_windows(text, tokenizer, num_samples, seq_len)
-        if smooth_alpha is not None or not sequential:
+    if o.method != "rtn" or o.smooth_alpha is not None:
+        windows = calibration_windows(text, tokenizer, o.num_samples, o.seq_len)
+        if o.smooth_alpha is not None or not o.sequential:
             stats = collect_input_stats(hf_model, windows)
-        if smooth_alpha is not None:
-            smooth_layers(hf_model, stats, smooth_alpha)
-            if not sequential:
+        if o.smooth_alpha is not None:
+            smooth_layers(hf_model, stats, o.smooth_alpha)
+            if not o.sequential:
                 stats = collect_input_stats(hf_model, windows)   # GPTQ needs the smoothed inputs' H
-        if sequential:
-            sequential_calibration = SequentialCalibration(hf_model, windows, fp8_inputs=fp8_inputs,
-                                                           target_full_precision=target_full_precision)
-    min_zero = 0 if (sym or method == "awq") else 1
-    quantized = {}
-    write = awq_format_tensors if method == "awq" else gptq_format_tensors
+        if o.sequential:
+            sequential_calibration = SequentialCalibration(hf_model, windows, fp8_inputs=o.fp8_inputs,
+                                                           target_full_precision=o.target_full_precision)
+    min_zero = 0 if (o.sym or o.method == "awq") else 1
+    roundings, prefixes = {}, {}
     for index, layer in enumerate(hf_model.model.layers):
-        if method == "awq":
-            input_scales = apply_awq_scales(layer, stats, index, bits, group_size)
+        if o.method == "awq":
+            input_scales = apply_awq_scales(layer, stats, index, o.bits, o.group_size)
         linears = {prefix.rsplit(".", 1)[-1]: (prefix, module) for prefix, module in layer.named_modules()
                    if prefix.rsplit(".", 1)[-1] in LINEARS}
         for site in dict.fromkeys(INPUT_OF.values()):
@@ -219,54 +285,73 @@ def quantize_model(model: str | None, method: str, out: str, bits: int = 4, grou
                 H, _, _, D = sequential_calibration.input_stats(index, site)
                 if D is not None:
                     w = fit_to_full_precision(w, H, D)
-            elif method == "gptq":
+            elif o.method == "gptq":
                 H = stats[(index, site)][0]
-            if w8a8:
-                dtype = torch.float8_e4m3fn if w8a8 == "fp8" else torch.int8
+            if o.w8a8:
+                dtype = torch.float8_e4m3fn if o.w8a8 == "fp8" else torch.int8
                 if H is not None:
-                    codes, scale = gptq_quantize_rows(w, H, dtype, desc_act)
+                    codes, scale = gptq_quantize_rows(w, H, dtype, o.desc_act)
                 else:
                     from minivllm.kernels.quant_rows import quantize_rows_reference
                     codes, scale = quantize_rows_reference(w, dtype)
-                slices = lambda rows: w8a8_format_tensors(codes[rows], scale.view(-1)[rows])  # noqa: E731
-                rounded = lambda: codes.float() * scale.view(-1, 1)  # noqa: E731
+                parts = [RowRounding(c, s) for c, s in zip(codes.split(sizes), scale.view(-1).split(sizes))]
             else:
                 if H is not None:
-                    codes, scales, zeros, g_idx = gptq_quantize(w, H, bits, group_size, sym, desc_act,
-                                                                min_zero=min_zero, grid_search=grid_search)
+                    codes, scales, zeros, g_idx = gptq_quantize(w, H, o.bits, o.group_size, o.sym, o.desc_act,
+                                                                min_zero=min_zero, grid_search=o.grid_search)
                 else:
-                    clip = awq_clip(w, names, sizes,
-                                    stats[(index, site)][0], input_scales.get(site), bits, group_size) \
-                        if method == "awq" else None
-                    codes, scales, zeros, g_idx = quantize_rtn(w, bits, group_size, sym, min_zero, clip,
-                                                                   grid_search)
-                slices = lambda rows: write(codes[rows], scales[:, rows], zeros[:, rows], g_idx, bits)  # noqa: E731
-                rounded = lambda: dequantize_groups(codes, scales, zeros, g_idx)  # noqa: E731
-            if sequential_calibration is not None:   # later sites and layers see (and compensate) this rounding
-                for name, part in zip(names, rounded().split(sizes)):
-                    linears[name][1].weight.copy_(part)
-            start = 0
-            for name in names:
+                    clip = awq_clip(w, names, sizes, stats[(index, site)][0], input_scales.get(site), o.bits,
+                                    o.group_size) if o.method == "awq" else None
+                    codes, scales, zeros, g_idx = quantize_rtn(w, o.bits, o.group_size, o.sym, min_zero, clip,
+                                                               o.grid_search)
+                parts = [GroupRounding(c, s, z, g_idx) for c, s, z in
+                         zip(codes.split(sizes), scales.split(sizes, 1), zeros.split(sizes, 1))]
+            for name, part in zip(names, parts):
                 prefix, module = linears[name]
-                rows = slice(start, start + module.weight.shape[0])
-                start = rows.stop
-                for key, value in slices(rows).items():
-                    quantized[f"model.layers.{index}.{prefix}.{key}"] = value.contiguous()
-                if module.bias is not None:
-                    quantized[f"model.layers.{index}.{prefix}.bias"] = module.bias.half()
+                roundings[module], prefixes[module] = part, f"model.layers.{index}.{prefix}"
+                if sequential_calibration is not None:   # later sites and layers see (and compensate) this rounding
+                    module.weight.copy_(rounded_weight(part))
         if sequential_calibration is not None:
             sequential_calibration.advance(index)
+    return roundings, prefixes
+
+
+def distill_roundings(hf_model, teacher, roundings: dict, tokenizer, text: str, options: QuantizationOptions,
+                      steps: int, lr: float, scale_lr: float) -> dict:
+    """`distill.distill` on the calibration text; W8A8 inputs rounded per token as served."""
+    input_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(options.w8a8)
+    trained = distill(hf_model, teacher, roundings, calibration_tokens(text, tokenizer), steps, lr, scale_lr,
+                      options.seq_len, options.bits, input_dtype=input_dtype)
+    print(f"distillation: KL to the unquantized model {trained['first_kl']:.4e} -> {trained['last_kl']:.4e}")
+    return trained["roundings"]
+
+
+@torch.no_grad()
+def write_folder(hf_model, tokenizer, roundings: dict, prefixes: dict, options: QuantizationOptions,
+                 out: str) -> Path:
+    """The folder: the linears in their format, the rest of `hf_model` in fp16, config.json with its
+    quantization_config, the tokenizer files."""
+    from safetensors.torch import save_file
+    o = options
+    write = awq_format_tensors if o.method == "awq" else gptq_format_tensors
+    tensors = {}
+    for module, part in roundings.items():
+        packed = w8a8_format_tensors(*part) if isinstance(part, RowRounding) else write(*part, o.bits)
+        for key, value in packed.items():
+            tensors[f"{prefixes[module]}.{key}"] = value.contiguous()
+        if module.bias is not None:
+            tensors[f"{prefixes[module]}.bias"] = module.bias.half()
     tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
-    tensors = {name: t.half().contiguous() for name, t in hf_model.state_dict().items()
-               if name.rsplit(".", 2)[-2] not in LINEARS and not (tied and name == "lm_head.weight")}
-    tensors.update(quantized)
+    tensors.update({name: t.half().contiguous() for name, t in hf_model.state_dict().items()
+                    if name.rsplit(".", 2)[-2] not in LINEARS and not (tied and name == "lm_head.weight")})
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = hf_model.config.to_dict()
     config["torch_dtype"] = "float16"
-    config["quantization_config"] = (w8a8_quantization_config(w8a8, method) if w8a8 else
-                                     quantization_config(method, bits, group_size, sym, desc_act, sequential))
+    config["quantization_config"] = (w8a8_quantization_config(o.w8a8, o.method) if o.w8a8 else
+                                     quantization_config(o.method, o.bits, o.group_size, o.sym, o.desc_act,
+                                                         o.sequential))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(str(folder))
     return folder
