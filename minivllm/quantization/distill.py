@@ -58,7 +58,8 @@ class GroupGrid(nn.Module):
         self.qmax = (1 << bits) - 1
 
     def initial_weight(self, rounding: GroupRounding) -> torch.Tensor:
-        return (rounding.codes.float() - self.zeros.t()[:, self.g_idx]) * self.scales0.t()[:, self.g_idx]
+        codes = rounding.codes.to(self.zeros.device).float()
+        return (codes - self.zeros.t()[:, self.g_idx]) * self.scales0.t()[:, self.g_idx]
 
     def steps(self, initial: torch.Tensor) -> torch.Tensor:
         """The distance from each weight to its grid's neighbouring values, in weight units [N, K]."""
@@ -93,7 +94,7 @@ class RowGrid(nn.Module):
         self.log_ratio = nn.Parameter(torch.zeros_like(self.scale0))
 
     def initial_weight(self, rounding: RowRounding) -> torch.Tensor:
-        return rounding.codes.float() * self.scale0
+        return rounding.codes.to(self.scale0.device).float() * self.scale0
 
     def steps(self, initial: torch.Tensor) -> torch.Tensor:
         """The distance from each weight to its grid's neighbouring values, in weight units [N, K]: int8
