@@ -118,7 +118,7 @@
 #   PK: (carrying .carry/b, .carry/p and .whl right after PG) distillation after rounding, swept on the validation
 #      text (Exodus, 30k tokens): int4 gptq g32 act-order asymmetric, then fp8 W8A8 gptq, each rounded once and
 #      distilled per STEPS:LR:SCALE_LR setting (bench/distill_sweep.py) -> distill_int4_valid.json, distill_fp8_valid.json.
-#      INT4_SETTINGS / FP8_SETTINGS override the settings. ~9 min.
+#      INT4_SETTINGS / FP8_SETTINGS override the settings; SKIP_INT4=1 runs the fp8 sweep alone (FP8_TIMEOUT). ~9 min.
 #   PH: (carrying .carry/b, .carry/p and .whl right after PG) the distilled folders at the settings chosen on the
 #      validation text (INT4_DISTILL, FP8_DISTILL as STEPS:LR:SCALE_LR), appended over 100k held-out tokens to a copy of
 #      bench/results/quant_quality.json beside a fresh bf16 row. ~8 min.
@@ -368,11 +368,13 @@ case "${1:-A}" in
     INT4_ARGS=""; FP8_ARGS=""
     for setting in ${INT4_SETTINGS:-400:0:0.001 400:0.01:0.001 400:0.03:0.001 400:0.01:0.003 400:0.01:0.0003}; do INT4_ARGS="$INT4_ARGS --setting $setting"; done
     for setting in ${FP8_SETTINGS:-400:0.01:0.0001 400:0.03:0.0001 400:0.01:0.001}; do FP8_ARGS="$FP8_ARGS --setting $setting"; done
-    timeout 290 python3 bench/distill_sweep.py --calib $T/calib.txt --valid $T/valid.txt --method gptq --no-sym \
-      --desc-act --group-size 32 $INT4_ARGS --folders $Q/int4 --name distill_int4_valid.json --out "$OUT" \
-      > "$OUT/distill_int4.log" 2>&1
-    grep -E "distill|rounded|ppl" "$OUT/distill_int4.log" | grep -v "step "
-    timeout 250 python3 bench/distill_sweep.py --calib $T/calib.txt --valid $T/valid.txt --method gptq \
+    if [ -z "${SKIP_INT4:-}" ]; then
+      timeout 290 python3 bench/distill_sweep.py --calib $T/calib.txt --valid $T/valid.txt --method gptq --no-sym \
+        --desc-act --group-size 32 $INT4_ARGS --folders $Q/int4 --name distill_int4_valid.json --out "$OUT" \
+        > "$OUT/distill_int4.log" 2>&1
+      grep -E "distill|rounded|ppl" "$OUT/distill_int4.log" | grep -v "step "
+    fi
+    timeout ${FP8_TIMEOUT:-250} python3 bench/distill_sweep.py --calib $T/calib.txt --valid $T/valid.txt --method gptq \
       --desc-act --w8a8 fp8 $FP8_ARGS --folders $Q/fp8 --name distill_fp8_valid.json --out "$OUT" \
       > "$OUT/distill_fp8.log" 2>&1
     grep -E "distill|rounded|ppl" "$OUT/distill_fp8.log" | grep -v "step "
