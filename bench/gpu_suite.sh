@@ -383,10 +383,10 @@ case "${1:-A}" in
     quality_setup quant_quality.json
     cp bench/results/quant_quality.json "$OUT/"
     timeout 60 $PPL --append --variant bf16-rerun= 2>&1 | grep ppl
-    timeout 200 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --seq-len 512 \
+    timeout 280 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --seq-len 512 \
       $(distill_args $INT4_DISTILL) --out $Q/gptq32d 2>&1 | grep -v "step "
     add int4-gptq-g32-distilled gptq32d
-    timeout 200 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --seq-len 512 \
+    timeout 260 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --seq-len 512 \
       $(distill_args $FP8_DISTILL) --out $Q/fp8d 2>&1 | grep -v "step "
     add fp8-gptq-distilled fp8d
     ;;
