@@ -120,8 +120,9 @@
 #      distilled per STEPS:LR:SCALE_LR setting (bench/distill_sweep.py) -> distill_int4_valid.json, distill_fp8_valid.json.
 #      INT4_SETTINGS / FP8_SETTINGS override the settings; SKIP_INT4=1 runs the fp8 sweep alone (FP8_TIMEOUT). ~9 min.
 #   PH: (carrying .carry/b, .carry/p and .whl right after PG) the distilled folders at the settings chosen on the
-#      validation text (INT4_DISTILL, FP8_DISTILL as STEPS:LR:SCALE_LR), appended over 100k held-out tokens to a copy of
-#      bench/results/quant_quality.json beside a fresh bf16 row. ~8 min.
+#      validation text (INT4_DISTILL, FP8_DISTILL, AWQ_DISTILL as STEPS:LR:SCALE_LR; each row only when its variable
+#      is set), appended over 100k held-out tokens to a copy of bench/results/quant_quality.json beside a fresh bf16
+#      row. ~4 min a row.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -382,13 +383,22 @@ case "${1:-A}" in
   PH)
     quality_setup quant_quality.json
     cp bench/results/quant_quality.json "$OUT/"
-    timeout 60 $PPL --append --variant bf16-rerun= 2>&1 | grep ppl
-    timeout 280 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --seq-len 512 \
-      $(distill_args $INT4_DISTILL) --out $Q/gptq32d 2>&1 | grep -v "step "
-    add int4-gptq-g32-distilled gptq32d
-    timeout 260 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --seq-len 512 \
-      $(distill_args $FP8_DISTILL) --out $Q/fp8d 2>&1 | grep -v "step "
-    add fp8-gptq-distilled fp8d
+    timeout 60 $PPL --append --variant "bf16-rerun-$MINIVLLM_COMMIT=" 2>&1 | grep ppl
+    if [ -n "${INT4_DISTILL:-}" ]; then
+      timeout 280 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --seq-len 512 \
+        $(distill_args $INT4_DISTILL) --out $Q/gptq32d 2>&1 | grep -v "step "
+      add int4-gptq-g32-distilled gptq32d
+    fi
+    if [ -n "${FP8_DISTILL:-}" ]; then
+      timeout 260 $QUANTIZE --method gptq --desc-act --w8a8 fp8 --seq-len 512 \
+        $(distill_args $FP8_DISTILL) --out $Q/fp8d 2>&1 | grep -v "step "
+      add fp8-gptq-distilled fp8d
+    fi
+    if [ -n "${AWQ_DISTILL:-}" ]; then
+      timeout 400 $QUANTIZE --method awq --group-size 32 --seq-len 512 \
+        $(distill_args $AWQ_DISTILL) --out $Q/awq32d 2>&1 | grep -v "step "
+      add int4-awq-g32-distilled awq32d
+    fi
     ;;
   PT)
     mkdir -p "$OUT/quant" "$OUT/profile"
