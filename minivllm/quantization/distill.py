@@ -161,9 +161,10 @@ def distill(student: nn.Module, teacher: nn.Module, roundings: dict, token_ids: 
             input_dtype: torch.dtype | None = None, seed: int = 0, log=print) -> dict:
     """Train `student` (a transformers causal LM whose linears `roundings` {module: GroupRounding |
     RowRounding} describes) towards `teacher` for `steps` Adam steps on random `seq_len` windows of
-    `token_ids` [T]. `lr` is in grid steps per Adam step for the latent weights (warm-up, then
-    cosine decay); the scales' log-ratios and the norm weights take `scale_lr`. Returns {module: the new rounding} (on the CPU) and leaves `student`
-    with plain weights equal to them and the trained norms, back on the CPU."""
+    `token_ids` [T]. `lr` is in grid steps per Adam step for the latent weights (warm-up, then cosine
+    decay); the scales' log-ratios and the norm weights take `scale_lr`. Returns {"roundings": {module: the
+    new rounding} on the CPU, "first_kl", "last_kl"} and leaves `student` back on the CPU with plain weights
+    equal to the new roundings and the trained norms."""
     if steps <= 0:
         raise ValueError(f"distillation needs a positive number of steps, got {steps}")
     if len(token_ids) < seq_len + 1:
@@ -177,7 +178,7 @@ def distill(student: nn.Module, teacher: nn.Module, roundings: dict, token_ids: 
     for module, rounding in roundings.items():
         grid = GroupGrid(rounding, bits) if isinstance(rounding, GroupRounding) else RowGrid(rounding)
         grid.to(device)
-        initial = grid.initial_weight(rounding).to(device)
+        initial = grid.initial_weight(rounding)
         with torch.no_grad():
             module.weight.copy_(initial)
         parametrize.register_parametrization(module, "weight", InGridSteps(grid.steps(initial)))
@@ -219,7 +220,8 @@ def distill(student: nn.Module, teacher: nn.Module, roundings: dict, token_ids: 
             handle.remove()
     new = {}
     for module, grid in grids.items():
-        new[module] = grid.export(module.parametrizations.weight[0](module.parametrizations.weight.original).detach())
+        in_grid_steps = module.parametrizations.weight[0]
+        new[module] = grid.export(in_grid_steps(module.parametrizations.weight.original).detach())
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
     for param in student.parameters():
         param.requires_grad_(False)
