@@ -9,9 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_hf_config
-from tests.test_quant_quantizer import loaded_linears, prose
-from minivllm.models.loader import resolve_model
+from tests.test_quant_quantizer import loaded_linears, write_tiny_llama
 from minivllm.quantization.algorithms import dequantize_groups, quantize_rtn
 from minivllm.quantization.distill import (GroupGrid, GroupRounding, RowGrid, RowRounding, kl_to_teacher,
                                            round_inputs)
@@ -59,27 +57,18 @@ def test_row_grid_starts_on_its_rounding_and_exports_the_nearest_codes(dtype):
     assert torch.equal(exported.codes.float(), codes.float()) and torch.allclose(exported.scale, scale.view(-1))
 
 
+def peaked_initialization(name, param):
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+    else:
+        param.normal_(0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
+
+
 @pytest.fixture(scope="module")
 def sharp_tiny_model(tmp_path_factory):
     """A tiny llama whose next-token distributions are peaked (unit norms, large embeddings), so that
     rounding its weights moves them measurably."""
-    folder = tmp_path_factory.mktemp("sharp")
-    default = resolve_model(None)
-    config = tiny_hf_config("llama3")
-    config.vocab_size = default.hf_config.vocab_size
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
-    model.save_pretrained(str(folder))
-    transformers.AutoTokenizer.from_pretrained(default.tokenizer_dir).save_pretrained(str(folder))
-    calib = folder / "calib.txt"
-    calib.write_text(prose())
-    return folder, model.eval(), calib
+    return write_tiny_llama(tmp_path_factory.mktemp("sharp"), peaked_initialization)
 
 
 def served_copy(reference, folder, input_dtype=None):

@@ -34,23 +34,27 @@ def prose() -> str:
                      if (root / name).is_file())
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A tiny llama with the default model's vocabulary and tokenizer files, plus a calibration file."""
-    folder = tmp_path_factory.mktemp("tiny")
+def write_tiny_llama(folder: Path, initialize) -> tuple:
+    """A tiny llama with the default model's vocabulary and tokenizer files, plus a calibration file, in
+    `folder`; `initialize(name, param)` sets each parameter (seed 0). Returns (folder, model, calib)."""
     default = resolve_model(None)
     config = tiny_hf_config("llama3")
     config.vocab_size = default.hf_config.vocab_size
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.08)
+        for name, param in model.named_parameters():
+            initialize(name, param)
     model.save_pretrained(str(folder))
     transformers.AutoTokenizer.from_pretrained(default.tokenizer_dir).save_pretrained(str(folder))
     calib = folder / "calib.txt"
     calib.write_text(prose())
     return folder, model.eval(), calib
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), lambda name, param: param.normal_(0, 0.08))
 
 
 def dequantized_weight(module) -> torch.Tensor | None:

@@ -34,6 +34,12 @@ def quantize_rows_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.
     return round_to_codes(x.float() / scale, dtype), scale
 
 
+def round_trip_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., C] quantized per row by `quantize_rows_reference` and dequantized, in x's shape and dtype."""
+    codes, scale = quantize_rows_reference(x.reshape(-1, x.shape[-1]), dtype)
+    return (codes.float() * scale).view(x.shape).to(x.dtype)
+
+
 def round_to_codes(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values already divided by their scale -> the nearest 8-bit codes (e4m3 or int8), saturating."""
     if dtype == FP8:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from minivllm.kernels.quant_rows import quantize_rows_reference, round_to_codes
+from minivllm.kernels.quant_rows import round_to_codes, round_trip_rows
 
 
 class GroupRounding(NamedTuple):
@@ -133,9 +133,7 @@ class InGridSteps(nn.Module):
 def round_inputs(dtype: torch.dtype):
     """A forward pre-hook rounding a linear's input per token to `dtype`, as served W8A8 does."""
     def hook(module, args):
-        x = args[0]
-        codes, scale = quantize_rows_reference(x.reshape(-1, x.shape[-1]), dtype)
-        return (round_straight_through(x, (codes.float() * scale).view(x.shape).to(x.dtype)), *args[1:])
+        return (round_straight_through(args[0], round_trip_rows(args[0], dtype)), *args[1:])
     return hook
 
 
