@@ -8,7 +8,7 @@ candidate tile of both (kernels/int4_gemm.candidates, plus extra GEMV tiles for 
 graph (tuning.device_seconds). Prints, per shape and M, the best of each with us, TB/s (packed weights,
 scales, zeros and activations) and the fraction of the measured copy bandwidth, then the four linears of
 one layer summed. Tiles differing only in pipeline depth (STAGED_GEMV) are timed for a module whose kernel
-takes STAGES. Writes int4_gemv_sweep_<device>.json.
+takes STAGES; for a module with the packed-half kernel, that kernel's tiles at other depths (HALF_GEMV) instead. Writes int4_gemv_sweep_<device>.json.
 """
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ STAGED_GEMV = [int4_gemm.GemvConfig(n, k, w, stages, fused_sum=True)
                for stages in (2, 4, 6)]
 
 
+# the packed-half kernel (kernels/int4_gemv_half.py): its engine tiles at other pipeline depths, and wider ones
+HALF_GEMV = [int4_gemm.GemvConfig(n, k, w, stages, fused_sum=True, half=True)
+             for n, k, w in ((512, 64, 2), (1024, 64, 4), (1024, 32, 2), (512, 32, 1), (2048, 64, 8), (1024, 128, 4))
+             for stages in (2, 4, 5)] if hasattr(int4_gemm, "HALF_GEMV_TILES") else []
+
+
 def load_module(path: str, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -60,8 +66,12 @@ def choices(module, M, N, K, device):
     out = [c for c in module.candidates(M, N, K, device) if c is not None]
     if M == 1 and hasattr(module, "GemvConfig"):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        staged = "STAGES" in module._int4_gemv_kernel.arg_names
-        for tile in EXTRA_GEMV + (STAGED_GEMV if staged else []):
+        if hasattr(module, "HALF_GEMV_TILES"):   # the packed-half kernel's tiles at other depths and widths
+            extra = HALF_GEMV
+        else:
+            staged = "STAGES" in module._int4_gemv_kernel.arg_names
+            extra = EXTRA_GEMV + (STAGED_GEMV if staged else [])
+        for tile in extra:
             for fill in (2, 4, 8):
                 # the module's own class: its kernel tells tiles apart by isinstance
                 out.append((module.GemvConfig(*tile), module.choose_split_k(M, N, K, 1, tile.block_n, tile.block_k,

@@ -87,6 +87,51 @@ def test_int4_gemv_matches_reference(config, M, K, N, group_size, x_offset, dtyp
         assert torch.equal(again, ours)
 
 
+HALF_TILES = [GemvConfig(32, 64, 1, 2, fused_sum=True, half=True), GemvConfig(64, 32, 2, 2, half=True),
+              GemvConfig(32, 128, 1, 3, fused_sum=True, half=True)]
+HALF_CASES = [(1, 200, 72, 64, 0), (3, 392, 40, 128, 1), (2, 136, 24, 32, 0), (1, 512, 128, 128, 0)]
+
+
+def check_half_gemv(config, M, K, N, group_size, x_offset, dtype, fractional):
+    qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=M + K)
+    if fractional:   # GGUF's kernel form: zero = -m / d in fp32, off the integers and outside the code range
+        zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
+    storage = (torch.randn(M * K + x_offset, generator=torch.Generator().manual_seed(5)) * 2).to(dtype).to(DEVICE)
+    storage[x_offset + 7] = 300.0   # an outlier channel, as real activations have
+    x = storage[x_offset:].view(M, K)
+    reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4)
+    if group_size % config.block_k:
+        with pytest.raises(ValueError):
+            weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=1, config=config)
+        return
+    for split_k in (1, 3):
+        ours = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config)
+        assert ours.dtype == dtype and ours.shape == (M, N)
+        torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
+        assert torch.equal(weight_only_gemm(x, qweight, scales, zeros, group_size, 4, split_k=split_k, config=config),
+                           ours)
+
+
+@pytest.mark.parametrize("config,M,K,N,group_size,x_offset,dtype,fractional", [
+    (HALF_TILES[0], 1, 200, 72, 64, 0, torch.bfloat16, False),
+    (HALF_TILES[2], 2, 264, 40, 128, 1, torch.float16, False),
+    (HALF_TILES[1], 2, 136, 24, 32, 0, torch.bfloat16, True),
+    (HALF_TILES[2], 1, 200, 72, 64, 0, torch.bfloat16, False)])   # BLOCK_K beyond the group: refused
+def test_int4_gemv_half_matches_reference(config, M, K, N, group_size, x_offset, dtype, fractional):
+    """The packed-half int4 GEMV (kernels/int4_gemv_half.py; under the interpreter its packed values formed and
+    rounded to fp16 with plain ops, as the PTX does): ragged K inside a group, N beyond the tile, x off a 4-byte
+    boundary (copied), an outlier in x, integer zero points in 16 bits and fractional ones in fp32 (the
+    centres' rounding corrected), split-K summed by a second kernel or in the last slice, deterministic."""
+    check_half_gemv(config, M, K, N, group_size, x_offset, dtype, fractional)
+
+
+def test_int4_gemv_half_refuses_fp32_x():
+    qweight, scales, zeros = random_weights(128, 32, 64, 4, torch.float32)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        weight_only_gemm(torch.randn(1, 128, device=DEVICE), qweight, scales, zeros, 64, 4, split_k=1,
+                         config=HALF_TILES[0])
+
+
 @pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 4, 2, True), GemmConfig(32, 16, 64, 4, 3, True),
                                     GemmConfig(16, 64, 32, 4, 3, True)])
 @pytest.mark.parametrize("M,K,N,group_size,bits", [(18, 200, 40, 64, 4), (5, 136, 72, 32, 4), (7, 96, 24, 32, 8)])
@@ -155,3 +200,14 @@ def test_weight_only_gemm_8b_shapes_bf16(M, K, N):
                 for c in candidates(M, N, K, x.device, 128, 4) if c is not None and M < 128]
     for ours in results:
         torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M,K,N,group_size,x_offset", HALF_CASES)
+@pytest.mark.parametrize("dtype,fractional", [(torch.bfloat16, False), (torch.float16, False),
+                                              (torch.bfloat16, True)])
+def test_int4_gemv_half_ptx_matches_reference(M, K, N, group_size, x_offset, dtype, fractional):
+    """The packed-half GEMV's PTX on the GPU, on the interpreter test's odd shapes."""
+    for config in HALF_TILES:
+        check_half_gemv(config, M, K, N, group_size, x_offset, dtype, fractional)

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
+from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
 from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
@@ -283,12 +284,14 @@ class GemmConfig(NamedTuple):
 
 class GemvConfig(NamedTuple):
     """A tile of `_int4_gemv_kernel` (4-bit, BLOCK_K dividing the group size; a program per row of x);
-    fused_sum: split-K partials summed by the tile's last slice, not by a second kernel."""
+    fused_sum: split-K partials summed by the tile's last slice, not by a second kernel; half: the kernel in
+    packed-half arithmetic (kernels/int4_gemv_half.py; 16-bit x)."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     fused_sum: bool = False
+    half: bool = False
 
 
 DEQUANTIZE_FROM_M = 128   # from this many rows on: dequantize + cuBLAS (compute-bound; H100 sweep)
@@ -303,11 +306,18 @@ def default_config(M: int) -> GemmConfig:
 # with the split-K sum fused, and three with it in a second kernel
 _BEST_GEMV = ((256, 64, 2, 4), (1024, 64, 4, 3), (512, 64, 2, 3), (512, 128, 4, 2), (512, 32, 2, 4), (256, 128, 2, 3))
 GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True) for t in _BEST_GEMV) + tuple(GemvConfig(*t) for t in _BEST_GEMV[:3])
+# the packed-half kernel's candidates (fewer instructions per weight: wider tiles per thread pay for x's pairs)
+HALF_GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True, half=True) for t in
+                        ((512, 64, 2, 3), (1024, 64, 4, 3), (1024, 32, 2, 3), (1024, 64, 2, 3), (512, 64, 2, 4),
+                         (512, 32, 1, 3), (256, 64, 1, 3), (2048, 32, 4, 3)))
 GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
 
 
-def gemv_tiles(M: int, group_size: int, bits: int) -> list[GemvConfig]:
-    return [t for t in GEMV_TILES if group_size % t.block_k == 0] if bits == 4 and M <= GEMV_MAX_M else []
+def gemv_tiles(M: int, group_size: int, bits: int, dtype: torch.dtype = torch.bfloat16) -> list[GemvConfig]:
+    if bits != 4 or M > GEMV_MAX_M:
+        return []
+    tiles = GEMV_TILES + (HALF_GEMV_TILES if dtype in (torch.bfloat16, torch.float16) else ())
+    return [t for t in tiles if group_size % t.block_k == 0]
 
 
 FAST_SMALL = (GemmConfig(16, 128, 64, 4, 3, True), GemmConfig(16, 64, 128, 4, 3, True),
@@ -339,7 +349,7 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
         for fill in ((2, 4) if M <= 16 else (1, 2)):
             out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
                                              fill)))
-    for tile in gemv_tiles(M, group_size, bits):
+    for tile in gemv_tiles(M, group_size, bits, dtype):
         for fill in (2, 4, 8):
             out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
     return list(dict.fromkeys(out))
@@ -387,6 +397,8 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     N = qweight.shape[1]
     if bits != 4 or group_size % config.block_k:
         raise ValueError(f"{config} needs 4-bit codes and a group size ({group_size}) it divides")
+    if config.half and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{config} needs bf16 or fp16 x, not {x.dtype}")
     k_per_split, split_k = k_slices(K, split_k, config.block_k)
     grid = (M, triton.cdiv(N, config.block_n), split_k)
     out = partials_buffer(split_k, M, N, x.device, x.dtype)
@@ -396,6 +408,17 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     even = N % config.block_n == 0 and K % config.block_k == 0   # every tile and K step whole: no masks
     x_words = x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
     prefetch = 2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0
+    if config.half:
+        if x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.clone()   # read as 32-bit words: a fresh allocation is aligned (K is even: the group size is)
+        int4_gemv_half_kernel[grid](
+            x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
+            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_BF16=x.dtype == torch.bfloat16,
+            FRACTIONAL_ZEROS=zeros.dtype == torch.float32, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            FUSED_SUM=tickets is not None, EVEN=even, STAGES=config.num_stages, PREFETCH_WORDS=prefetch, **pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        return sum_partials(out, x.dtype) if tickets is None else y
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
