@@ -74,7 +74,8 @@ def choices(module, M, N, K, device):
         for tile in extra:
             for fill in (2, 4, 8):
                 # the module's own class: its kernel tells tiles apart by isinstance
-                out.append((module.GemvConfig(*tile), module.choose_split_k(M, N, K, 1, tile.block_n, tile.block_k,
+                fields = tile[:len(module.GemvConfig._fields)]   # a baseline's class may lack newer fields
+                out.append((module.GemvConfig(*fields), module.choose_split_k(M, N, K, 1, tile.block_n, tile.block_k,
                                                                               sms, fill)))
     return [None] + list(dict.fromkeys(out))
 

@@ -34,8 +34,9 @@ _MAGIC = tl.constexpr(0x44004400)  # 4.0 in each half: its last mantissa bit is 
 
 
 def _word_asm() -> str:
-    """Inputs: the word, x's four pairs (fields 0/4, 1/5, 2/6, 3/7), the low and the high centre as f16x2,
-    the sum so far. The high fields sit 4 bits up: 4 + 16 q / 256, scaled by 1 / 16 in the subtraction."""
+    """Inputs: the word, x's four pairs (fields 0/4, 1/5, 2/6, 3/7), the low centre and the negated high centre
+    as f16x2, the sum so far. The high fields sit 4 bits up: 4 + 16 q / 256, scaled by 1 / 16 in an FMA that
+    adds the negated centre."""
     lines = ["{ .reg .b32 t, a, w, sixteenth;", "mov.b32 sixteenth, 0x2C002C00;"]
     for j in range(4):
         src = "$1" if j < 2 else "w"
@@ -111,22 +112,23 @@ def _x_pairs(word_a, word_b, IS_BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _add_word(words, p0, p1, p2, p3, low_centre, high_centre, acc, ASM: tl.constexpr):
+def _add_word(words, p0, p1, p2, p3, low_centre, neg_high_centre, acc, ASM: tl.constexpr):
     """acc + sum over the word's 8 fields of x * (q - z) / 256, in f16x2 (fields j and j + 4 in the halves)."""
     if ASM:
         return tl.inline_asm_elementwise(_WORD_ASM, "=r,r,r,r,r,r,r,r,r",
-                                         [words, p0, p1, p2, p3, low_centre, high_centre, acc],
+                                         [words, p0, p1, p2, p3, low_centre, neg_high_centre, acc],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
         lo, hi = _low(acc), _high(acc)
         for j in tl.static_range(4):
             t = ((words >> (8 * (j // 2))) & (_LOW if j % 2 == 0 else _HIGH)) | _MAGIC
             p = p0 if j == 0 else p1 if j == 1 else p2 if j == 2 else p3
-            c = low_centre if j % 2 == 0 else high_centre
+            c = low_centre if j % 2 == 0 else neg_high_centre
             f = 1.0 if j % 2 == 0 else 0.0625
+            sign = -1.0 if j % 2 == 0 else 1.0
             # each packed op rounds to fp16 (exact here); products of two fp16 values are exact in fp32
-            w_lo = (_low(t) * f - _low(c)).to(tl.float16).to(tl.float32)
-            w_hi = (_high(t) * f - _high(c)).to(tl.float16).to(tl.float32)
+            w_lo = (_low(t) * f + sign * _low(c)).to(tl.float16).to(tl.float32)
+            w_hi = (_high(t) * f + sign * _high(c)).to(tl.float16).to(tl.float32)
             lo = (_low(p) * w_lo + lo).to(tl.float16).to(tl.float32)
             hi = (_high(p) * w_hi + hi).to(tl.float16).to(tl.float32)
         return _pack(lo, hi)
@@ -204,15 +206,15 @@ def int4_gemv_half_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_
         scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         exact_low, exact_high = 4.0 + zero / 256.0, 0.25 + zero / 256.0
-        low_centre, high_centre = _splat_half(exact_low, ASM), _splat_half(exact_high, ASM)
+        low_centre, neg_high_centre = _splat_half(exact_low, ASM), _splat_half(-exact_high, ASM)
         acc = _add_word(words, p0[:, None], p1[:, None], p2[:, None], p3[:, None], low_centre[None, :],
-                        high_centre[None, :], tl.zeros((WORDS, BLOCK_N), dtype=tl.int32), ASM)
+                        neg_high_centre[None, :], tl.zeros((WORDS, BLOCK_N), dtype=tl.int32), ASM)
         column = _halves_sum(tl.reduce(acc, 0, _add_halves), ASM)
         if FRACTIONAL_ZEROS:   # the centres' rounding to fp16 (none for integer zero points below 1024)
             low_x = tl.sum(_halves_sum(p0, ASM) + _halves_sum(p2, ASM), axis=0)
             high_x = tl.sum(_halves_sum(p1, ASM) + _halves_sum(p3, ASM), axis=0)
             column -= (exact_low - _halves_sum(low_centre, ASM) * 0.5) * low_x
-            column -= (exact_high - _halves_sum(high_centre, ASM) * 0.5) * high_x
+            column -= (exact_high + _halves_sum(neg_high_centre, ASM) * 0.5) * high_x
         total += (256.0 * scale) * column
     row = tl.program_id(0)
     tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
