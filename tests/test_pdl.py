@@ -61,13 +61,14 @@ def _layers(hidden, intermediate, count, device):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("fused_sum", [False, True])
-@pytest.mark.parametrize("setting", ["1", "2"])
-def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum, setting):
+@pytest.mark.parametrize("setting", ["1", "2", "3"])
+@pytest.mark.parametrize("half", [False, True])
+def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum, setting, half):
     device = torch.device("cuda")
     hidden, intermediate = 1024, 2048
     layers = _layers(hidden, intermediate, 24, device)
     w8a8_tile = W8A8Tile(16, 64, 128, 4, 3, split_k=4, fused_sum=fused_sum)
-    gemv_tile = GemvConfig(128, 128, 4, 3, fused_sum=fused_sum)
+    gemv_tile = GemvConfig(128, 128, 4, 3, fused_sum=fused_sum, half=half)
     x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     results = {}
