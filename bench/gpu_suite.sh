@@ -110,7 +110,7 @@
 #   PL: (carrying .whl) programmatic dependent launch: its GPU test (a graph of PDL kernels against ordinary
 #       launches), the W8A8, quantized-kernel and argmax GPU tests with PDL on, then bench/pdl_bench.py on dummy
 #       Llama-3-8B: batch-1 decode with PDL on and off alternating in one process per format, W1 each way
-#       (pdl_<gpu>.json). ~9 min; FORMATS, SETTINGS (MINIVLLM_PDL values: 3 lets the int4 GEMVs trigger early) and ROUNDS override the defaults;
+#       (pdl_<gpu>.json). ~9 min; FORMATS, SETTINGS (MINIVLLM_PDL values) and ROUNDS override the defaults;
 #       SKIP_TESTS=1 runs the benchmark alone.
 #   P5: (carrying .carry/b, .carry/p and .whl right after PF) int4 gptq g32 act-order quantized on the device
 #      host one-pass and sequential with full-precision targets (GPTAQ-style), scored over 100k tokens beside the

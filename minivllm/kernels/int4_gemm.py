@@ -404,7 +404,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     out = partials_buffer(split_k, M, N, x.device, x.dtype)
     tickets = tile_tickets(x.device, M * grid[1]) if config.fused_sum and split_k > 1 else None
     y = out if tickets is None else torch.empty(M, N, device=x.device, dtype=x.dtype)
-    pdl = launch_options(x.device, early=True)
+    pdl = launch_options(x.device)
     even = N % config.block_n == 0 and K % config.block_k == 0   # every tile and K step whole: no masks
     x_words = x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
     prefetch = 2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0

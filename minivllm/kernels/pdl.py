@@ -8,9 +8,8 @@ visible. The rule that keeps this correct: a kernel launched with `launch_option
 before it reads or writes anything another kernel touches, on every path (also before an early return), so
 each kernel's completion still implies that of all kernels before it. Right after the wait it lets its own
 successor launch, so the overlap is one kernel deep (MINIVLLM_PDL=2: before the wait, so a chain of kernels
-may be resident at once, each waiting on the one before; MINIVLLM_PDL=3: one deep, except the kernels launched
-with `early=True`, the int4 GEMVs, which let their successor launch at their start so that its launch and
-L2 prefetches overlap their whole run). CUDA graphs keep these launches as programmatic edges.
+may be resident at once, each waiting on the one before). CUDA graphs keep these launches as programmatic
+edges.
 
 Off (PDL=0, an ordinary launch) on CPU, under the interpreter, before sm_90, and with MINIVLLM_PDL=0.
 """
@@ -31,11 +30,10 @@ def _hopper_or_later(index: int) -> bool:
 
 
 def mode(device: torch.device) -> int:
-    """0: ordinary launches; 1: the next kernel launches once this one is past its wait; 2: at its start;
-    3: as 1, as 2 for kernels launched with `early=True`."""
+    """0: ordinary launches; 1: the next kernel launches once this one is past its wait; 2: at its start."""
     setting = os.environ.get("MINIVLLM_PDL", "1")
-    if setting not in ("0", "1", "2", "3"):
-        raise ValueError(f"MINIVLLM_PDL must be 0, 1, 2 or 3, not {setting!r}")
+    if setting not in ("0", "1", "2"):
+        raise ValueError(f"MINIVLLM_PDL must be 0, 1 or 2, not {setting!r}")
     if (setting == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
         return 0
@@ -49,12 +47,9 @@ def rows_prefetchable(t: torch.Tensor) -> bool:
     return row_bytes % 16 == 0 and stride_bytes % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def launch_options(device: torch.device, early: bool = False) -> dict:
-    """Keyword arguments for a kernel that takes a `PDL: tl.constexpr` and calls `wait_for_previous(PDL)`;
-    `early`: the kernel may let its successor launch at its start under setting 3."""
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel that takes a `PDL: tl.constexpr` and calls `wait_for_previous(PDL)`."""
     pdl = mode(device)
-    if pdl == 3:
-        pdl = 2 if early else 1
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": 0}
 
 
