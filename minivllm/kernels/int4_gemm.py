@@ -20,7 +20,8 @@ For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one 
 M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the per-weight zero and
 scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the mantissa of 1.0
 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per group, and may
-sum its split-K partials in the tile's last program instead of a second kernel.
+sum its split-K partials in the tile's last program instead of a second kernel. Its packed-half twin
+(kernels/int4_gemv_half.py, two weights an instruction) is timed beside it for 16-bit x.
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the

@@ -1,21 +1,22 @@
 """The int4 GEMV (one row of 16-bit x, 4-bit codes in our layout) in packed-half arithmetic.
 
-The fp32 GEMV (`int4_gemm._int4_gemv_kernel`) spends one LOP3 and one FFMA per weight and a shift per two,
-and its compiled loop about 4.4 instructions per weight: the H100 issues too few of them a cycle for the
-weights to cross HBM at the copy bandwidth (it reaches about 60% of it). Here two weights share each
-instruction, as f16x2:
-- a shift moves fields j and j + 4 of a word to bits 6-9 and 22-25, and one LOP3 puts them in the mantissas
-  of two halves of exponent -4: t = (1 + q / 16) / 16 each, exactly;
-- one packed subtraction of c = (1 + z / 16) / 16 (rounded to fp16) gives (q - z) / 256, centred, so the
-  fp16 sums below hold no large offset that would cancel later;
-- one packed FMA adds x (x[j], x[j + 4] as fp16) times that to a per-column f16x2 sum, 8 weights per word,
-  over one K step (a step lies inside one group).
-Per step and column the two halves are summed in fp32, the rounding of c is corrected, and the scale
-applied: y += 256 s (acc - (z - fp16 z) X / 256), X the step's sum of x. x's pairs (eight a word row, the
-same for every column) are formed by every thread from 32-bit loads of two bf16 / fp16 each.
-The fp16 sums round at about 2^-11 of a step's partial: the result stays within the bf16 rounding of y on
-random data with outliers (CPU study at 4,096 x 256: 0.9e-3 of max |y| against bf16's 1.6e-3).
-Under the interpreter (no inline PTX) the same packed values are formed and rounded with plain ops.
+The fp32 GEMV (`int4_gemm._int4_gemv_kernel`) spends one LOP3 and one FFMA per weight and a shift per two; its
+compiled loop runs about 4.1 instructions per weight. Here two weights share each instruction, as f16x2:
+- one LOP3 puts fields j and j + 4 of a word (bits 0-3 and 16-19) in the low mantissa bits of two halves of
+  4.0, whose last bit is worth 1 / 256: t = 4 + q / 256 exactly. Fields 1 and 5 are used where they sit (4 + 16 q
+  / 256), and one shift by 8 serves fields 2/6 and 3/7;
+- one packed subtraction of c = 4 + z / 256 (for the fields four bits up, one packed FMA by 1 / 16 adding -c)
+  gives (q - z) / 256, centred, so the fp16 sums below hold no large offset that would cancel later;
+- one packed FMA adds x (x[k], x[k + 4] as fp16, formed from 32-bit loads of two values each) times that to an
+  f16x2 sum per word; a K step's words are summed in f16x2 (a step lies inside one group: BLOCK_K weights a
+  column, 64 in the tiles the H100 tuner picks), then the two halves in fp32, and y += 256 s * sum.
+The compiled loop runs 2.3-2.5 instructions per weight (sm_90). fp16 sums over one step stay within bf16's
+rounding of y on random data with outliers (CPU study at 4,096 x 256: 0.9e-3 of max |y| against bf16's
+1.6e-3; uncentred, 4.2e-3). Zero points that are not integers (GGUF's -m / d, kept in fp32) round c to fp16;
+with FRACTIONAL_ZEROS the step's x sums correct that. Range: x beyond fp16's 65,504, or a step's sum
+beyond it (|x| above about 17,000 with 4-bit zero points), would overflow; decode activations stay far below.
+Under the interpreter (no inline PTX) the same packed values are formed with integer ops and rounded to fp16
+after each op.
 """
 from __future__ import annotations
 
