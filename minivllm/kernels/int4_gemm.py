@@ -307,12 +307,10 @@ def default_config(M: int) -> GemmConfig:
 # with the split-K sum fused, and three with it in a second kernel
 _BEST_GEMV = ((256, 64, 2, 4), (1024, 64, 4, 3), (512, 64, 2, 3), (512, 128, 4, 2), (512, 32, 2, 4), (256, 128, 2, 3))
 GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True) for t in _BEST_GEMV) + tuple(GemvConfig(*t) for t in _BEST_GEMV[:3])
-# the packed-half kernel's candidates, the best of two H100 sweeps at M = 1 (bench/int4_gemv_sweep.py and
-# history/gemv_half_splits_303b05e/); wider tiles per thread pay for x's pairs. Their splits keep the grid within
-# one or two programs per SM (a grid just past two a SM doubled the time)
+# the packed-half kernel's candidates (fewer instructions per weight: wider tiles per thread pay for x's pairs)
 HALF_GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True, half=True) for t in
-                        ((512, 128, 4, 3), (256, 128, 2, 3), (512, 64, 2, 3), (1024, 64, 4, 3), (512, 64, 2, 4),
-                         (256, 64, 1, 3)))
+                        ((512, 64, 2, 3), (1024, 64, 4, 3), (1024, 32, 2, 3), (1024, 64, 2, 3), (512, 64, 2, 4),
+                         (512, 32, 1, 3), (256, 64, 1, 3), (2048, 32, 4, 3)))
 GEMV_MAX_M = 4   # a program per row re-reads the weights (from L2): the MMA tiles win beyond a few rows
 
 
@@ -353,9 +351,8 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
             out.append((tile, choose_split_k(M, N, K, tile.block_m, tile.block_n, tile.block_k, num_sms(device),
                                              fill)))
     for tile in gemv_tiles(M, group_size, bits, dtype):
-        fills = [(1, False), (1, True), (2, False), (2, True)] if tile.half else [(2, False), (4, False), (8, False)]
-        for fill, at_most in fills:
-            out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill, at_most)))
+        for fill in (2, 4, 8):
+            out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
     return list(dict.fromkeys(out))
 
 

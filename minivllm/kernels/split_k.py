@@ -18,12 +18,10 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_split_k(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, sms: int,
-                   fill: int = 2, at_most: bool = False) -> int:
-    """K split until the grid has about `fill` programs per SM (each keeping two K steps at least); at_most:
-    no more than that, so the grid stays within one wave of `fill` programs per SM."""
+                   fill: int = 2) -> int:
+    """K split until the grid has about `fill` programs per SM (each keeping two K steps at least)."""
     programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    split = fill * sms // programs if at_most else triton.cdiv(fill * sms, programs)
-    return max(1, min(K // (2 * block_k), split))
+    return max(1, min(K // (2 * block_k), triton.cdiv(fill * sms, programs)))
 
 
 def k_slices(K: int, split_k: int, block_k: int) -> tuple[int, int]:
