@@ -39,7 +39,7 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
-from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
+from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -215,11 +215,8 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
     waited for its own loads."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
-    if PREFETCH_WORDS > 0:   # the codes depend on no earlier kernel: the first word rows load while it runs
-        word_rows = k_start // 8 + tl.arange(0, PREFETCH_WORDS)
-        n0 = tl.program_id(1) * BLOCK_N
-        nbytes = tl.zeros_like(word_rows) + 4 * tl.minimum(BLOCK_N, N - n0)
-        prefetch_l2(qweight_ptr + word_rows.to(tl.int64) * stride_qk + n0, nbytes, word_rows * 8 < k_end, PDL)
+    if PREFETCH_WORDS > 0:   # the first word rows load while the previous kernel runs
+        prefetch_word_rows(qweight_ptr, k_start, k_end, N, stride_qk, BLOCK_N, PREFETCH_WORDS, PDL)
     wait_for_previous(PDL)
     x_row = x_ptr + tl.program_id(0) * stride_xm
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)

@@ -25,7 +25,7 @@ import os
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import prefetch_l2, wait_for_previous
+from minivllm.kernels.pdl import prefetch_word_rows, wait_for_previous
 from minivllm.kernels.split_k import split_k_tile, sum_slices_in_last
 
 _ASM_ON = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")   # for the reduction's combine function
@@ -176,11 +176,8 @@ def int4_gemv_half_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_
     stride is even and its base 4-byte aligned (x read as 32-bit words). FRACTIONAL_ZEROS: zero points that
     are not integers (GGUF's -m / d, kept in fp32), whose fp16 centre needs the correction."""
     _, offs_n, _, mask_n, k_start, k_end = split_k_tile(1, N, K, k_per_split, 1, BLOCK_N)
-    if PREFETCH_WORDS > 0:   # the codes depend on no earlier kernel: the first word rows load while it runs
-        word_rows = k_start // 8 + tl.arange(0, PREFETCH_WORDS)
-        n0 = tl.program_id(1) * BLOCK_N
-        nbytes = tl.zeros_like(word_rows) + 4 * tl.minimum(BLOCK_N, N - n0)
-        prefetch_l2(qweight_ptr + word_rows.to(tl.int64) * stride_qk + n0, nbytes, word_rows * 8 < k_end, PDL)
+    if PREFETCH_WORDS > 0:   # the first word rows load while the previous kernel runs
+        prefetch_word_rows(qweight_ptr, k_start, k_end, N, stride_qk, BLOCK_N, PREFETCH_WORDS, PDL)
     wait_for_previous(PDL)
     x_words = (x_ptr + tl.program_id(0) * stride_xm).to(tl.pointer_type(tl.int32))
     WORDS: tl.constexpr = BLOCK_K // 8

@@ -75,3 +75,14 @@ def prefetch_l2(ptrs, nbytes, mask, PDL: tl.constexpr):
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; } // $0",
             "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32), nbytes.to(tl.int32)],
             dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_word_rows(qweight_ptr, k_start, k_end, N, stride_qk, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                       PDL: tl.constexpr):
+    """`prefetch_l2` of a weight-only GEMV tile's first ROWS rows of packed int32 words (8 codes a word, K rows
+    from k_start, below k_end), this program's columns of them: the codes depend on no earlier kernel."""
+    word_rows = k_start // 8 + tl.arange(0, ROWS)
+    n0 = tl.program_id(1) * BLOCK_N
+    nbytes = tl.zeros_like(word_rows) + 4 * tl.minimum(BLOCK_N, N - n0)
+    prefetch_l2(qweight_ptr + word_rows.to(tl.int64) * stride_qk + n0, nbytes, word_rows * 8 < k_end, PDL)
