@@ -103,13 +103,24 @@ def kernel_table(llm: LLM, prompt_len: int, batch: int) -> dict:
                            for e in prof.key_averages() if e.self_device_time_total > 0]
                 kernels.sort(key=lambda k: -k["us_per_step"])
                 decode = {"batch": batch, "steps": steps, "wall_ms_per_step": wall_ms / steps,
-                          "kernel_us_per_step": sum(k["us_per_step"] for k in kernels), "kernels": kernels}
+                          "kernel_us_per_step": sum(k["us_per_step"] for k in kernels), "kernels": kernels,
+                          "timeline": kernel_timeline(prof)}
             while steps == 1 and engine.scheduler.waiting:  # finish prefill before profiling decode
                 out = engine.scheduler.schedule()
                 engine.scheduler.update(out, engine.runner.execute(out))
         while engine.has_unfinished_requests():
             engine.step()
     return decode
+
+
+def kernel_timeline(prof) -> list[list]:
+    """Every device activity of a profile in launch order, as [name, start µs from the first, duration µs]:
+    which of a step's launches of one kernel (a layer's qkv, o, gate/up or down GEMV) takes how long, and
+    the gaps between them."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start if events else 0
+    return [[e.name[:60], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in events]
 
 
 class StepTracer:
