@@ -1,4 +1,5 @@
-"""Programmatic dependent launch on and off (kernels/pdl.py), alternating in one process per format.
+"""Programmatic dependent launch on and off (kernels/pdl.py), alternating in one process per format; or
+another switch read when the graphs are captured (--variable MINIVLLM_L2_PREFETCH).
 
     python bench/pdl_bench.py --formats bf16,fp8,int4 --settings 1,2,0 --rounds 3 --w1 --out bench/results
 
@@ -29,8 +30,8 @@ from bench.quant_bench import SINGLE, W1, engine_options  # noqa: E402
 from bench.throughput import free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
 
 
-def recapture(llm, setting: str) -> None:
-    os.environ["MINIVLLM_PDL"] = setting
+def recapture(llm, setting: str, variable: str = "MINIVLLM_PDL") -> None:
+    os.environ[variable] = setting
     engine = llm.llm_engine
     runner = engine.runner
     runner.graph_runner = None   # the old graphs and their pool go before the new ones are captured
@@ -50,16 +51,16 @@ def format_rows(args, fmt: str) -> dict:
     seed = 0
     for round_index in range(args.rounds):
         for setting in settings:
-            recapture(llm, setting)
+            recapture(llm, setting, args.variable)
             seed += 1   # new prompts each time: no prefix-cache hits
             one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=1000 + seed), SINGLE.output_len)
             timings[setting].append(1e3 / one["median_tpot_ms"])
-            print(f"{fmt:<5} round {round_index} PDL {setting}: batch 1 {timings[setting][-1]:.1f} tok/s", flush=True)
+            print(f"{fmt:<5} round {round_index} {args.variable} {setting}: batch 1 {timings[setting][-1]:.1f} tok/s", flush=True)
             if args.w1 and round_index == args.rounds - 1:
                 w1[setting] = timed_generate(llm, random_prompts(W1, vocab, seed=seed),
                                              W1.output_len)["output_tokens_per_s"]
-                print(f"{fmt:<5} W1 PDL {setting}: {w1[setting]:.0f} tok/s", flush=True)
-    os.environ.pop("MINIVLLM_PDL", None)
+                print(f"{fmt:<5} W1 {args.variable} {setting}: {w1[setting]:.0f} tok/s", flush=True)
+    os.environ.pop(args.variable, None)
     del llm
     free_device_memory(torch.device("cuda"))
     medians = {setting: statistics.median(values) for setting, values in timings.items()}
@@ -71,7 +72,7 @@ def format_rows(args, fmt: str) -> dict:
         row["w1_output_tokens_per_s"] = w1
         if "0" in w1:
             row["w1_vs_off"] = {setting: value / w1["0"] for setting, value in w1.items()}
-    print(f"{fmt:<5} batch 1 medians: " + ", ".join(f"PDL {k} {v:.1f}" for k, v in medians.items()) + " tok/s",
+    print(f"{fmt:<5} batch 1 medians: " + ", ".join(f"{args.variable} {k} {v:.1f}" for k, v in medians.items()) + " tok/s",
           flush=True)
     return row
 
@@ -81,7 +82,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--formats", default="bf16,fp8,int4")
-    parser.add_argument("--settings", default="1,0", help="MINIVLLM_PDL values, in the order each round runs them")
+    parser.add_argument("--settings", default="1,0", help="the variable's values, in the order each round runs them")
+    parser.add_argument("--variable", default="MINIVLLM_PDL",
+                        help="the environment variable alternated (MINIVLLM_L2_PREFETCH: the GEMVs' L2 prefetch of "
+                             "the next layer, 1 on, 0 off)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--w1", action="store_true", help="also W1, once per setting in the last round")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -89,8 +93,10 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("pdl_bench needs a CUDA GPU")
     device = torch.device("cuda")
-    result = {**run_metadata(device), "model": args.model, "rounds": args.rounds, "formats": []}
-    path = args.out / f"pdl_{device_slug(result['device'])}.json"
+    result = {**run_metadata(device), "model": args.model, "rounds": args.rounds, "variable": args.variable,
+              "formats": []}
+    stem = "pdl" if args.variable == "MINIVLLM_PDL" else args.variable.lower().removeprefix("minivllm_")
+    path = args.out / f"{stem}_{device_slug(result['device'])}.json"
     print(f"{result.get('device')} {result.get('commit')} model={args.model}", flush=True)
     for fmt in args.formats.split(","):
         result["formats"].append(format_rows(args, fmt))
