@@ -434,20 +434,6 @@ case "${1:-A}" in
       > "$OUT/pdl_bench.log" 2>&1
     grep -E "PDL|Error|error" "$OUT/pdl_bench.log" | tail -24
     ;;
-  L2)
-    # the int4 GEMVs asking L2 for the next layer's tensors: their GPU tests, then batch 1 with the prefetch on
-    # and off alternating (l2_prefetch_<gpu>.json), PDL settings 1 and 2 for int4, and the int4 kernel profile
-    [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu tests/test_pdl.py \
-      tests/test_quant_kernels.py -k "next_layer or pdl or half_ptx" 2>&1 | tee "$OUT/gpu_tests_L2.log" | tail -3
-    timeout 200 python3 bench/pdl_bench.py --formats int4 --variable MINIVLLM_L2_PREFETCH --settings 1,0 \
-      --rounds ${ROUNDS:-3} --w1 --out "$OUT" > "$OUT/l2_prefetch_bench.log" 2>&1
-    grep -E "MINIVLLM|Error|error" "$OUT/l2_prefetch_bench.log" | tail -12
-    [ -n "${SKIP_PDL:-}" ] || { timeout 150 python3 bench/pdl_bench.py --formats int4 --settings 1,2 \
-      --rounds ${ROUNDS:-3} --out "$OUT" > "$OUT/pdl_bench.log" 2>&1; grep -E "medians|Error|error" "$OUT/pdl_bench.log"; }
-    mkdir -p "$OUT/profile"
-    timeout 150 python3 bench/profile_step.py --batch 1 --steps 20 --kernels --quantization gptq --out "$OUT/profile" \
-      > "$OUT/profile/profile_gptq.log" 2>&1; grep -E "^ +1 " "$OUT/profile/profile_gptq.log"
-    ;;
   P6)
     quality_setup quant_quality_int4_grid_gpu.json
     timeout 100 $PPL --variant bf16= 2>&1 | grep ppl

@@ -32,14 +32,12 @@ def test_prefetch_needs_16_byte_rows():
 
 def _chain(x, residual, layers, w8a8_tile, gemv_tile):
     """Each kernel reads what the one before wrote: norm -> fp8 GEMM (split-K summed in the GEMM) ->
-    SiLU-and-mul -> int4 GEMV (split-K, fused sum; asking L2 for the next layer's int4 tensors) -> norm ...,
-    as a decode step chains its layers."""
-    for i, (norm_weight, w_codes, w_scale, qweight, scales, zeros) in enumerate(layers):
+    SiLU-and-mul -> int4 GEMV (split-K, fused sum) -> norm ..., as a decode step chains its layers."""
+    for norm_weight, w_codes, w_scale, qweight, scales, zeros in layers:
         rows, residual = fused_add_rms_norm(x, residual, norm_weight, 1e-5, quant_dtype=FP8)
         h = w8a8_triton(rows.codes, rows.scales, w_codes, w_scale, torch.bfloat16, w8a8_tile)
         h = silu_and_mul(h)
-        following = layers[i + 1][3:] if i + 1 < len(layers) else ()
-        x = weight_only_gemm(h, qweight, scales, zeros, 128, config=gemv_tile, split_k=4, prefetch_next=following)
+        x = weight_only_gemm(h, qweight, scales, zeros, 128, config=gemv_tile, split_k=4)
     return x, residual
 
 

@@ -203,23 +203,6 @@ def test_dummy_weights_in_every_format_have_bf16_dummy_scale(quantization):
     assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 0.005
 
 
-def test_each_weight_only_layer_prefetches_the_next_ones_tensors():
-    """layers/fusion.chain_weight_prefetch: qkv -> o -> gate_up -> down -> the next layer's qkv, the last
-    down_proj none (the LM head is not quantized), nothing registered as a parameter; a plain model none."""
-    from minivllm.layers.fusion import chain_weight_prefetch
-    model = load_model(resolve_model("tiny-llama", "dummy"), torch.float32, torch.device("cpu"), "dummy", 0, "gptq")
-    order = [linear for layer in model.model.layers for linear in layer.linears_in_order()]
-    assert len(order) == 4 * len(model.model.layers)
-    for current, following in zip(order, order[1:]):
-        assert all(a is b for a, b in zip(current.l2_prefetch_next,
-                                          (following.qweight, following.scales, following.zeros)))
-    assert not hasattr(order[-1], "l2_prefetch_next")
-    assert not any("l2_prefetch" in name for name, _ in model.named_parameters())
-    assert chain_weight_prefetch(model) == len(order) - 1
-    plain = load_model(resolve_model("tiny-llama", "dummy"), torch.float32, torch.device("cpu"), "dummy", 0)
-    assert chain_weight_prefetch(plain) == 0
-
-
 def test_cli_quantization_flags():
     from minivllm.cli import build_parser, engine_config_from_args
     args = build_parser().parse_args(["serve", "folder", "--quantization", "fp8"])

@@ -206,31 +206,3 @@ def test_int4_gemv_half_ptx_matches_reference(M, K, N, group_size, x_offset, dty
     """The packed-half GEMV's PTX on the GPU, on the interpreter test's odd shapes."""
     for config in HALF_TILES:
         check_half_gemv(config, M, K, N, group_size, x_offset, dtype, fractional)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [GemvConfig(512, 64, 2, 3, fused_sum=True),
-                                    GemvConfig(512, 64, 2, 3, fused_sum=True, half=True), GemvConfig(256, 64, 2, 4)])
-def test_gemv_asking_l2_for_the_next_layer_computes_the_same(config):
-    """Prefetching the next layer's tensors (a code tensor above the cap, a last one whose size is not a
-    multiple of 16 bytes) changes no output bit, eager and replayed from a graph."""
-    from minivllm.kernels.int4_gemm import L2_PREFETCH_BYTES, l2_prefetch_args
-    qweight, scales, zeros = random_weights(4096, 4096, 128, 4, torch.bfloat16)
-    following = (torch.randint(0, 2**31 - 1, (L2_PREFETCH_BYTES // 4096 + 8, 1024), dtype=torch.int32, device=DEVICE),
-                 torch.rand(33, 1000, device=DEVICE, dtype=torch.bfloat16), torch.rand(3, 5, device=DEVICE))
-    args = l2_prefetch_args(following, qweight, 1)
-    assert args["PREFETCH_NEXT"] and args["bytes0"] == L2_PREFETCH_BYTES and args["bytes2"] == 60
-    assert not l2_prefetch_args(following, qweight, 0)["PREFETCH_NEXT"]
-    x = torch.randn(1, 4096, device=DEVICE).to(torch.bfloat16)
-    plain = weight_only_gemm(x, qweight, scales, zeros, 128, config=config, split_k=8)
-    ours = weight_only_gemm(x, qweight, scales, zeros, 128, config=config, split_k=8, prefetch_next=following)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = weight_only_gemm(x, qweight, scales, zeros, 128, config=config, split_k=8, prefetch_next=following)
-    for _ in range(3):
-        graph.replay()
-        assert torch.equal(replayed, plain)
-    assert torch.equal(ours, plain)

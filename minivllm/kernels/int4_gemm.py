@@ -39,8 +39,7 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
-from minivllm.kernels.pdl import (launch_options, prefetch_next_weights, prefetch_word_rows, rows_prefetchable,
-                                  wait_for_previous)
+from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
                                      sum_slices_in_last, tile_tickets)
 
@@ -203,10 +202,9 @@ def _x_pair(x_row, offs_w, j: tl.constexpr, k_end, X_WORDS: tl.constexpr, EVEN: 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K, group_size,
                       k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-                      next0, bytes0, next1, bytes1, next2, bytes2,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, FUSED_SUM: tl.constexpr,
                       X_WORDS: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, PREFETCH_WORDS: tl.constexpr,
-                      PREFETCH_NEXT: tl.constexpr, PDL: tl.constexpr):
+                      PDL: tl.constexpr):
     """One row of x per program (grid: rows, N tiles, K slices); 4-bit fields, BLOCK_K dividing the group.
 
     Per weight: a shift per two fields, one mask-and-or into a float's mantissa (`_nibble_pair`) and one
@@ -252,8 +250,6 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
     row = tl.program_id(0)
     tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
              mask=mask_n)
-    if PREFETCH_NEXT:
-        prefetch_next_weights(next0, bytes0, next1, bytes1, next2, bytes2, PDL)
     if FUSED_SUM:   # the K slices of a tile meet here instead of in a second kernel
         sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, row * tl.num_programs(1) + tl.program_id(1),
                            row * stride_om + offs_n, row * N + offs_n, mask_n, stride_os)
@@ -372,11 +368,11 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
 
 
 def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig,
-                 split_k: int, prefetch_next: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                 split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
     if isinstance(config, GemvConfig):
-        return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k, prefetch_next)
+        return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages, fast = config
     if fast and (bits != 4 or x.element_size() != 2 or group_size % block_k or block_m == 1):
         raise ValueError(f"{config} needs 4-bit codes, 16-bit x, a group size its BLOCK_K divides and BLOCK_M > 1")
@@ -394,27 +390,7 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
     return sum_partials(out, x.dtype)
 
 
-L2_PREFETCH_BYTES = 16 << 20   # at most this much of the next layer's codes: L2 holds 50 MB
-
-
-def l2_prefetch_args(tensors: tuple[torch.Tensor, ...], fallback: torch.Tensor, pdl: int) -> dict:
-    """The GEMV kernels' arguments that ask L2 for the next linear layer's tensors (codes, scales, zeros: at
-    most three, the first capped at L2_PREFETCH_BYTES) at each program's end. At batch 1 the kernels between
-    two GEMVs (norm, RoPE, attention) leave HBM idle for several microseconds; the next GEMV then finds its
-    weights in L2. None without PDL (sm_90), with MINIVLLM_L2_PREFETCH=0, or for a tensor off 16 bytes."""
-    on = pdl > 0 and os.environ.get("MINIVLLM_L2_PREFETCH", "1") != "0"
-    args: dict = {}
-    for i in range(3):
-        t = tensors[i] if on and i < len(tensors) else None
-        ok = t is not None and t.is_contiguous() and t.data_ptr() % 16 == 0
-        nbytes = t.numel() * t.element_size() if ok else 0
-        args[f"next{i}"], args[f"bytes{i}"] = (t if ok else fallback), min(nbytes, L2_PREFETCH_BYTES) if i == 0 else nbytes
-    args["PREFETCH_NEXT"] = any(args[f"bytes{i}"] for i in range(3))
-    return args
-
-
-def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split_k: int,
-          prefetch_next: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
     if bits != 4 or group_size % config.block_k:
@@ -430,13 +406,12 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     even = N % config.block_n == 0 and K % config.block_k == 0   # every tile and K step whole: no masks
     x_words = x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
     prefetch = 2 * config.block_k // 8 if pdl["PDL"] and rows_prefetchable(qweight) else 0
-    following = l2_prefetch_args(prefetch_next, qweight, pdl["PDL"])
     if config.half:
         if x.stride(0) % 2 or x.data_ptr() % 4:
             x = x.clone()   # read as 32-bit words: a fresh allocation is aligned (K is even: the group size is)
         int4_gemv_half_kernel[grid](
             x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
-            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1), **following,
+            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, IS_BF16=x.dtype == torch.bfloat16,
             FRACTIONAL_ZEROS=zeros.dtype == torch.float32, ASM=os.environ.get("TRITON_INTERPRET") != "1",
             FUSED_SUM=tickets is not None, EVEN=even, STAGES=config.num_stages, PREFETCH_WORDS=prefetch, **pdl,
@@ -444,7 +419,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
         return sum_partials(out, x.dtype) if tickets is None else y
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, out, y, out if tickets is None else tickets, N, K, group_size, k_per_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1), **following,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
         FUSED_SUM=tickets is not None, X_WORDS=x_words, EVEN=even, STAGES=config.num_stages,
         PREFETCH_WORDS=prefetch, **pdl, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -453,11 +428,9 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | GemvConfig | None = None,
-                     prefetch_next: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                     config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
-    otherwise it is timed per shape on the GPU (kernels/tuning.py). `prefetch_next`: the tensors of the
-    linear layer that runs next, for the GEMV kernels to ask L2 for (`l2_prefetch_args`); the tiles ignore it."""
+    otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
     M, K = x.shape
     N = qweight.shape[1]
     x = x.contiguous()
@@ -469,14 +442,14 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         config = config or default_config(M)
         if split_k is None:
             split_k = choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, num_sms(x.device))
-        return _triton_gemm(*args, config, split_k, prefetch_next)
+        return _triton_gemm(*args, config, split_k)
 
-    def run(choice, following=()):
+    def run(choice):
         if choice is None:
             return x @ dequantize_triton(qweight, scales, zeros, group_size, bits, K, x.dtype)
-        return _triton_gemm(*args, *choice, following)
+        return _triton_gemm(*args, *choice)
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
                          candidates(bucket, N, K, x.device, group_size, bits, x.dtype), run, default)
-    return run(choice, prefetch_next)   # the tiles were timed without prefetching another layer
+    return run(choice)

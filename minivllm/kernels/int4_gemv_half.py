@@ -25,7 +25,7 @@ import os
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import prefetch_next_weights, prefetch_word_rows, wait_for_previous
+from minivllm.kernels.pdl import prefetch_word_rows, wait_for_previous
 from minivllm.kernels.split_k import split_k_tile, sum_slices_in_last
 
 _ASM_ON = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")   # for the reduction's combine function
@@ -168,11 +168,10 @@ def _splat_half(v, ASM: tl.constexpr):
 @triton.jit
 def int4_gemv_half_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr, tickets_ptr, N, K,
                           group_size, k_per_split, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-                          next0, bytes0, next1, bytes1, next2, bytes2,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_BF16: tl.constexpr,
                           FRACTIONAL_ZEROS: tl.constexpr, ASM: tl.constexpr,
                           FUSED_SUM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-                          PREFETCH_WORDS: tl.constexpr, PREFETCH_NEXT: tl.constexpr, PDL: tl.constexpr):
+                          PREFETCH_WORDS: tl.constexpr, PDL: tl.constexpr):
     """One row of x per program (grid: rows, N tiles, K slices); BLOCK_K divides the group size, x's row
     stride is even and its base 4-byte aligned (x read as 32-bit words). FRACTIONAL_ZEROS: zero points that
     are not integers (GGUF's -m / d, kept in fp32), whose fp16 centre needs the correction."""
@@ -218,8 +217,6 @@ def int4_gemv_half_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_
     row = tl.program_id(0)
     tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
              mask=mask_n)
-    if PREFETCH_NEXT:
-        prefetch_next_weights(next0, bytes0, next1, bytes1, next2, bytes2, PDL)
     if FUSED_SUM:   # the K slices of a tile meet here instead of in a second kernel
         sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, row * tl.num_programs(1) + tl.program_id(1),
                            row * stride_om + offs_n, row * N + offs_n, mask_n, stride_os)

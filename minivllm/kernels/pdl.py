@@ -86,26 +86,3 @@ def prefetch_word_rows(qweight_ptr, k_start, k_end, N, stride_qk, BLOCK_N: tl.co
     n0 = tl.program_id(1) * BLOCK_N
     nbytes = tl.zeros_like(word_rows) + 4 * tl.minimum(BLOCK_N, N - n0)
     prefetch_l2(qweight_ptr + word_rows.to(tl.int64) * stride_qk + n0, nbytes, word_rows * 8 < k_end, PDL)
-
-
-@triton.jit
-def _prefetch_range(base, nbytes, PDL: tl.constexpr, PIECES: tl.constexpr):
-    """This program's share of the `nbytes` bytes at `base` (16-byte aligned): the grid's programs split the
-    range evenly, each in PIECES bulk prefetches (the last few bytes, under 16, are left)."""
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    piece = tl.cdiv(tl.cdiv(nbytes, programs * PIECES), 16) * 16
-    start = (pid * PIECES + tl.arange(0, PIECES)).to(tl.int64) * piece
-    size = (tl.minimum(nbytes - start, piece) // 16) * 16
-    prefetch_l2(base.to(tl.pointer_type(tl.uint8)) + start, size, size > 0, PDL)
-
-
-@triton.jit
-def prefetch_next_weights(next0, bytes0, next1, bytes1, next2, bytes2, PDL: tl.constexpr):
-    """Asks L2 for the next linear layer's weights (up to three tensors), split over this kernel's programs;
-    called at a program's end, so the bytes cross HBM while the small kernels between the two layers run
-    and find it idle (see `int4_gemm.l2_prefetch_args`)."""
-    _prefetch_range(next0, bytes0, PDL, 8)
-    _prefetch_range(next1, bytes1, PDL, 1)
-    _prefetch_range(next2, bytes2, PDL, 1)
-

@@ -1,6 +1,5 @@
 """Whether layers may swap their plain-PyTorch ops for the Triton fusions in `minivllm.kernels`, and the
-fusions that span two layers: quantizing a W8A8 layer's input in the kernel that produces it, and a
-weight-only layer's GEMV asking L2 for the weights of the layer that runs next.
+one fusion that spans two layers: quantizing a W8A8 layer's input in the kernel that produces it.
 
 Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` turns it off (read when a layer
 is built) so benchmarks can measure what the fusions buy.
@@ -42,27 +41,3 @@ def fuse_input_quantization(model: nn.Module) -> int:
                 producer.quantize_output = dtype
                 fused += 1
     return fused
-
-
-def chain_weight_prefetch(model: nn.Module) -> int:
-    """For each module declaring `linears_in_order()` (the linear layers of a decoder layer in the order
-    they run; an empty tuple breaks the chain), give each layer the tensors of the one after it, across
-    consecutive decoder layers too, when both are weight-only quantized: its GEMV then asks L2 for them
-    (kernels/int4_gemm.l2_prefetch_args). Returns the layers chained."""
-    if _disabled_by_env():
-        return 0
-    order: list = []
-    for module in model.modules():
-        linears = getattr(module, "linears_in_order", None)
-        if linears is not None:
-            order.extend(linears() or (None,))
-    chained = 0
-    for current, following in zip(order, order[1:]):
-        if current is None or following is None:
-            continue
-        tensors = getattr(following.quant_method, "prefetch_tensors", None)
-        if tensors is not None and hasattr(current.quant_method, "prefetch_tensors"):
-            current.l2_prefetch_next = tuple(tensors(following))   # a tuple: not registered as parameters
-            chained += 1
-    return chained
-

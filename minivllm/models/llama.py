@@ -112,12 +112,6 @@ class LlamaDecoderLayer(nn.Module):
             pairs.append(("post_attention_layernorm", "mlp.gate_up_proj"))
         return pairs
 
-    def linears_in_order(self):
-        """For layers/fusion.chain_weight_prefetch; another MLP's order is its own, so the chain stops."""
-        if not isinstance(self.mlp, LlamaMLP):
-            return ()
-        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
-
     def forward(self, positions, hidden_states, residual):
         """Returns (this layer's output, residual stream before it); the next norm adds the two."""
         hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)

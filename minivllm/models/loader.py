@@ -18,7 +18,7 @@ import torch
 import transformers
 from torch import nn
 
-from minivllm.layers.fusion import chain_weight_prefetch, fuse_input_quantization
+from minivllm.layers.fusion import fuse_input_quantization
 from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
 from minivllm.models.kv_cache_scales import extract_kv_cache_scales, set_kv_cache_scales
 from minivllm.models.registry import get_model_class
@@ -216,7 +216,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         set_kv_cache_scales(model, kv_cache_scales)
     process_weights_after_loading(model)
     fuse_input_quantization(model)
-    chain_weight_prefetch(model)
     if keep_gguf:
         from minivllm.quantization.gguf import log_weight_bytes
         log_weight_bytes(model, quant_config)

@@ -100,17 +100,12 @@ class GGUFLinearMethod:
         layer.scales = nn.Parameter(scales, requires_grad=False)
         layer.zeros = nn.Parameter(zeros, requires_grad=False)
 
-    def prefetch_tensors(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        """What the GEMV before this layer may ask L2 for (layers/fusion.chain_weight_prefetch)."""
-        return layer.qweight, layer.scales, layer.zeros
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if x.is_cuda:
             from minivllm.kernels.int4_gemm import weight_only_gemm
-            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, BLOCK, self.config.bits,
-                                   prefetch_next=getattr(layer, "l2_prefetch_next", ()))
+            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, BLOCK, self.config.bits)
         else:   # weights formed in fp32 (exactly gguf's values), then the product in x's dtype
             w = dequantize_gguf(layer.qweight, layer.scales, getattr(layer, "mins", None),
                                 self.config.weight_type, layer.input_size)

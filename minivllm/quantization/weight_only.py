@@ -48,10 +48,6 @@ class WeightOnlyLinearMethod:
         layer.zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
         layer.register_buffer("perm", perm, persistent=False)
 
-    def prefetch_tensors(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        """What the GEMV before this layer may ask L2 for (layers/fusion.chain_weight_prefetch)."""
-        return layer.qweight, layer.scales, layer.zeros
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -60,8 +56,7 @@ class WeightOnlyLinearMethod:
         group_size, _ = self.groups(layer.input_size)
         if x.is_cuda:
             from minivllm.kernels.int4_gemm import weight_only_gemm
-            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
-                                   prefetch_next=getattr(layer, "l2_prefetch_next", ()))
+            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
         else:
             out = weight_only_gemm_reference(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
         if bias is not None:
