@@ -10,7 +10,8 @@ each with its ratio to bf16, and the KV capacity (blocks and tokens at the same 
 its ratio to bf16's. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096}
 x the 8B layer shapes, as the linear layers run it (activation quantization included for W8A8), with
 achieved weight+activation bytes/s against the measured copy bandwidth and FLOP/s against the measured bf16
-matmul rate.
+matmul rate; each timed hot (one layer's weights, L2-resident below 50 MB) and cold (rotating through copies
+of the layer that exceed L2, as a decode step reads them).
 The GEMM table runs first (minutes at most), then the engine rows.
 Writes quant_<device>.json (or quant_70b_<device>.json); each result is written as soon as it exists,
 and a format that fails records its error instead of stopping the run.
@@ -18,6 +19,8 @@ and a format that fails records its error instead of stopping the run.
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import json
 import sys
 import tempfile
@@ -31,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (device_slug, measure_copy_bandwidth, measure_matmul_rate, run_metadata,  # noqa: E402
                           time_median, write_json)
 from bench.throughput import Workload, free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
-from minivllm.kernels.tuning import device_seconds  # noqa: E402
+from minivllm.kernels.tuning import COLD_BYTES, device_seconds  # noqa: E402
 
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
 # formats named by a checkpoint's quantization_config (dummy weights of a config.json holding it)
@@ -110,17 +113,23 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dic
                 layer = _random_layer(ReplicatedLinear, K, N, method, dtype, device)
                 process_weights_after_loading(layer)
             weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+            # copies of the layer to rotate through, together over L2's size: a decode step reads each
+            # layer's weights from HBM (every other layer's pass through L2 in between)
+            copies = [layer] + [copy.deepcopy(layer) for _ in range(min(15, -(-COLD_BYTES // weight_bytes) - 1))]
             for M in GEMM_M if not quick else (1, 16):
                 x = torch.randn(M, K, device=device, dtype=dtype)
                 eager = time_median(lambda: layer(x), device, warmup=3, repeats=10 if quick else 30)
                 # From a CUDA graph: the device's time, as the engine's graphs run it (timed eagerly, a call
                 # of a few small kernels measures the host launching them).
                 seconds = device_seconds(lambda: layer(x), calls=10, repeats=20) if device.type == "cuda" else eager
+                turn = itertools.count()
+                cold = device_seconds(lambda: copies[next(turn) % len(copies)](x), calls=max(10, len(copies)),
+                                      repeats=20) if device.type == "cuda" else eager
                 moved = weight_bytes + M * (K + N) * x.element_size()
                 rows.append({"layer": name, "K": K, "N": N, "M": M, "format": fmt, "us": 1e6 * seconds,
-                             "eager_us": 1e6 * eager, "bytes_per_s": moved / seconds,
-                             "flops_per_s": 2 * M * K * N / seconds})
-            del layer
+                             "cold_us": 1e6 * cold, "eager_us": 1e6 * eager, "bytes_per_s": moved / seconds,
+                             "cold_bytes_per_s": moved / cold, "flops_per_s": 2 * M * K * N / seconds})
+            del layer, copies
     return rows
 
 
@@ -228,9 +237,11 @@ def main(argv=None) -> dict:
         for row in result["gemm"]:
             if ceilings:
                 row["bandwidth_fraction"] = row["bytes_per_s"] / ceilings["copy_bandwidth_bytes_per_s"]
+                row["cold_bandwidth_fraction"] = row["cold_bytes_per_s"] / ceilings["copy_bandwidth_bytes_per_s"]
                 row["bf16_flops_fraction"] = row["flops_per_s"] / ceilings["bf16_matmul_flops_per_s"]
             print(f"{row['layer']:<12} M={row['M']:>5} {row['format']:>5}: {row['us']:9.1f} us "
-                  f"{row['bytes_per_s'] / 1e12:6.2f} TB/s {row['flops_per_s'] / 1e12:7.1f} TFLOP/s")
+                  f"{row['bytes_per_s'] / 1e12:6.2f} TB/s {row['flops_per_s'] / 1e12:7.1f} TFLOP/s | cold "
+                  f"{row['cold_us']:9.1f} us {row['cold_bytes_per_s'] / 1e12:6.2f} TB/s")
         write_json(path, result)
     for fmt in ([] if args.skip_engine else args.formats.split(",")):
         try:

@@ -206,3 +206,14 @@ def test_int4_gemv_half_ptx_matches_reference(M, K, N, group_size, x_offset, dty
     """The packed-half GEMV's PTX on the GPU, on the interpreter test's odd shapes."""
     for config in HALF_TILES:
         check_half_gemv(config, M, K, N, group_size, x_offset, dtype, fractional)
+
+
+def test_cold_copies_exceed_l2():
+    """The tuner times weights cold: copies (16 at most) that together exceed COLD_BYTES, same values."""
+    from minivllm.kernels.tuning import COLD_BYTES, cold_copies
+    small = (torch.arange(1 << 18, dtype=torch.int32), torch.ones(8))   # 1 MiB
+    copies = cold_copies(small)
+    assert len(copies) == 16 and copies[0][0] is small[0]
+    assert len({c[0].data_ptr() for c in copies}) == 16 and all(torch.equal(c[0], small[0]) for c in copies)
+    large = (torch.zeros(COLD_BYTES // 4 // 3 + 1, dtype=torch.int32),)   # a third of COLD_BYTES
+    assert len(cold_copies(large)) == 3 and cold_copies(()) == [()]

@@ -444,12 +444,13 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
             split_k = choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, num_sms(x.device))
         return _triton_gemm(*args, config, split_k)
 
-    def run(choice):
+    def run(choice, qweight=qweight, scales=scales, zeros=zeros):
         if choice is None:
             return x @ dequantize_triton(qweight, scales, zeros, group_size, bits, K, x.dtype)
-        return _triton_gemm(*args, *choice)
+        return _triton_gemm(x, qweight, scales, zeros, group_size, bits, *choice)
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
-                         candidates(bucket, N, K, x.device, group_size, bits, x.dtype), run, default)
+                         candidates(bucket, N, K, x.device, group_size, bits, x.dtype), run, default,
+                         weights=(qweight, scales, zeros))
     return run(choice)

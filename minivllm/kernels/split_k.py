@@ -51,6 +51,9 @@ def _sum_partials_kernel(partials_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOC
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+SUM_CHUNK = tl.constexpr(16)   # partials in flight at once in `sum_slices_in_last`
+
+
 @triton.jit
 def sum_slices_in_last(partials_ptr, y_ptr, tickets_ptr, tile, partial_offs, y_offs, mask, stride_slice):
     """Called by every K slice (grid axis 2) of a tile after storing its fp32 partial at `partial_offs`: the
@@ -59,12 +62,15 @@ def sum_slices_in_last(partials_ptr, y_ptr, tickets_ptr, tile, partial_offs, y_o
     tl.debug_barrier()   # every thread's partial is stored before the ticket releases them
     ticket_ptr = tickets_ptr + tile
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(2) - 1:
-        # read from L2 (.cg): other SMs wrote them
-        acc = tl.load(partials_ptr + partial_offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for split in range(1, tl.num_programs(2)):
-            acc += tl.load(partials_ptr + split * stride_slice + partial_offs, mask=mask, other=0.0,
-                           cache_modifier=".cg")
+    slices = tl.num_programs(2)
+    if ticket == slices - 1:
+        # read from L2 (.cg): other SMs wrote them. SUM_CHUNK loads are issued before their adds, so the
+        # sum waits for L2 about slices / SUM_CHUNK times, not once per slice.
+        acc = tl.zeros(partial_offs.shape, dtype=tl.float32)
+        for first in range(0, slices, SUM_CHUNK):
+            for j in tl.static_range(SUM_CHUNK):
+                acc += tl.load(partials_ptr + (first + j) * stride_slice + partial_offs,
+                               mask=mask & (first + j < slices), other=0.0, cache_modifier=".cg")
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(ticket_ptr, 0)
 

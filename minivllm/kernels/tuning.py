@@ -6,9 +6,15 @@ path) and the first call of a shape times them all from a CUDA graph (device tim
 kernels measure the host's launches) and keeps the fastest. The engine's warm-up passes run each decode
 batch size before its graph is captured, so capture finds the choice made; a shape first seen while a
 graph is being captured takes the default without timing.
+
+Weights are timed cold: in a decode step every other layer's weights pass through L2 between two calls of
+one layer, so the timed calls rotate through copies of the weights that together exceed L2. Timing one
+copy over and over measured L2 reads for any layer under 50 MB: on the H100 the int4 GEMV's o_proj took
+8.4 us there and 10.4 us in the engine, down_proj 14.5 against 19.3.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Callable, Hashable, Sequence, TypeVar
 
@@ -43,18 +49,40 @@ def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -
     return sorted(times)[len(times) // 2]
 
 
-def pick(key: Hashable, candidates: Sequence[Config], run: Callable[[Config], object], default: Config) -> Config:
-    """The fastest of `candidates` for `key` (timed on its first call), or `default` where timing can't run."""
+COLD_BYTES = 128 << 20   # the weight copies a timing rotates through: well over an H100's 50 MB of L2
+
+
+def cold_copies(weights: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """`weights` and enough copies of them (16 at most) to exceed COLD_BYTES together; fewer if memory is short."""
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    copies = [tuple(weights)]
+    for _ in range(min(15, -(-COLD_BYTES // max(nbytes, 1)) - 1) if weights else 0):
+        try:
+            copies.append(tuple(t.clone() for t in weights))
+        except torch.cuda.OutOfMemoryError:
+            break
+    return copies
+
+
+def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object], default: Config,
+         weights: Sequence[torch.Tensor] = ()) -> Config:
+    """The fastest of `candidates` for `key` (timed on its first call), or `default` where timing can't run.
+    `run(candidate, *weights)` computes with the given weight tensors; timed calls pass copies in turn."""
     if key in _chosen:
         return _chosen[key]
     if len(candidates) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
         return default
+    copies = cold_copies(weights)
+    turn = itertools.count()
     timings = []
     for candidate in candidates:
         try:
-            timings.append((device_seconds(lambda: run(candidate)), candidate))
+            seconds = device_seconds(lambda: run(candidate, *copies[next(turn) % len(copies)]),
+                                     calls=max(5, len(copies)))
+            timings.append((seconds, candidate))
         except Exception as e:   # a tile that does not fit this GPU (shared memory, registers): not a candidate
             logger.debug("tuning %s: %s failed: %s", key, candidate, e)
+    del copies
     best = min(timings, key=lambda t: t[0])[1] if timings else default
     _chosen[key] = best
     logger.debug("tuning %s: chose %s", key, best)

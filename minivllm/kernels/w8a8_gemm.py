@@ -153,7 +153,9 @@ def w8a8_gemm(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
     if M > TRITON_MAX_M:
         return w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype)
     bucket = 1 << max(0, M - 1).bit_length()
-    args = (x_codes, x_scale, w_codes, w_scale, out_dtype)
-    config = tuning.pick(("w8a8", x_codes.dtype, bucket, N, K), candidates(bucket, N, K, x_codes.device),
-                         lambda c: w8a8_library(*args) if c is None else w8a8_triton(*args, c), default=None)
-    return w8a8_library(*args) if config is None else w8a8_triton(*args, config)
+    def run(config, w_codes=w_codes, w_scale=w_scale):
+        args = (x_codes, x_scale, w_codes, w_scale, out_dtype)
+        return w8a8_library(*args) if config is None else w8a8_triton(*args, config)
+    config = tuning.pick(("w8a8", x_codes.dtype, bucket, N, K), candidates(bucket, N, K, x_codes.device), run,
+                         default=None, weights=(w_codes, w_scale))
+    return run(config)
