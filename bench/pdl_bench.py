@@ -1,5 +1,6 @@
 """Programmatic dependent launch on and off (kernels/pdl.py), alternating in one process per format; or
-another switch read when the graphs are captured (--variable MINIVLLM_L2_PREFETCH).
+another switch read when the graphs are captured (--variable MINIVLLM_TUNE_COLD --retune: the GEMM tiles
+tuned cold or hot, timed again before each capture).
 
     python bench/pdl_bench.py --formats bf16,fp8,int4 --settings 1,2,0 --rounds 3 --w1 --out bench/results
 
@@ -30,8 +31,11 @@ from bench.quant_bench import SINGLE, W1, engine_options  # noqa: E402
 from bench.throughput import free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
 
 
-def recapture(llm, setting: str, variable: str = "MINIVLLM_PDL") -> None:
+def recapture(llm, setting: str, variable: str = "MINIVLLM_PDL", retune: bool = False) -> None:
     os.environ[variable] = setting
+    if retune:   # the capture's warm-up passes time the GEMM tiles again, under the new setting
+        from minivllm.kernels import tuning
+        tuning._chosen.clear()
     engine = llm.llm_engine
     runner = engine.runner
     runner.graph_runner = None   # the old graphs and their pool go before the new ones are captured
@@ -42,16 +46,18 @@ def recapture(llm, setting: str, variable: str = "MINIVLLM_PDL") -> None:
 
 def format_rows(args, fmt: str) -> dict:
     from minivllm import LLM
-    llm = LLM(**engine_options(args.model, fmt, torch.device("cuda"), W1, args.gpu_memory_utilization))
+    # retuning before each capture times every graph's shapes again: without W1, an engine for batch 1 only
+    sized = SINGLE if args.retune and not args.w1 else W1
+    llm = LLM(**engine_options(args.model, fmt, torch.device("cuda"), sized, args.gpu_memory_utilization))
     vocab = llm.llm_engine.runner.vocab_size
-    warm_up(llm, W1, vocab)
+    warm_up(llm, sized, vocab)
     settings = args.settings.split(",")
     timings = {setting: [] for setting in settings}
     w1 = {}
     seed = 0
     for round_index in range(args.rounds):
         for setting in settings:
-            recapture(llm, setting, args.variable)
+            recapture(llm, setting, args.variable, args.retune)
             seed += 1   # new prompts each time: no prefix-cache hits
             one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=1000 + seed), SINGLE.output_len)
             timings[setting].append(1e3 / one["median_tpot_ms"])
@@ -87,6 +93,8 @@ def main(argv=None) -> dict:
                         help="the environment variable alternated (MINIVLLM_L2_PREFETCH: the GEMVs' L2 prefetch of "
                              "the next layer, 1 on, 0 off)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--retune", action="store_true",
+                        help="forget the tuned GEMM tiles before each capture (for MINIVLLM_TUNE_COLD)")
     parser.add_argument("--w1", action="store_true", help="also W1, once per setting in the last round")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)

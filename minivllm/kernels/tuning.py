@@ -8,7 +8,8 @@ batch size before its graph is captured, so capture finds the choice made; a sha
 graph is being captured takes the default without timing.
 
 Weights are timed cold: in a decode step every other layer's weights pass through L2 between two calls of
-one layer, so the timed calls rotate through copies of the weights that together exceed L2. Timing one
+one layer, so the timed calls rotate through copies of the weights that together exceed L2
+(MINIVLLM_TUNE_COLD=0: the same copy every call, as before, for comparison). Timing one
 copy over and over measured L2 reads for any layer under 50 MB: on the H100 the int4 GEMV's o_proj took
 8.4 us there and 10.4 us in the engine, down_proj 14.5 against 19.3.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import Callable, Hashable, Sequence, TypeVar
 
 import torch
@@ -72,7 +74,7 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
         return _chosen[key]
     if len(candidates) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
         return default
-    copies = cold_copies(weights)
+    copies = cold_copies(weights) if os.environ.get("MINIVLLM_TUNE_COLD", "1") != "0" else [tuple(weights)]
     turn = itertools.count()
     timings = []
     for candidate in candidates:
