@@ -87,6 +87,8 @@
 #   PD: W8A8 inputs quantized by their producers and split-K sums in the GEMM: the GPU tests of the quantized
 #      kernels and the argmax, quant_bench's engine rows for bf16, fp8 and int4 ($OUT/quant), then the batch-1
 #      fp8 kernel profile ($OUT/profile). ~8 min.
+#   C3: (carrying .whl) the int4 GEMV's tiles at M = 1 timed cold (gemv_cold_sweep_<gpu>.json), then int4 and fp8
+#      batch 1 with the GEMM tiles tuned cold and hot, alternating in one process (tune_cold_<gpu>.json). ~5 min.
 #   PE: (carrying .carry/a and .whl) the closing serving and quantization rows: F3, then quant_bench's engine
 #      rows for bf16, fp8, int4 and fp8kv ($OUT/quant), then the batch-1 int4 kernel profile ($OUT/profile). ~8 min.
 #   PF: (carrying .carry/a and .whl) the W8A8 and quantized-kernel GPU tests; leaves the first model half in
@@ -433,6 +435,14 @@ case "${1:-A}" in
       --rounds ${ROUNDS:-3} --w1 --out "$OUT" \
       > "$OUT/pdl_bench.log" 2>&1
     grep -E "PDL|Error|error" "$OUT/pdl_bench.log" | tail -24
+    ;;
+  C3)
+    # stop 33: the int4 GEMV's tiles timed cold at M = 1 (gemv_cold_sweep_<gpu>.json, ~1.5 min), then int4 and fp8
+    # batch 1 with the GEMM tiles tuned cold and hot, alternating, tuned again before each capture (~3.5 min)
+    timeout 300 python3 bench/gemv_cold_sweep.py --out "$OUT" > "$OUT/gemv_cold_sweep.log" 2>&1
+    grep -v "^  " "$OUT/gemv_cold_sweep.log" | grep -v wrote
+    timeout 280 python3 bench/pdl_bench.py --formats int4,fp8 --variable MINIVLLM_TUNE_COLD --settings 1,0 --retune \
+      --rounds 3 --out "$OUT" > "$OUT/tune_cold_bench.log" 2>&1; grep -E "medians|rror" "$OUT/tune_cold_bench.log"
     ;;
   P6)
     quality_setup quant_quality_int4_grid_gpu.json

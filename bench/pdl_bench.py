@@ -90,8 +90,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--formats", default="bf16,fp8,int4")
     parser.add_argument("--settings", default="1,0", help="the variable's values, in the order each round runs them")
     parser.add_argument("--variable", default="MINIVLLM_PDL",
-                        help="the environment variable alternated (MINIVLLM_L2_PREFETCH: the GEMVs' L2 prefetch of "
-                             "the next layer, 1 on, 0 off)")
+                        help="the environment variable alternated (MINIVLLM_TUNE_COLD with --retune: the GEMM "
+                             "tiles timed on weights cold, 1, or hot, 0)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--retune", action="store_true",
                         help="forget the tuned GEMM tiles before each capture (for MINIVLLM_TUNE_COLD)")
