@@ -40,8 +40,8 @@ from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
 from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
-from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile, sum_partials,
-                                     sum_slices_in_last, tile_tickets)
+from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile,
+                                     store_row_slice, sum_partials, tile_tickets)
 
 
 # ---- the layout and the plain-PyTorch reference ------------------------------------------------------------
@@ -246,13 +246,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_ptr,
         scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         total += (16.0 * scale) * column - (scale * zero) * x_sum
-    y = total
-    row = tl.program_id(0)
-    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
-             mask=mask_n)
-    if FUSED_SUM:   # the K slices of a tile meet here instead of in a second kernel
-        sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, row * tl.num_programs(1) + tl.program_id(1),
-                           row * stride_om + offs_n, row * N + offs_n, mask_n, stride_os)
+    store_row_slice(out_ptr, y_ptr, tickets_ptr, total, offs_n, mask_n, N, stride_os, stride_om, FUSED_SUM)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.pdl import prefetch_word_rows, wait_for_previous
-from minivllm.kernels.split_k import split_k_tile, sum_slices_in_last
+from minivllm.kernels.split_k import split_k_tile, store_row_slice
 
 _ASM_ON = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")   # for the reduction's combine function
 _LOW = tl.constexpr(0x000F000F)    # fields 0 and 4 of a word: bits 0-3 and 16-19
@@ -214,9 +214,4 @@ def int4_gemv_half_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, y_
             column -= (exact_low - _halves_sum(low_centre, ASM) * 0.5) * low_x
             column -= (exact_high + _halves_sum(neg_high_centre, ASM) * 0.5) * high_x
         total += (256.0 * scale) * column
-    row = tl.program_id(0)
-    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
-             mask=mask_n)
-    if FUSED_SUM:   # the K slices of a tile meet here instead of in a second kernel
-        sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, row * tl.num_programs(1) + tl.program_id(1),
-                           row * stride_om + offs_n, row * N + offs_n, mask_n, stride_os)
+    store_row_slice(out_ptr, y_ptr, tickets_ptr, total, offs_n, mask_n, N, stride_os, stride_om, FUSED_SUM)

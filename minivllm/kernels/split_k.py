@@ -75,6 +75,19 @@ def sum_slices_in_last(partials_ptr, y_ptr, tickets_ptr, tile, partial_offs, y_o
         tl.atomic_xchg(ticket_ptr, 0)
 
 
+@triton.jit
+def store_row_slice(out_ptr, y_ptr, tickets_ptr, values, offs_n, mask_n, N, stride_os, stride_om,
+                    FUSED_SUM: tl.constexpr):
+    """A GEMV program's result (grid: rows of x, N tiles, K slices): its slice's fp32 partial of the row's
+    columns `offs_n`; with FUSED_SUM the tile's last slice then sums the slices into y [M, N]."""
+    row = tl.program_id(0)
+    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + offs_n, values.to(out_ptr.dtype.element_ty),
+             mask=mask_n)
+    if FUSED_SUM:   # the K slices of a tile meet here instead of in a second kernel
+        sum_slices_in_last(out_ptr, y_ptr, tickets_ptr, row * tl.num_programs(1) + tl.program_id(1),
+                           row * stride_om + offs_n, row * N + offs_n, mask_n, stride_os)
+
+
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
