@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (device_slug, measure_copy_bandwidth, measure_matmul_rate, run_metadata,  # noqa: E402
                           time_median, write_json)
 from bench.throughput import Workload, free_device_memory, random_prompts, timed_generate, warm_up  # noqa: E402
-from minivllm.kernels.tuning import COLD_BYTES, device_seconds  # noqa: E402
+from minivllm.kernels.tuning import cold_copy_count, device_seconds  # noqa: E402
 
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
 # formats named by a checkpoint's quantization_config (dummy weights of a config.json holding it)
@@ -115,7 +115,8 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dic
             weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
             # copies of the layer to rotate through, together over L2's size: a decode step reads each
             # layer's weights from HBM (every other layer's pass through L2 in between)
-            copies = [layer] + [copy.deepcopy(layer) for _ in range(min(15, -(-COLD_BYTES // weight_bytes) - 1))]
+            extra = cold_copy_count(weight_bytes) - 1 if device.type == "cuda" else 0
+            copies = [layer] + [copy.deepcopy(layer) for _ in range(extra)]
             for M in GEMM_M if not quick else (1, 16):
                 x = torch.randn(M, K, device=device, dtype=dtype)
                 eager = time_median(lambda: layer(x), device, warmup=3, repeats=10 if quick else 30)

@@ -54,11 +54,16 @@ def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -
 COLD_BYTES = 128 << 20   # the weight copies a timing rotates through: well over an H100's 50 MB of L2
 
 
+def cold_copy_count(nbytes: int) -> int:
+    """How many copies of `nbytes` of weights (the original among them, 16 at most) exceed COLD_BYTES together."""
+    return max(1, min(16, -(-COLD_BYTES // max(nbytes, 1))))
+
+
 def cold_copies(weights: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """`weights` and enough copies of them (16 at most) to exceed COLD_BYTES together; fewer if memory is short."""
-    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    """`weights` and enough copies of them to exceed COLD_BYTES together (`cold_copy_count`); fewer if memory
+    is short."""
     copies = [tuple(weights)]
-    for _ in range(min(15, -(-COLD_BYTES // max(nbytes, 1)) - 1) if weights else 0):
+    for _ in range(cold_copy_count(sum(t.numel() * t.element_size() for t in weights)) - 1 if weights else 0):
         try:
             copies.append(tuple(t.clone() for t in weights))
         except torch.cuda.OutOfMemoryError:
