@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import device_slug, run_metadata, write_json  # noqa: E402
 from bench.quant_bench import LAYERS_8B  # noqa: E402
 from minivllm.kernels import int4_gemm  # noqa: E402
+from minivllm.kernels.int4_gemv_tma import TmaGemvConfig, layout_split  # noqa: E402
 from minivllm.kernels.tuning import cold_copies, device_seconds  # noqa: E402
 
 GROUP = 128
@@ -31,6 +32,20 @@ NARROW = [int4_gemm.GemvConfig(n, k, w, 4, fused_sum=True, half=half)
           for (n, w), k, half in itertools.product(((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4),
                                                     (128, 4)), (64, 128), (False, True))]
 NARROW_SPLITS = (1, 2, 4, 8)
+
+
+def tma_sweep_tiles() -> list:
+    """The Gluon GEMV's tiles over width, rows and columns a thread, warps and groups a stage, with the ring
+    about 64-128 KB deep."""
+    tiles = []
+    for block_n, (columns, rows), warps, groups in itertools.product((16, 32, 64), ((4, 1), (4, 2), (4, 4), (8, 2)),
+                                                                     (4, 8), (4, 8)):
+        stage_bytes = groups * GROUP // 8 * block_n * 4
+        for stages in sorted({max(2, min(12, (64 << 10) // stage_bytes)), max(2, min(12, (128 << 10) // stage_bytes))}):
+            tile = TmaGemvConfig(block_n, groups, stages, warps, columns, rows)
+            if layout_split(tile, GROUP // 8) is not None:
+                tiles.append(tile)
+    return tiles
 
 
 def random_int4(K: int, N: int, device):
@@ -44,6 +59,8 @@ def random_int4(K: int, N: int, device):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--no-narrow", action="store_true", help="leave out the narrow Triton tiles")
+    parser.add_argument("--tma-sweep", action="store_true", help="add the Gluon GEMV's sweep (tma_sweep_tiles)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     result = {**run_metadata(device), "rows": [], "best": []}
@@ -55,9 +72,10 @@ def main(argv=None) -> dict:
         x = torch.randn(1, K, device=device).to(torch.bfloat16)
         reference = int4_gemm.weight_only_gemm_reference(x.float(), *weights, GROUP, 4)
         tuned = [(c, "tuner") for c in int4_gemm.candidates(1, N, K, device, GROUP, 4) if c is not None]
-        narrow = [((t, s), "narrow") for t in NARROW for s in NARROW_SPLITS]
+        narrow = [] if args.no_narrow else [((t, s), "narrow") for t in NARROW for s in NARROW_SPLITS]
+        sweep = [((t, 1), "tma") for t in tma_sweep_tiles()] if args.tma_sweep else []
         timings = []
-        for (config, split), origin in tuned + narrow:
+        for (config, split), origin in tuned + narrow + sweep:
             try:
                 out = int4_gemm.weight_only_gemm(x, *weights, GROUP, 4, split_k=split, config=config)
                 error = ((out.float() - reference).abs().max() / reference.abs().max()).item()

@@ -444,6 +444,20 @@ case "${1:-A}" in
     timeout 280 python3 bench/pdl_bench.py --formats int4,fp8 --variable MINIVLLM_TUNE_COLD --settings 1,0 --retune \
       --rounds 3 --out "$OUT" > "$OUT/tune_cold_bench.log" 2>&1; grep -E "medians|rror" "$OUT/tune_cold_bench.log"
     ;;
+  T1)
+    # stop 34: the Gluon GEMV (kernels/int4_gemv_tma.py): its GPU tests, then every tile timed cold at the 8B shapes
+    # beside the tuner's candidates (gemv_cold_sweep_<gpu>.json)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py -k tma > "$OUT/gpu_tests_tma.log" 2>&1
+    tail -3 "$OUT/gpu_tests_tma.log"
+    timeout 330 python3 bench/gemv_cold_sweep.py --no-narrow --tma-sweep --out "$OUT" > "$OUT/gemv_tma_sweep.log" 2>&1
+    grep -v "^  " "$OUT/gemv_tma_sweep.log" | grep -v wrote; grep -E "^  .*(rror|Exception)" "$OUT/gemv_tma_sweep.log" | head
+    ;;
+  T2)
+    # stop 34: int4 batch 1 with the Gluon GEMV among the tuner's candidates, left out, and alone at one row,
+    # alternating in one process, the tiles tuned again before each capture
+    timeout 400 python3 bench/pdl_bench.py --formats int4 --variable MINIVLLM_TMA_GEMV --settings 1,0,only --retune \
+      --rounds 2 --out "$OUT" > "$OUT/tma_gemv_bench.log" 2>&1; grep -E "medians|rror|tok/s" "$OUT/tma_gemv_bench.log" | tail -20
+    ;;
   P6)
     quality_setup quant_quality_int4_grid_gpu.json
     timeout 100 $PPL --variant bf16= 2>&1 | grep ppl

@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from minivllm.kernels import int4_gemm  # noqa: E402,F401  (applies the interpreter fix first)
-from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, GemvConfig, dequantize_triton,  # noqa: E402
-                                        weight_only_gemm, weight_only_gemm_reference)
+from minivllm.kernels.int4_gemm import (DEQUANTIZE_FROM_M, GemmConfig, GemvConfig, TmaGemvConfig,  # noqa: E402
+                                        dequantize_triton, weight_only_gemm, weight_only_gemm_reference)
 from minivllm.kernels.quant_rows import FP8, quantize_rows_reference, quantize_rows_triton  # noqa: E402
 from minivllm.quantization.packing import dequantize as dequantize_reference  # noqa: E402
 from minivllm.quantization.packing import pack_rows  # noqa: E402
@@ -217,3 +217,107 @@ def test_cold_copies_exceed_l2():
     assert len({c[0].data_ptr() for c in copies}) == 16 and all(torch.equal(c[0], small[0]) for c in copies)
     large = (torch.zeros(COLD_BYTES // 4 // 3 + 1, dtype=torch.int32),)   # a third of COLD_BYTES
     assert len(cold_copies(large)) == 3 and cold_copies(()) == [()]
+
+
+# ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------
+TMA_TILES = [TmaGemvConfig(32, 4, 3, 8), TmaGemvConfig(16, 8, 2, 8), TmaGemvConfig(64, 4, 2, 4, columns=8, rows=4),
+             TmaGemvConfig(32, 8, 3, 4, rows=1)]
+
+
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
+    """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
+    triton.language patched for the interpreter, and a Gluon compile after it fails)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from minivllm.kernels import int4_gemv_tma as tma
+    group_rows = group_size // 8
+    threads_r, threads_n, warps_g, warps_r = tma.layout_split(config, group_rows)
+    K, N = 1024, 256
+
+    def descriptor(t, rows):
+        return mangle_type(TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, config.block_n],
+                                            tma._shared_layout(8 * t.element_size())))
+    pointer = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    signature = dict(x_ptr=pointer, codes_desc=descriptor(torch.zeros(K // 8, N, dtype=torch.int32),
+                                                          config.groups * group_rows),
+                     scales_desc=descriptor(torch.zeros(K // group_size, N, dtype=dtype), config.groups),
+                     zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
+                     y_ptr=pointer, N="i32", K="i32", num_tiles="i32")
+    constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
+                     THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_R=warps_r,
+                     IS_BF16=dtype == torch.bfloat16, EVEN_K=False, PDL=1)
+    signature.update({name: "constexpr" for name in constants})
+    compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
+    return compiled.asm["ptx"], bool(compiled.asm["cubin"])
+
+
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype", [
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16), (TMA_TILES[3], 32, torch.float16, torch.float32)])
+def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype):
+    """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
+    of them issued before griddepcontrol.wait and the rest inside the K loop after it, one LOP3 per weight."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype))
+    assert has_cubin
+    lines = ptx.splitlines()
+    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.2d.shared::cluster.global" in line]
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    assert len(copies) == 3 * (config.stages + 1)
+    assert sum(i < wait for i in copies) == 3 * config.stages
+    weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
+    assert sum("lop3.b32" in line and ("0x41800000" in line or "0x3F800000" in line) for line in lines) \
+        == weights_per_thread
+
+
+def test_tma_gemv_layout_split_and_refusals():
+    """Which tiles divide a group's word rows, and the candidates' gate."""
+    from minivllm.kernels.int4_gemv_tma import layout_split
+    assert layout_split(TmaGemvConfig(32, 4, 8, 8), 16) == (4, 8, 4, 2)
+    assert layout_split(TmaGemvConfig(32, 4, 8, 8), 4) is None          # 2 rows x 4 threads > a group of 32
+    assert layout_split(TmaGemvConfig(32, 2, 8, 8), 16) is None         # 4 warps over 2 groups
+    assert int4_gemm.tma_gemv_tiles(1, 128, 4, torch.bfloat16, torch.device("cpu")) == []
+    meta = torch.device("meta")
+    assert int4_gemm.tma_gemv_tiles(2, 128, 4, torch.bfloat16, meta) == []
+    assert int4_gemm.tma_gemv_tiles(1, 128, 4, torch.float32, meta) == []
+    cuda = torch.device("cuda")
+    assert all(layout_split(t, 16) for t in int4_gemm.tma_gemv_tiles(1, 128, 4, torch.bfloat16, cuda))
+    assert int4_gemm.tma_gemv_tiles(1, 32, 4, torch.float16, cuda)
+    qweight, scales, zeros = random_weights(256, 64, 128, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="sm_90"):
+        weight_only_gemm(torch.ones(2, 256, dtype=torch.bfloat16, device=DEVICE), qweight, scales, zeros, 128, 4,
+                         config=TmaGemvConfig(32, 4, 8, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", TMA_TILES)
+@pytest.mark.parametrize("K,N,group_size,x_offset,dtype,fractional", [
+    (640, 200, 128, 0, torch.bfloat16, False),       # a K tail past the last whole stage; N past the last tile
+    (200, 8488, 64, 1, torch.bfloat16, False),      # K ragged inside a group; several tiles per program; x copied
+    (4096, 4096, 128, 0, torch.float16, False),
+    (1056, 264, 32, 0, torch.bfloat16, True)])      # GGUF's fractional fp32 zero points
+def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, fractional):
+    """The Gluon GEMV against the reference (tiles that do not divide the group are refused), twice: the same
+    bits."""
+    from minivllm.kernels.int4_gemv_tma import layout_split
+    qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=K + N)
+    if fractional:
+        zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
+    storage = (torch.randn(K + x_offset, generator=torch.Generator().manual_seed(5)) * 2).to(dtype).to(DEVICE)
+    storage[x_offset + 7] = 300.0
+    x = storage[x_offset:].view(1, K)
+    if layout_split(config, group_size // 8) is None:
+        with pytest.raises(ValueError, match="does not divide"):
+            weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
+        return
+    reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4)
+    ours = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
+    assert ours.dtype == dtype and ours.shape == (1, N)
+    torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
+    assert torch.equal(weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config), ours)

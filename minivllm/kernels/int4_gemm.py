@@ -21,7 +21,9 @@ M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and t
 scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the mantissa of 1.0
 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per group, and may
 sum its split-K partials in the tile's last program instead of a second kernel. Its packed-half twin
-(kernels/int4_gemv_half.py, two weights an instruction) is timed beside it for 16-bit x.
+(kernels/int4_gemv_half.py, two weights an instruction) is timed beside it for 16-bit x, and at one row on
+Hopper so is the Gluon GEMV (kernels/int4_gemv_tma.py: weights streamed by TMA from before the PDL wait, whole K
+per tile, no split-K).
 For large M the GEMM is compute-bound and a bf16 tensor-core matmul beats in-register dequantization:
 `dequantize_triton` expands W once into a bf16 scratch buffer (a few % of the matmul's time) and cuBLAS runs it.
 The reference is `weight_only_gemm_reference` (`dequantize` in fp32, then matmul), defined here with the
@@ -39,6 +41,8 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
+from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES, TmaGemvConfig, int4_gemv_tma, layout_split
+from minivllm.kernels.int4_gemv_tma import supported as tma_gemv_supported
 from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile,
                                      store_row_slice, sum_partials, tile_tickets)
@@ -312,6 +316,15 @@ def gemv_tiles(M: int, group_size: int, bits: int, dtype: torch.dtype = torch.bf
     return [t for t in tiles if group_size % t.block_k == 0]
 
 
+def tma_gemv_tiles(M: int, group_size: int, bits: int, dtype: torch.dtype, device: torch.device) -> list[TmaGemvConfig]:
+    """The Gluon GEMV's candidates (one row of 16-bit x on CUDA; for A/B runs MINIVLLM_TMA_GEMV=0 leaves them out
+    and =only leaves only them); whether the GPU is an sm_90 one is checked at the call."""
+    if (bits != 4 or M != 1 or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda"
+            or group_size not in (32, 64, 128) or os.environ.get("MINIVLLM_TMA_GEMV", "1") == "0"):
+        return []
+    return [t for t in TMA_GEMV_TILES if layout_split(t, group_size // 8) is not None]
+
+
 FAST_SMALL = (GemmConfig(16, 128, 64, 4, 3, True), GemmConfig(16, 64, 128, 4, 3, True),
               GemmConfig(16, 256, 64, 4, 3, True), GemmConfig(16, 256, 128, 4, 3, True))
 FAST_MEDIUM = (GemmConfig(64, 128, 128, 4, 3, True), GemmConfig(64, 256, 64, 4, 4, True),
@@ -344,7 +357,10 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
     for tile in gemv_tiles(M, group_size, bits, dtype):
         for fill in (2, 4, 8):
             out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
-    return list(dict.fromkeys(out))
+    tma = [(tile, 1) for tile in tma_gemv_tiles(M, group_size, bits, dtype, device)]
+    if tma and os.environ.get("MINIVLLM_TMA_GEMV") == "only":
+        return tma
+    return list(dict.fromkeys(out + tma))
 
 
 def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
@@ -361,10 +377,15 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return out
 
 
-def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig,
+def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig | TmaGemvConfig,
                  split_k: int) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
+    if isinstance(config, TmaGemvConfig):
+        if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size):
+            raise ValueError(f"{config} needs 4-bit codes, one row of 16-bit x on an sm_90 GPU, group size 32, 64 "
+                             "or 128 and 16-byte aligned weight rows")
+        return int4_gemv_tma(x, qweight, scales, zeros, group_size, config)
     if isinstance(config, GemvConfig):
         return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages, fast = config
@@ -422,7 +443,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
+                     config: GemmConfig | GemvConfig | TmaGemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
     otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
     M, K = x.shape
@@ -435,7 +456,8 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if fixed or not x.is_cuda:
         config = config or default_config(M)
         if split_k is None:
-            split_k = choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, num_sms(x.device))
+            split_k = 1 if isinstance(config, TmaGemvConfig) else \
+                choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, num_sms(x.device))
         return _triton_gemm(*args, config, split_k)
 
     def run(choice, qweight=qweight, scales=scales, zeros=zeros):

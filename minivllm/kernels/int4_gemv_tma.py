@@ -1,0 +1,278 @@
+"""The batch-1 int4 GEMV on Hopper (sm_90), in Gluon: weights streamed by TMA, the first ones before the PDL wait.
+
+The Triton GEMVs (`int4_gemm._int4_gemv_kernel`, `int4_gemv_half.py`) load their words with per-thread copies a
+few K steps ahead and split K to fill the GPU, and each one still costs about 6 us more than its bytes in a
+decode step (o_proj 10.4 us for 8.4 MB in the H100 profile at 0834498): the first bytes arrive one DRAM latency
+after the wait, the split-K partials are summed after the last slice, and the loads in flight per SM are few.
+Here a persistent program per SM owns whole columns tiles (all of K, no split-K and no partials) and streams
+their packed words, scales and zeros through a ring of STAGES shared-memory stages, each filled by three TMA
+copies and guarded by an mbarrier. The ring is filled before `griddepcontrol.wait`: the weights depend on no
+earlier kernel, so under PDL they cross HBM while the previous kernel (a norm, the attention reduce, SiLU)
+still runs, and only x is read after the wait. All warps consume every stage; a CTA barrier after a stage's
+words reach registers frees it for the copy STAGES steps ahead.
+
+Arithmetic is the fp32 GEMV's (`int4_gemm._nibble_pair`): a code read as a float through a mantissa (a shift
+per two codes, one LOP3 and one FMA per weight), the zero point and the scale applied once per word row and
+column, y accumulated in fp32. A thread keeps its own partial sums for its rows over all of K; the tile's rows
+are reduced across threads once, at the end of the tile.
+
+Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
+No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
+`int4_gemm.weight_only_gemm_reference`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from minivllm.kernels.pdl import mode as pdl_mode
+
+
+class TmaGemvConfig(NamedTuple):
+    """block_n columns a tile; groups: quantization groups a stage; columns: adjacent columns a thread holds (one
+    shared-memory load of 4 x columns bytes a word row); rows: word rows a thread holds in a group."""
+    block_n: int
+    groups: int
+    stages: int
+    num_warps: int
+    columns: int = 4
+    rows: int = 2
+
+
+# H100 candidates (bench/gemv_tma_sweep.py)
+TMA_GEMV_TILES = (TmaGemvConfig(32, 4, 8, 8), TmaGemvConfig(32, 4, 6, 4, rows=4), TmaGemvConfig(16, 8, 8, 8),
+                  TmaGemvConfig(64, 4, 8, 8, columns=8), TmaGemvConfig(32, 8, 4, 8), TmaGemvConfig(64, 4, 4, 8),
+                  TmaGemvConfig(32, 8, 4, 4, rows=1))
+
+
+def layout_split(config: TmaGemvConfig, group_rows: int) -> tuple[int, int, int, int] | None:
+    """(threads along rows, along columns, warps along groups, along rows) of the register tile
+    [groups, group_rows, block_n], or None where the config does not divide it."""
+    threads_n = min(32, config.block_n // config.columns)
+    if threads_n < 1 or config.block_n % config.columns:
+        return None
+    threads_r = 32 // threads_n
+    if group_rows % (config.rows * threads_r):
+        return None
+    warps_r = group_rows // (config.rows * threads_r)
+    if config.num_warps % warps_r or config.groups % (config.num_warps // warps_r):
+        return None
+    return threads_r, threads_n, config.num_warps // warps_r, warps_r
+
+
+# Gluon's sum and cdiv wrap triton.jit helpers, which become interpreter objects under TRITON_INTERPRET=1 (set
+# for the CPU tests, which compile this kernel for sm_90); these do not.
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@gluon.jit
+def _pdl_wait(PDL: gl.constexpr):
+    """`pdl.wait_for_previous` for Gluon (whose kernels call only Gluon functions)."""
+    if PDL == 2:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    if PDL > 0:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if PDL == 1:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, first_tile, num_programs,
+           k_steps, STAGES: gl.constexpr):
+    """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES."""
+    ROWS: gl.constexpr = codes_desc.block_type.shape[0]
+    GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[1]
+    stage = step % STAGES
+    n0 = (first_tile + (step // k_steps) * num_programs) * BLOCK_N
+    k_step = step % k_steps
+    bar = full.index(stage)
+    mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
+                    + zeros_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, n0], bar, codes.index(stage))
+    tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, n0], bar, scales.index(stage))
+    tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, n0], bar, zeros.index(stage))
+
+
+@gluon.jit
+def _field_pair(words, SHIFT: gl.constexpr):
+    """Word fields 2j and 2j + 1 (SHIFT = 15 - 8j moves them to bits 15-18 and 19-22) as the floats
+    16 + code / 16 and 1 + code / 16: exact (`int4_gemm._nibble_pair`)."""
+    if SHIFT > 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> -SHIFT   # arithmetic: the bits it drags in are masked off
+    low = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00078000, 0x41800000, 0xEA;", "=r,r", [moved],
+                                    dtype=gl.float32, is_pure=True, pack=1)
+    high = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00780000, 0x3F800000, 0xEA;", "=r,r", [moved],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+    return low, high
+
+
+@gluon.jit
+def _x_pair(x_ptr, word_rows, j: gl.constexpr, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
+    """x at fields 2j and 2j + 1 of `word_rows`, in fp32; bf16 pairs come in one 32-bit load (a bf16 is the top
+    half of its fp32)."""
+    k = word_rows * 8 + 2 * j
+    if IS_BF16:
+        if EVEN_K:
+            word = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + k // 2)
+        else:
+            word = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + k // 2, mask=k < K, other=0)
+        return (word << 16).to(gl.float32, bitcast=True), (word & -65536).to(gl.float32, bitcast=True)
+    else:
+        low = gl.load(x_ptr + k, mask=k < K, other=0.0).to(gl.float32)
+        high = gl.load(x_ptr + k + 1, mask=k + 1 < K, other=0.0).to(gl.float32)
+        return low, high
+
+
+@gluon.jit
+def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles,
+                          STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, COLUMNS: gl.constexpr,
+                          ROWS: gl.constexpr, THREADS_R: gl.constexpr, THREADS_N: gl.constexpr,
+                          WARPS_G: gl.constexpr, WARPS_R: gl.constexpr, IS_BF16: gl.constexpr,
+                          EVEN_K: gl.constexpr, PDL: gl.constexpr):
+    GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, ROWS, COLUMNS], [1, THREADS_R, THREADS_N], [WARPS_G, WARPS_R, 1],
+                                            [2, 1, 0])
+    group_layout: gl.constexpr = gl.SliceLayout(1, layout)   # [GROUPS, BLOCK_N]: scales, zeros
+    row_layout: gl.constexpr = gl.SliceLayout(2, layout)     # [GROUPS, GROUP_ROWS]: x's sums
+    out_layout: gl.constexpr = gl.SliceLayout(0, group_layout)
+
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    k_steps = _cdiv(K, GROUPS * GROUP_ROWS * 8)
+    total = _cdiv(num_tiles - pid, num_programs) * k_steps
+
+    codes = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS * GROUP_ROWS, BLOCK_N], codes_desc.layout)
+    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, GROUPS, BLOCK_N], scales_desc.layout)
+    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, BLOCK_N], zeros_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    for s in gl.static_range(STAGES):   # weights only: before the wait, while the previous kernel runs
+        if s < total:
+            _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
+                   STAGES)
+    _pdl_wait(PDL)
+
+    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, row_layout))
+    offs_r = gl.arange(0, GROUP_ROWS, layout=gl.SliceLayout(0, row_layout))
+    tile_rows = offs_g[:, None] * GROUP_ROWS + offs_r[None, :]
+    acc = gl.zeros([GROUPS, GROUP_ROWS, BLOCK_N], gl.float32, layout)
+    for step in range(total):
+        stage = step % STAGES
+        k_step = step % k_steps
+        word_rows = k_step * (GROUPS * GROUP_ROWS) + tile_rows
+        mbarrier.wait(full.index(stage), (step // STAGES) & 1)
+        words = codes.index(stage).reshape([GROUPS, GROUP_ROWS, BLOCK_N]).load(layout)
+        scale = scales.index(stage).load(group_layout).to(gl.float32)
+        zero = zeros.index(stage).load(group_layout).to(gl.float32)
+        gl.thread_barrier()   # every warp holds the stage: it may be refilled
+        if step + STAGES < total:
+            _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
+                   num_programs, k_steps, STAGES)
+        x_low, x_high = _x_pair(x_ptr, word_rows, 0, K, IS_BF16, EVEN_K)
+        f_low, f_high = _field_pair(words, 15)
+        sums = x_low[:, :, None] * f_low + x_high[:, :, None] * f_high
+        even = x_low
+        odd = x_high
+        for j in gl.static_range(1, 4):
+            x_low, x_high = _x_pair(x_ptr, word_rows, j, K, IS_BF16, EVEN_K)
+            f_low, f_high = _field_pair(words, 15 - 8 * j)
+            sums += x_low[:, :, None] * f_low
+            sums += x_high[:, :, None] * f_high
+            even += x_low
+            odd += x_high
+        # each product is x q / 16 plus 16 x (even fields) or x (odd ones): the row's sum minus those is
+        # sum x q / 16, and y += 16 s (that) - s z (sum x)
+        offset = 16.0 * even + odd
+        scale_16 = 16.0 * scale
+        acc += scale_16[:, None, :] * (sums - offset[:, :, None]) \
+            - (scale * zero)[:, None, :] * (even + odd)[:, :, None]
+        if k_step == k_steps - 1:
+            n0 = (pid + (step // k_steps) * num_programs) * BLOCK_N
+            y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
+            gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+            acc = gl.zeros([GROUPS, GROUP_ROWS, BLOCK_N], gl.float32, layout)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(s))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(bits: int):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int) -> bool:
+    """Whether the kernel serves this call: one row of 16-bit x on an sm_90 GPU; TMA's 16-byte alignment of
+    the weights' bases and row strides."""
+    if x.device.type != "cuda" or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if group_size not in (32, 64, 128) or not _is_hopper(x.device.index or 0):
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (qweight, scales, zeros))
+
+
+def programs(num_tiles: int, sms: int) -> int:
+    """Programs for `num_tiles` whole-K tiles: as many waves as needed, each program with the same count."""
+    waves = triton.cdiv(num_tiles, sms)
+    return triton.cdiv(num_tiles, waves)
+
+
+def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, config: TmaGemvConfig) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold)."""
+    K = x.shape[1]
+    N = qweight.shape[1]
+    group_rows = group_size // 8
+    split = layout_split(config, group_rows)
+    if split is None:
+        raise ValueError(f"{config} does not divide a tile of group size {group_size}")
+    threads_r, threads_n, warps_g, warps_r = split
+    if x.stride(1) != 1 or x.data_ptr() % 4:
+        x = x.contiguous().clone()   # read as 32-bit pairs
+    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    rows = config.groups * group_rows
+
+    def descriptor(t, box_rows):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [box_rows, config.block_n],
+                                _shared_layout(8 * t.element_size()))
+
+    num_tiles = triton.cdiv(N, config.block_n)
+    pdl = pdl_mode(x.device)
+    grid = (programs(num_tiles, torch.cuda.get_device_properties(x.device).multi_processor_count),)
+    _int4_gemv_tma_kernel[grid](
+        x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
+        num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
+        THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_R=warps_r,
+        IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, PDL=pdl, num_warps=config.num_warps,
+        **({"launch_pdl": True} if pdl else {}))
+    return y
