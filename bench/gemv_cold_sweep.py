@@ -35,16 +35,16 @@ NARROW_SPLITS = (1, 2, 4, 8)
 
 
 def tma_sweep_tiles() -> list:
-    """The Gluon GEMV's tiles over width, rows and columns a thread, warps and groups a stage, with the ring
-    about 64-128 KB deep."""
+    """The Gluon GEMV's tiles over width, rows and columns a thread, warps, groups a stage and programs an SM, the
+    ring about 96 KB an SM."""
     tiles = []
-    for block_n, (columns, rows), warps, groups in itertools.product((16, 32, 64), ((4, 1), (4, 2), (4, 4), (8, 2)),
-                                                                     (4, 8), (4, 8)):
+    for block_n, (columns, rows), groups, (per_sm, warps) in itertools.product(
+            (16, 32, 64), ((4, 2), (4, 4), (8, 2), (8, 4)), (8, 16), ((1, 4), (1, 8), (2, 4))):
         stage_bytes = groups * GROUP // 8 * block_n * 4
-        for stages in sorted({max(2, min(12, (64 << 10) // stage_bytes)), max(2, min(12, (128 << 10) // stage_bytes))}):
-            tile = TmaGemvConfig(block_n, groups, stages, warps, columns, rows)
-            if layout_split(tile, GROUP // 8) is not None:
-                tiles.append(tile)
+        stages = max(2, min(8, (96 << 10) // per_sm // stage_bytes))
+        tile = TmaGemvConfig(block_n, groups, stages, warps, columns, rows, per_sm)
+        if layout_split(tile, GROUP // 8) is not None:
+            tiles.append(tile)
     return tiles
 
 

@@ -220,8 +220,8 @@ def test_cold_copies_exceed_l2():
 
 
 # ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------
-TMA_TILES = [TmaGemvConfig(32, 4, 3, 8), TmaGemvConfig(16, 8, 2, 8), TmaGemvConfig(64, 4, 2, 4, columns=8, rows=4),
-             TmaGemvConfig(32, 8, 3, 4, rows=1)]
+TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2),
+             TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8), TmaGemvConfig(32, 16, 2, 4, rows=1)]
 
 
 def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
@@ -235,7 +235,7 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
 
     from minivllm.kernels import int4_gemv_tma as tma
     group_rows = group_size // 8
-    threads_r, threads_n, warps_g, warps_r = tma.layout_split(config, group_rows)
+    threads_g, threads_r, threads_n, warps_g, warps_n = tma.layout_split(config, group_rows)
     K, N = 1024, 256
 
     def descriptor(t, rows):
@@ -248,7 +248,8 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
                      zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
                      y_ptr=pointer, N="i32", K="i32", num_tiles="i32")
     constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
-                     THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_R=warps_r,
+                     THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
+                     WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
@@ -278,9 +279,11 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
 def test_tma_gemv_layout_split_and_refusals():
     """Which tiles divide a group's word rows, and the candidates' gate."""
     from minivllm.kernels.int4_gemv_tma import layout_split
-    assert layout_split(TmaGemvConfig(32, 4, 8, 8), 16) == (4, 8, 4, 2)
-    assert layout_split(TmaGemvConfig(32, 4, 8, 8), 4) is None          # 2 rows x 4 threads > a group of 32
-    assert layout_split(TmaGemvConfig(32, 2, 8, 8), 16) is None         # 4 warps over 2 groups
+    assert layout_split(TmaGemvConfig(32, 8, 4, 8), 16) == (1, 4, 8, 8, 1)
+    assert layout_split(TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8), 16) == (2, 2, 8, 4, 1)
+    assert layout_split(TmaGemvConfig(32, 8, 4, 8), 4) is None          # 4 threads a group of 32: 32 groups a stage
+    assert layout_split(TmaGemvConfig(32, 4, 8, 8), 16) is None         # 8 warps over 4 groups
+    assert layout_split(TmaGemvConfig(32, 8, 4, 8, rows=3), 16) is None
     assert int4_gemm.tma_gemv_tiles(1, 128, 4, torch.bfloat16, torch.device("cpu")) == []
     meta = torch.device("meta")
     assert int4_gemm.tma_gemv_tiles(2, 128, 4, torch.bfloat16, meta) == []

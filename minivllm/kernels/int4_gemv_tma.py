@@ -12,9 +12,9 @@ still runs, and only x is read after the wait. All warps consume every stage; a 
 words reach registers frees it for the copy STAGES steps ahead.
 
 Arithmetic is the fp32 GEMV's (`int4_gemm._nibble_pair`): a code read as a float through a mantissa (a shift
-per two codes, one LOP3 and one FMA per weight), the zero point and the scale applied once per word row and
-column, y accumulated in fp32. A thread keeps its own partial sums for its rows over all of K; the tile's rows
-are reduced across threads once, at the end of the tile.
+per two codes, one LOP3 and one FMA per weight). A thread holds `rows` word rows of a group for `columns`
+columns and sums them in registers; the group's zero point and scale then apply once per column, and the
+thread keeps that partial over all of K. The tile's partials are reduced across threads once, at its end.
 
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
@@ -37,34 +37,39 @@ from minivllm.kernels.pdl import mode as pdl_mode
 
 class TmaGemvConfig(NamedTuple):
     """block_n columns a tile; groups: quantization groups a stage; columns: adjacent columns a thread holds (one
-    shared-memory load of 4 x columns bytes a word row); rows: word rows a thread holds in a group."""
+    shared-memory load of 4 x columns bytes a word row); rows: word rows of a group a thread holds, summed in
+    registers before the group's scale; per_sm: programs an SM (more warps to hide latency, each ring smaller)."""
     block_n: int
     groups: int
     stages: int
     num_warps: int
     columns: int = 4
-    rows: int = 2
+    rows: int = 4
+    per_sm: int = 1
 
 
-# H100 candidates (bench/gemv_tma_sweep.py)
-TMA_GEMV_TILES = (TmaGemvConfig(32, 4, 8, 8), TmaGemvConfig(32, 4, 6, 4, rows=4), TmaGemvConfig(16, 8, 8, 8),
-                  TmaGemvConfig(64, 4, 8, 8, columns=8), TmaGemvConfig(32, 8, 4, 8), TmaGemvConfig(64, 4, 4, 8),
-                  TmaGemvConfig(32, 8, 4, 4, rows=1))
+# H100 candidates (bench/gemv_cold_sweep.py --tma-sweep)
+TMA_GEMV_TILES = (TmaGemvConfig(32, 8, 4, 8), TmaGemvConfig(32, 8, 4, 4, columns=8), TmaGemvConfig(64, 8, 3, 8, columns=8),
+                  TmaGemvConfig(32, 16, 3, 8, columns=8), TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8),
+                  TmaGemvConfig(16, 8, 4, 4, rows=2), TmaGemvConfig(32, 16, 2, 4, rows=1),
+                  TmaGemvConfig(16, 8, 3, 4, rows=2, per_sm=2), TmaGemvConfig(32, 8, 2, 4, columns=8, per_sm=2))
 
 
-def layout_split(config: TmaGemvConfig, group_rows: int) -> tuple[int, int, int, int] | None:
-    """(threads along rows, along columns, warps along groups, along rows) of the register tile
-    [groups, group_rows, block_n], or None where the config does not divide it."""
+def layout_split(config: TmaGemvConfig, group_rows: int) -> tuple[int, int, int, int, int] | None:
+    """Threads along groups, row chunks and columns, warps along groups and columns, of the register tile
+    [groups, group_rows / rows, rows, block_n]; None where the config does not divide it."""
+    if config.block_n % config.columns or group_rows % config.rows:
+        return None
     threads_n = min(32, config.block_n // config.columns)
-    if threads_n < 1 or config.block_n % config.columns:
+    threads_r = min(32 // threads_n, group_rows // config.rows)
+    threads_g = 32 // threads_n // threads_r
+    warps_n = config.block_n // (config.columns * threads_n)
+    if config.num_warps % warps_n:
         return None
-    threads_r = 32 // threads_n
-    if group_rows % (config.rows * threads_r):
+    warps_g = config.num_warps // warps_n
+    if config.groups % (threads_g * warps_g):
         return None
-    warps_r = group_rows // (config.rows * threads_r)
-    if config.num_warps % warps_r or config.groups % (config.num_warps // warps_r):
-        return None
-    return threads_r, threads_n, config.num_warps // warps_r, warps_r
+    return threads_g, threads_r, threads_n, warps_g, warps_n
 
 
 # Gluon's sum and cdiv wrap triton.jit helpers, which become interpreter objects under TRITON_INTERPRET=1 (set
@@ -145,15 +150,18 @@ def _x_pair(x_ptr, word_rows, j: gl.constexpr, K, IS_BF16: gl.constexpr, EVEN_K:
 @gluon.jit
 def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles,
                           STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, COLUMNS: gl.constexpr,
-                          ROWS: gl.constexpr, THREADS_R: gl.constexpr, THREADS_N: gl.constexpr,
-                          WARPS_G: gl.constexpr, WARPS_R: gl.constexpr, IS_BF16: gl.constexpr,
-                          EVEN_K: gl.constexpr, PDL: gl.constexpr):
+                          ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
+                          THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
+                          IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = codes_desc.block_type.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, ROWS, COLUMNS], [1, THREADS_R, THREADS_N], [WARPS_G, WARPS_R, 1],
-                                            [2, 1, 0])
-    group_layout: gl.constexpr = gl.SliceLayout(1, layout)   # [GROUPS, BLOCK_N]: scales, zeros
-    row_layout: gl.constexpr = gl.SliceLayout(2, layout)     # [GROUPS, GROUP_ROWS]: x's sums
+    CHUNKS: gl.constexpr = GROUP_ROWS // ROWS
+    # [groups, row chunks, rows, columns]: a thread's ROWS word rows of a group are summed in registers
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, ROWS, COLUMNS], [THREADS_G, THREADS_R, 1, THREADS_N],
+                                            [WARPS_G, 1, 1, WARPS_N], [3, 2, 1, 0])
+    chunk_layout: gl.constexpr = gl.SliceLayout(2, layout)               # [groups, chunks, columns]
+    group_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)         # [groups, columns]: scales, zeros
+    row_layout: gl.constexpr = gl.SliceLayout(3, layout)                 # [groups, chunks, rows]: x
     out_layout: gl.constexpr = gl.SliceLayout(0, group_layout)
 
     pid = gl.program_id(0)
@@ -175,16 +183,17 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
                    STAGES)
     _pdl_wait(PDL)
 
-    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, row_layout))
-    offs_r = gl.arange(0, GROUP_ROWS, layout=gl.SliceLayout(0, row_layout))
-    tile_rows = offs_g[:, None] * GROUP_ROWS + offs_r[None, :]
-    acc = gl.zeros([GROUPS, GROUP_ROWS, BLOCK_N], gl.float32, layout)
+    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, row_layout)))
+    offs_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, row_layout)))
+    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, row_layout)))
+    tile_rows = offs_g[:, None, None] * GROUP_ROWS + offs_c[None, :, None] * ROWS + offs_r[None, None, :]
+    acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
     for step in range(total):
         stage = step % STAGES
         k_step = step % k_steps
         word_rows = k_step * (GROUPS * GROUP_ROWS) + tile_rows
         mbarrier.wait(full.index(stage), (step // STAGES) & 1)
-        words = codes.index(stage).reshape([GROUPS, GROUP_ROWS, BLOCK_N]).load(layout)
+        words = codes.index(stage).reshape([GROUPS, CHUNKS, ROWS, BLOCK_N]).load(layout)
         scale = scales.index(stage).load(group_layout).to(gl.float32)
         zero = zeros.index(stage).load(group_layout).to(gl.float32)
         gl.thread_barrier()   # every warp holds the stage: it may be refilled
@@ -193,28 +202,27 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
                    num_programs, k_steps, STAGES)
         x_low, x_high = _x_pair(x_ptr, word_rows, 0, K, IS_BF16, EVEN_K)
         f_low, f_high = _field_pair(words, 15)
-        sums = x_low[:, :, None] * f_low + x_high[:, :, None] * f_high
+        sums = x_low[:, :, :, None] * f_low + x_high[:, :, :, None] * f_high
         even = x_low
         odd = x_high
         for j in gl.static_range(1, 4):
             x_low, x_high = _x_pair(x_ptr, word_rows, j, K, IS_BF16, EVEN_K)
             f_low, f_high = _field_pair(words, 15 - 8 * j)
-            sums += x_low[:, :, None] * f_low
-            sums += x_high[:, :, None] * f_high
+            sums += x_low[:, :, :, None] * f_low
+            sums += x_high[:, :, :, None] * f_high
             even += x_low
             odd += x_high
-        # each product is x q / 16 plus 16 x (even fields) or x (odd ones): the row's sum minus those is
-        # sum x q / 16, and y += 16 s (that) - s z (sum x)
-        offset = 16.0 * even + odd
-        scale_16 = 16.0 * scale
-        acc += scale_16[:, None, :] * (sums - offset[:, :, None]) \
-            - (scale * zero)[:, None, :] * (even + odd)[:, :, None]
+        # each product is x q / 16 plus 16 x (even fields) or x (odd ones): a chunk's sum minus those is
+        # sum x q / 16, and y += 16 s (that) - s z (sum x); the rows' sums stay in the thread
+        column = gl.reduce(sums, 2, _add) - gl.reduce((16.0 * even + odd)[:, :, :, None], 2, _add)
+        x_sum = gl.reduce((even + odd)[:, :, :, None], 2, _add)
+        acc += (16.0 * scale)[:, None, :] * column - (scale * zero)[:, None, :] * x_sum
         if k_step == k_steps - 1:
             n0 = (pid + (step // k_steps) * num_programs) * BLOCK_N
             y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
             gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-            acc = gl.zeros([GROUPS, GROUP_ROWS, BLOCK_N], gl.float32, layout)
+            acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
 
@@ -256,7 +264,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     split = layout_split(config, group_rows)
     if split is None:
         raise ValueError(f"{config} does not divide a tile of group size {group_size}")
-    threads_r, threads_n, warps_g, warps_r = split
+    threads_g, threads_r, threads_n, warps_g, warps_n = split
     if x.stride(1) != 1 or x.data_ptr() % 4:
         x = x.contiguous().clone()   # read as 32-bit pairs
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
@@ -268,11 +276,11 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
     num_tiles = triton.cdiv(N, config.block_n)
     pdl = pdl_mode(x.device)
-    grid = (programs(num_tiles, torch.cuda.get_device_properties(x.device).multi_processor_count),)
+    grid = (programs(num_tiles, config.per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count),)
     _int4_gemv_tma_kernel[grid](
         x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
         num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
-        THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_R=warps_r,
+        THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, PDL=pdl, num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return y
