@@ -453,9 +453,9 @@ case "${1:-A}" in
     grep -v "^  " "$OUT/gemv_tma_sweep.log" | grep -v wrote; grep -E "^  .*(rror|Exception)" "$OUT/gemv_tma_sweep.log" | head
     ;;
   T2)
-    # stop 34: int4 batch 1 with the Gluon GEMV among the tuner's candidates, left out, and alone at one row,
+    # stop 34: int4 batch 1 with the Gluon GEMV among the tuner's candidates and left out,
     # alternating in one process, the tiles tuned again before each capture
-    timeout 400 python3 bench/pdl_bench.py --formats int4 --variable MINIVLLM_TMA_GEMV --settings 1,0,only --retune \
+    timeout 400 python3 bench/pdl_bench.py --formats int4 --variable MINIVLLM_TMA_GEMV --settings 1,0 --retune \
       --rounds 2 --out "$OUT" > "$OUT/tma_gemv_bench.log" 2>&1; grep -E "medians|rror|tok/s" "$OUT/tma_gemv_bench.log" | tail -20
     ;;
   P6)
