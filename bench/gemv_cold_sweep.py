@@ -34,15 +34,15 @@ NARROW = [int4_gemm.GemvConfig(n, k, w, 4, fused_sum=True, half=half)
 NARROW_SPLITS = (1, 2, 4, 8)
 
 
-def tma_sweep_tiles() -> list:
+def tma_sweep_tiles(half: bool = True) -> list:
     """The Gluon GEMV's tiles over width, rows and columns a thread, warps, groups a stage and programs an SM, the
-    ring about 96 KB an SM."""
+    ring about 96 KB an SM; in packed-half arithmetic or fp32."""
     tiles = []
     for block_n, (columns, rows), groups, (per_sm, warps) in itertools.product(
             (16, 32, 64), ((4, 2), (4, 4), (8, 2), (8, 4)), (8, 16), ((1, 4), (1, 8), (2, 4))):
         stage_bytes = groups * GROUP // 8 * block_n * 4
         stages = max(2, min(8, (96 << 10) // per_sm // stage_bytes))
-        tile = TmaGemvConfig(block_n, groups, stages, warps, columns, rows, per_sm)
+        tile = TmaGemvConfig(block_n, groups, stages, warps, columns, rows, per_sm, half)
         if layout_split(tile, GROUP // 8) is not None:
             tiles.append(tile)
     return tiles
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--no-narrow", action="store_true", help="leave out the narrow Triton tiles")
-    parser.add_argument("--tma-sweep", action="store_true", help="add the Gluon GEMV's sweep (tma_sweep_tiles)")
+    parser.add_argument("--tma-sweep", choices=("half", "fp32"), help="add the Gluon GEMV's sweep (tma_sweep_tiles)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     result = {**run_metadata(device), "rows": [], "best": []}
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
         reference = int4_gemm.weight_only_gemm_reference(x.float(), *weights, GROUP, 4)
         tuned = [(c, "tuner") for c in int4_gemm.candidates(1, N, K, device, GROUP, 4) if c is not None]
         narrow = [] if args.no_narrow else [((t, s), "narrow") for t in NARROW for s in NARROW_SPLITS]
-        sweep = [((t, 1), "tma") for t in tma_sweep_tiles()] if args.tma_sweep else []
+        sweep = [((t, 1), "tma") for t in tma_sweep_tiles(args.tma_sweep == "half")] if args.tma_sweep else []
         timings = []
         for (config, split), origin in tuned + narrow + sweep:
             try:

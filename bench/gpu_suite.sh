@@ -449,7 +449,7 @@ case "${1:-A}" in
     # beside the tuner's candidates (gemv_cold_sweep_<gpu>.json)
     timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py -k tma > "$OUT/gpu_tests_tma.log" 2>&1
     tail -3 "$OUT/gpu_tests_tma.log"
-    timeout 330 python3 bench/gemv_cold_sweep.py --no-narrow --tma-sweep --out "$OUT" > "$OUT/gemv_tma_sweep.log" 2>&1
+    timeout 330 python3 bench/gemv_cold_sweep.py --no-narrow --tma-sweep half --out "$OUT" > "$OUT/gemv_tma_sweep.log" 2>&1
     grep -v "^  " "$OUT/gemv_tma_sweep.log" | grep -v wrote; grep -E "^  .*(rror|Exception)" "$OUT/gemv_tma_sweep.log" | head
     ;;
   T2)

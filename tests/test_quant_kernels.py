@@ -221,7 +221,8 @@ def test_cold_copies_exceed_l2():
 
 # ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------
 TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2),
-             TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8), TmaGemvConfig(32, 16, 2, 4, rows=1)]
+             TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8), TmaGemvConfig(32, 16, 2, 4, rows=1),
+             TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
 def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
@@ -250,7 +251,8 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
     constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
-                     IS_BF16=dtype == torch.bfloat16, EVEN_K=False, PDL=1)
+                     IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
+                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
@@ -258,7 +260,8 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
 
 
 @pytest.mark.parametrize("config,group_size,dtype,zero_dtype", [
-    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16), (TMA_TILES[3], 32, torch.float16, torch.float32)])
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16), (TMA_TILES[3], 32, torch.float16, torch.float32),
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32)])
 def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it, one LOP3 per weight."""
@@ -272,8 +275,12 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     assert len(copies) == 3 * (config.stages + 1)
     assert sum(i < wait for i in copies) == 3 * config.stages
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
-    assert sum("lop3.b32" in line and ("0x41800000" in line or "0x3F800000" in line) for line in lines) \
-        == weights_per_thread
+    if config.half:   # four LOP3s and four packed FMAs of x a word of 8 weights
+        assert sum("lop3.b32" in line and "0x44004400" in line for line in lines) == weights_per_thread // 2
+        assert sum("fma.rn.f16x2" in line for line in lines) == 3 * weights_per_thread // 4
+    else:
+        assert sum("lop3.b32" in line and ("0x41800000" in line or "0x3F800000" in line) for line in lines) \
+            == weights_per_thread
 
 
 def test_tma_gemv_layout_split_and_refusals():

@@ -52,16 +52,16 @@ def _word_asm() -> str:
     return "\n".join(lines) + " }"
 
 
-_WORD_ASM = tl.constexpr(_word_asm())
+WORD_ASM = tl.constexpr(_word_asm())
 
 # two 32-bit words of 16-bit x (x[k], x[k + 1]) and (x[k + 4], x[k + 5]) -> f16x2 pairs (x[k], x[k + 4]) and
 # (x[k + 1], x[k + 5]) (cvt.rn.f16x2.f32 d, a, b puts a in the upper half)
-_PAIRS_BF16 = tl.constexpr(
+PAIRS_BF16 = tl.constexpr(
     "{ .reg .b32 l0, l1, h0, h1;\n"
     "shl.b32 l0, $2, 16; shl.b32 l1, $3, 16;\n"
     "and.b32 h0, $2, 0xFFFF0000; and.b32 h1, $3, 0xFFFF0000;\n"
     "cvt.rn.f16x2.f32 $0, l1, l0; cvt.rn.f16x2.f32 $1, h1, h0; }")
-_PAIRS_FP16 = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;")
+PAIRS_FP16 = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;")
 
 
 # ---- the packed-half values under the interpreter: two fp16 bit patterns in an int32 -----------------------
@@ -101,10 +101,10 @@ def _x_pairs(word_a, word_b, IS_BF16: tl.constexpr, ASM: tl.constexpr):
     """(x[k], x[k + 1]) and (x[k + 4], x[k + 5]) as words -> f16x2 (x[k], x[k + 4]), (x[k + 1], x[k + 5])."""
     if ASM:
         if IS_BF16:
-            return tl.inline_asm_elementwise(_PAIRS_BF16, "=r,=r,r,r", [word_a, word_b],
+            return tl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,r,r", [word_a, word_b],
                                              dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         else:
-            return tl.inline_asm_elementwise(_PAIRS_FP16, "=r,=r,r,r", [word_a, word_b],
+            return tl.inline_asm_elementwise(PAIRS_FP16, "=r,=r,r,r", [word_a, word_b],
                                              dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         first = _pack(_x16(word_a, False, IS_BF16), _x16(word_b, False, IS_BF16))
@@ -116,7 +116,7 @@ def _x_pairs(word_a, word_b, IS_BF16: tl.constexpr, ASM: tl.constexpr):
 def _add_word(words, p0, p1, p2, p3, low_centre, neg_high_centre, acc, ASM: tl.constexpr):
     """acc + sum over the word's 8 fields of x * (q - z) / 256, in f16x2 (fields j and j + 4 in the halves)."""
     if ASM:
-        return tl.inline_asm_elementwise(_WORD_ASM, "=r,r,r,r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(WORD_ASM, "=r,r,r,r,r,r,r,r,r",
                                          [words, p0, p1, p2, p3, low_centre, neg_high_centre, acc],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:

@@ -32,13 +32,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from minivllm.kernels.int4_gemv_half import PAIRS_BF16, PAIRS_FP16, WORD_ASM
 from minivllm.kernels.pdl import mode as pdl_mode
 
 
 class TmaGemvConfig(NamedTuple):
     """block_n columns a tile; groups: quantization groups a stage; columns: adjacent columns a thread holds (one
     shared-memory load of 4 x columns bytes a word row); rows: word rows of a group a thread holds, summed in
-    registers before the group's scale; per_sm: programs an SM (more warps to hide latency, each ring smaller)."""
+    registers before the group's scale; per_sm: programs an SM (more warps to hide latency, each ring smaller);
+    half: the packed-half arithmetic of kernels/int4_gemv_half.py (two weights an instruction)."""
     block_n: int
     groups: int
     stages: int
@@ -46,6 +48,7 @@ class TmaGemvConfig(NamedTuple):
     columns: int = 4
     rows: int = 4
     per_sm: int = 1
+    half: bool = False
 
 
 # H100 candidates: the best of bench/gemv_cold_sweep.py --tma-sweep on each 8B layer at 68963fa (qkv, o, gate_up,
@@ -149,11 +152,91 @@ def _x_pair(x_ptr, word_rows, j: gl.constexpr, K, IS_BF16: gl.constexpr, EVEN_K:
 
 
 @gluon.jit
+def _add_halves(a, b):
+    return gl.inline_asm_elementwise("add.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _halves_sum(v):
+    return gl.inline_asm_elementwise(
+        "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; add.f32 $0, a, b; }",
+        "=r,r", [v], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _splat_half(v):
+    return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _half_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr,
+               FRACTIONAL_ZEROS: gl.constexpr):
+    """A stage's contribution [groups, chunks, columns] in packed-half arithmetic (kernels/int4_gemv_half.py): a
+    word's 8 weights in 13 instructions, x as f16x2 pairs (x[k], x[k + 4]), a chunk's rows summed in f16x2."""
+    x_words = x_ptr.to(gl.pointer_type(gl.int32)) + word_rows * 4
+    if EVEN_K:
+        xa, xb = gl.load(x_words), gl.load(x_words + 1)
+        xc, xd = gl.load(x_words + 2), gl.load(x_words + 3)
+    else:   # x beyond K reads as zero (K is even: the group size is)
+        k = word_rows * 8
+        xa, xb = gl.load(x_words, mask=k < K, other=0), gl.load(x_words + 1, mask=k + 2 < K, other=0)
+        xc, xd = gl.load(x_words + 2, mask=k + 4 < K, other=0), gl.load(x_words + 3, mask=k + 6 < K, other=0)
+    if IS_BF16:
+        p0, p1 = gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,r,r", [xa, xc], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        p2, p3 = gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,r,r", [xb, xd], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+    else:
+        p0, p1 = gl.inline_asm_elementwise(PAIRS_FP16, "=r,=r,r,r", [xa, xc], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        p2, p3 = gl.inline_asm_elementwise(PAIRS_FP16, "=r,=r,r,r", [xb, xd], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+    exact_low, exact_high = 4.0 + zero * 0.00390625, 0.25 + zero * 0.00390625   # z / 256
+    low_centre, neg_high_centre = _splat_half(exact_low), _splat_half(-exact_high)
+    acc = gl.inline_asm_elementwise(
+        WORD_ASM, "=r,r,r,r,r,r,r,r,r",
+        [words, p0[:, :, :, None], p1[:, :, :, None], p2[:, :, :, None], p3[:, :, :, None],
+         low_centre[:, None, None, :], neg_high_centre[:, None, None, :], gl.zeros_like(words)],
+        dtype=gl.int32, is_pure=True, pack=1)
+    column = _halves_sum(gl.reduce(acc, 2, _add_halves))
+    if FRACTIONAL_ZEROS:   # the centres' rounding to fp16 (none for integer zero points below 1024)
+        low_x = gl.reduce((_halves_sum(p0) + _halves_sum(p2))[:, :, :, None], 2, _add)
+        high_x = gl.reduce((_halves_sum(p1) + _halves_sum(p3))[:, :, :, None], 2, _add)
+        column -= (exact_low - _halves_sum(low_centre) * 0.5)[:, None, :] * low_x
+        column -= (exact_high + _halves_sum(neg_high_centre) * 0.5)[:, None, :] * high_x
+    return (256.0 * scale)[:, None, :] * column
+
+
+@gluon.jit
+def _fp32_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
+    """A stage's contribution [groups, chunks, columns] with fp32 products (`int4_gemm._nibble_pair`)."""
+    x_low, x_high = _x_pair(x_ptr, word_rows, 0, K, IS_BF16, EVEN_K)
+    f_low, f_high = _field_pair(words, 15)
+    sums = x_low[:, :, :, None] * f_low + x_high[:, :, :, None] * f_high
+    even = x_low
+    odd = x_high
+    for j in gl.static_range(1, 4):
+        x_low, x_high = _x_pair(x_ptr, word_rows, j, K, IS_BF16, EVEN_K)
+        f_low, f_high = _field_pair(words, 15 - 8 * j)
+        sums += x_low[:, :, :, None] * f_low
+        sums += x_high[:, :, :, None] * f_high
+        even += x_low
+        odd += x_high
+    # each product is x q / 16 plus 16 x (even fields) or x (odd ones): a chunk's sum minus those is
+    # sum x q / 16, and y += 16 s (that) - s z (sum x); the rows' sums stay in the thread
+    column = gl.reduce(sums, 2, _add) - gl.reduce((16.0 * even + odd)[:, :, :, None], 2, _add)
+    x_sum = gl.reduce((even + odd)[:, :, :, None], 2, _add)
+    return (16.0 * scale)[:, None, :] * column - (scale * zero)[:, None, :] * x_sum
+
+
+@gluon.jit
 def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles,
                           STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, COLUMNS: gl.constexpr,
                           ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
-                          IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, PDL: gl.constexpr):
+                          IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
+                          FRACTIONAL_ZEROS: gl.constexpr, PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = codes_desc.block_type.shape[1]
     CHUNKS: gl.constexpr = GROUP_ROWS // ROWS
@@ -201,23 +284,10 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         if step + STAGES < total:
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
                    num_programs, k_steps, STAGES)
-        x_low, x_high = _x_pair(x_ptr, word_rows, 0, K, IS_BF16, EVEN_K)
-        f_low, f_high = _field_pair(words, 15)
-        sums = x_low[:, :, :, None] * f_low + x_high[:, :, :, None] * f_high
-        even = x_low
-        odd = x_high
-        for j in gl.static_range(1, 4):
-            x_low, x_high = _x_pair(x_ptr, word_rows, j, K, IS_BF16, EVEN_K)
-            f_low, f_high = _field_pair(words, 15 - 8 * j)
-            sums += x_low[:, :, :, None] * f_low
-            sums += x_high[:, :, :, None] * f_high
-            even += x_low
-            odd += x_high
-        # each product is x q / 16 plus 16 x (even fields) or x (odd ones): a chunk's sum minus those is
-        # sum x q / 16, and y += 16 s (that) - s z (sum x); the rows' sums stay in the thread
-        column = gl.reduce(sums, 2, _add) - gl.reduce((16.0 * even + odd)[:, :, :, None], 2, _add)
-        x_sum = gl.reduce((even + odd)[:, :, :, None], 2, _add)
-        acc += (16.0 * scale)[:, None, :] * column - (scale * zero)[:, None, :] * x_sum
+        if HALF:
+            acc += _half_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16, EVEN_K, FRACTIONAL_ZEROS)
+        else:
+            acc += _fp32_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16, EVEN_K)
         if k_step == k_steps - 1:
             n0 = (pid + (step // k_steps) * num_programs) * BLOCK_N
             y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
@@ -282,6 +352,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
         num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
-        IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, PDL=pdl, num_warps=config.num_warps,
+        IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
+        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, PDL=pdl, num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return y
