@@ -51,12 +51,13 @@ class TmaGemvConfig(NamedTuple):
     half: bool = False
 
 
-# H100 candidates: the best of bench/gemv_cold_sweep.py --tma-sweep on each 8B layer at 68963fa (qkv, o, gate_up,
-# down, in that order), the next best, and two that divide groups of 32 and 64
-TMA_GEMV_TILES = (TmaGemvConfig(32, 16, 2, 4, columns=8, per_sm=2), TmaGemvConfig(16, 8, 3, 4, rows=2, per_sm=2),
+# H100 candidates: the best tiles per 8B layer of bench/gemv_cold_sweep.py --tma-sweep (fp32 at 68963fa, packed
+# half at feee628: qkv, o, gate_up, down), and two that divide groups of 32 and 64
+TMA_GEMV_TILES = (TmaGemvConfig(32, 16, 2, 4, columns=8, rows=2, per_sm=2, half=True),
+                  TmaGemvConfig(32, 16, 3, 8, rows=2, half=True), TmaGemvConfig(16, 8, 3, 4, rows=2, per_sm=2),
                   TmaGemvConfig(64, 8, 2, 4, columns=8, per_sm=2), TmaGemvConfig(16, 16, 3, 4, rows=2, per_sm=2),
-                  TmaGemvConfig(32, 16, 3, 8, columns=8), TmaGemvConfig(32, 8, 3, 4, columns=8, per_sm=2),
-                  TmaGemvConfig(32, 16, 2, 4, rows=1), TmaGemvConfig(16, 8, 4, 4, rows=2))
+                  TmaGemvConfig(32, 16, 2, 4, columns=8, per_sm=2), TmaGemvConfig(32, 16, 2, 4, rows=1),
+                  TmaGemvConfig(16, 8, 4, 4, rows=2))
 
 
 def layout_split(config: TmaGemvConfig, group_rows: int) -> tuple[int, int, int, int, int] | None:
