@@ -138,7 +138,7 @@ def _field_pair(words, SHIFT: gl.constexpr):
 @gluon.jit
 def _x_pair(x_ptr, word_rows, j: gl.constexpr, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
     """x at fields 2j and 2j + 1 of `word_rows`, in fp32; bf16 pairs come in one 32-bit load (a bf16 is the top
-    half of its fp32)."""
+    half of its fp32). The Triton GEMV's `int4_gemm._x_pair` in Gluon, whose kernels call only Gluon functions."""
     k = word_rows * 8 + 2 * j
     if IS_BF16:
         if EVEN_K:
