@@ -62,6 +62,11 @@ PAIRS_BF16 = tl.constexpr(
     "and.b32 h0, $2, 0xFFFF0000; and.b32 h1, $3, 0xFFFF0000;\n"
     "cvt.rn.f16x2.f32 $0, l1, l0; cvt.rn.f16x2.f32 $1, h1, h0; }")
 PAIRS_FP16 = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;")
+# f16x2 -> the fp32 sum of its halves; f16x2 + f16x2; fp32 -> f16x2 (v, v). Shared with kernels/int4_gemv_tma.py.
+HALVES_SUM_ASM = tl.constexpr(
+    "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; add.f32 $0, a, b; }")
+ADD_HALVES_ASM = tl.constexpr("add.f16x2 $0, $1, $2;")
+SPLAT_HALF_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $1, $1;")
 
 
 # ---- the packed-half values under the interpreter: two fp16 bit patterns in an int32 -----------------------
@@ -138,9 +143,7 @@ def _add_word(words, p0, p1, p2, p3, low_centre, neg_high_centre, acc, ASM: tl.c
 @triton.jit
 def _halves_sum(acc, ASM: tl.constexpr):
     if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h;"
-            " add.f32 $0, a, b; }", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(HALVES_SUM_ASM, "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return _low(acc) + _high(acc)
 
@@ -149,8 +152,7 @@ def _halves_sum(acc, ASM: tl.constexpr):
 def _add_halves(a, b):
     """f16x2 a + b (the reduction over a step's word rows)."""
     if _ASM_ON:
-        return tl.inline_asm_elementwise("add.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise(ADD_HALVES_ASM, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return _pack(_low(a) + _low(b), _high(a) + _high(b))
 
@@ -159,8 +161,7 @@ def _add_halves(a, b):
 def _splat_half(v, ASM: tl.constexpr):
     """fp32 v -> f16x2 (v, v)."""
     if ASM:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(SPLAT_HALF_ASM, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return _pack(v, v)
 

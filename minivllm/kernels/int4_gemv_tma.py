@@ -37,8 +37,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from minivllm.kernels.int4_gemv_half import PAIRS_BF16, PAIRS_FP16, WORD_ASM
+from minivllm.kernels.int4_gemv_half import (ADD_HALVES_ASM, HALVES_SUM_ASM, PAIRS_BF16, PAIRS_FP16, SPLAT_HALF_ASM,
+                                             WORD_ASM)
+from minivllm.kernels.pdl import gluon_wait_for_previous
 from minivllm.kernels.pdl import mode as pdl_mode
+from minivllm.kernels.split_k import num_sms
 
 
 class TmaGemvConfig(NamedTuple):
@@ -95,19 +98,6 @@ def _cdiv(a, b):
 
 
 @gluon.jit
-def _pdl_wait(PDL: gl.constexpr):
-    """`pdl.wait_for_previous` for Gluon (whose kernels call only Gluon functions)."""
-    if PDL == 2:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    if PDL > 0:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    if PDL == 1:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
 def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, first_tile, num_programs,
            k_steps, STAGES: gl.constexpr):
     """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES."""
@@ -159,20 +149,17 @@ def _x_pair(x_ptr, word_rows, j: gl.constexpr, K, IS_BF16: gl.constexpr, EVEN_K:
 
 @gluon.jit
 def _add_halves(a, b):
-    return gl.inline_asm_elementwise("add.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(ADD_HALVES_ASM, "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _halves_sum(v):
-    return gl.inline_asm_elementwise(
-        "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; add.f32 $0, a, b; }",
-        "=r,r", [v], dtype=gl.float32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(HALVES_SUM_ASM, "=r,r", [v], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _splat_half(v):
-    return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=gl.int32, is_pure=True,
-                                     pack=1)
+    return gl.inline_asm_elementwise(SPLAT_HALF_ASM, "=r,r", [v], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -271,7 +258,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         if s < total:
             _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
                    STAGES)
-    _pdl_wait(PDL)
+    gluon_wait_for_previous(PDL)
 
     offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, row_layout)))
     offs_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, row_layout)))
@@ -353,7 +340,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
     num_tiles = triton.cdiv(N, config.block_n)
     pdl = pdl_mode(x.device)
-    grid = (programs(num_tiles, config.per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count),)
+    grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
     _int4_gemv_tma_kernel[grid](
         x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
         num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,

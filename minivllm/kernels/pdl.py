@@ -21,6 +21,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
@@ -63,6 +65,21 @@ def wait_for_previous(PDL: tl.constexpr):
         gdc_wait()
     if PDL == 1:
         gdc_launch_dependents()
+
+
+_WAIT = tl.constexpr("griddepcontrol.wait; // $0")
+_LAUNCH_DEPENDENTS = tl.constexpr("griddepcontrol.launch_dependents; // $0")
+
+
+@gluon.jit
+def gluon_wait_for_previous(PDL: gl.constexpr):
+    """`wait_for_previous` for Gluon kernels, which call only Gluon functions."""
+    if PDL == 2:
+        gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if PDL > 0:
+        gl.inline_asm_elementwise(_WAIT, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if PDL == 1:
+        gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
