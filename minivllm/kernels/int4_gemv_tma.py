@@ -131,20 +131,25 @@ def _field_pair(words, SHIFT: gl.constexpr):
 
 
 @gluon.jit
-def _x_pair(x_ptr, word_rows, j: gl.constexpr, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
-    """x at fields 2j and 2j + 1 of `word_rows`, in fp32; bf16 pairs come in one 32-bit load (a bf16 is the top
-    half of its fp32). The Triton GEMV's `int4_gemm._x_pair` in Gluon, whose kernels call only Gluon functions."""
-    k = word_rows * 8 + 2 * j
+def _x_words(x_ptr, word_rows, K, EVEN_K: gl.constexpr):
+    """x at the 8 positions of `word_rows` as four 32-bit words, each a pair of 16-bit values (k, k + 1) for
+    k = 8 r, 8 r + 2, 8 r + 4, 8 r + 6; x beyond K reads as zero (K is even: the group size is)."""
+    x_words = x_ptr.to(gl.pointer_type(gl.int32)) + word_rows * 4
+    if EVEN_K:
+        return gl.load(x_words), gl.load(x_words + 1), gl.load(x_words + 2), gl.load(x_words + 3)
+    k = word_rows * 8
+    return (gl.load(x_words, mask=k < K, other=0), gl.load(x_words + 1, mask=k + 2 < K, other=0),
+            gl.load(x_words + 2, mask=k + 4 < K, other=0), gl.load(x_words + 3, mask=k + 6 < K, other=0))
+
+
+@gluon.jit
+def _pair_floats(word, IS_BF16: gl.constexpr):
+    """A word of two 16-bit x values as two fp32 (a bf16 is the top half of its fp32)."""
     if IS_BF16:
-        if EVEN_K:
-            word = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + k // 2)
-        else:
-            word = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + k // 2, mask=k < K, other=0)
         return (word << 16).to(gl.float32, bitcast=True), (word & -65536).to(gl.float32, bitcast=True)
-    else:
-        low = gl.load(x_ptr + k, mask=k < K, other=0.0).to(gl.float32)
-        high = gl.load(x_ptr + k + 1, mask=k + 1 < K, other=0.0).to(gl.float32)
-        return low, high
+    low = (word & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    high = (word >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    return low, high
 
 
 @gluon.jit
@@ -163,18 +168,9 @@ def _splat_half(v):
 
 
 @gluon.jit
-def _half_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr,
-               FRACTIONAL_ZEROS: gl.constexpr):
+def _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16: gl.constexpr, FRACTIONAL_ZEROS: gl.constexpr):
     """A stage's contribution [groups, chunks, columns] in packed-half arithmetic (kernels/int4_gemv_half.py): a
     word's 8 weights in 13 instructions, x as f16x2 pairs (x[k], x[k + 4]), a chunk's rows summed in f16x2."""
-    x_words = x_ptr.to(gl.pointer_type(gl.int32)) + word_rows * 4
-    if EVEN_K:
-        xa, xb = gl.load(x_words), gl.load(x_words + 1)
-        xc, xd = gl.load(x_words + 2), gl.load(x_words + 3)
-    else:   # x beyond K reads as zero (K is even: the group size is)
-        k = word_rows * 8
-        xa, xb = gl.load(x_words, mask=k < K, other=0), gl.load(x_words + 1, mask=k + 2 < K, other=0)
-        xc, xd = gl.load(x_words + 2, mask=k + 4 < K, other=0), gl.load(x_words + 3, mask=k + 6 < K, other=0)
     if IS_BF16:
         p0, p1 = gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,r,r", [xa, xc], dtype=(gl.int32, gl.int32),
                                            is_pure=True, pack=1)
@@ -202,20 +198,23 @@ def _half_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16: gl.constexpr, E
 
 
 @gluon.jit
-def _fp32_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
+def _fp32_word(sums, even, odd, words, xw, SHIFT: gl.constexpr, IS_BF16: gl.constexpr):
+    x_low, x_high = _pair_floats(xw, IS_BF16)
+    f_low, f_high = _field_pair(words, SHIFT)
+    return sums + x_low[:, :, :, None] * f_low + x_high[:, :, :, None] * f_high, even + x_low, odd + x_high
+
+
+@gluon.jit
+def _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16: gl.constexpr):
     """A stage's contribution [groups, chunks, columns] with fp32 products (`int4_gemm._nibble_pair`)."""
-    x_low, x_high = _x_pair(x_ptr, word_rows, 0, K, IS_BF16, EVEN_K)
+    x_low, x_high = _pair_floats(xa, IS_BF16)
     f_low, f_high = _field_pair(words, 15)
     sums = x_low[:, :, :, None] * f_low + x_high[:, :, :, None] * f_high
     even = x_low
     odd = x_high
-    for j in gl.static_range(1, 4):
-        x_low, x_high = _x_pair(x_ptr, word_rows, j, K, IS_BF16, EVEN_K)
-        f_low, f_high = _field_pair(words, 15 - 8 * j)
-        sums += x_low[:, :, :, None] * f_low
-        sums += x_high[:, :, :, None] * f_high
-        even += x_low
-        odd += x_high
+    sums, even, odd = _fp32_word(sums, even, odd, words, xb, 7, IS_BF16)
+    sums, even, odd = _fp32_word(sums, even, odd, words, xc, -1, IS_BF16)
+    sums, even, odd = _fp32_word(sums, even, odd, words, xd, -9, IS_BF16)
     # each product is x q / 16 plus 16 x (even fields) or x (odd ones): a chunk's sum minus those is
     # sum x q / 16, and y += 16 s (that) - s z (sum x); the rows' sums stay in the thread
     column = gl.reduce(sums, 2, _add) - gl.reduce((16.0 * even + odd)[:, :, :, None], 2, _add)
@@ -265,10 +264,14 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, row_layout)))
     tile_rows = offs_g[:, None, None] * GROUP_ROWS + offs_c[None, :, None] * ROWS + offs_r[None, None, :]
     acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
+    xa, xb, xc, xd = _x_words(x_ptr, tile_rows, K, EVEN_K)
     for step in range(total):
         stage = step % STAGES
         k_step = step % k_steps
-        word_rows = k_step * (GROUPS * GROUP_ROWS) + tile_rows
+        # the next step's x (K step 0 again after a tile's last), requested a step ahead: the L2 round trip
+        # overlaps this step's wait and arithmetic instead of stalling it
+        next_rows = ((step + 1) % k_steps) * (GROUPS * GROUP_ROWS) + tile_rows
+        na, nb, nc, nd = _x_words(x_ptr, next_rows, K, EVEN_K)
         mbarrier.wait(full.index(stage), (step // STAGES) & 1)
         words = codes.index(stage).reshape([GROUPS, CHUNKS, ROWS, BLOCK_N]).load(layout)
         scale = scales.index(stage).load(group_layout).to(gl.float32)
@@ -278,9 +281,10 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
                    num_programs, k_steps, STAGES)
         if HALF:
-            acc += _half_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16, EVEN_K, FRACTIONAL_ZEROS)
+            acc += _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16, FRACTIONAL_ZEROS)
         else:
-            acc += _fp32_step(words, x_ptr, word_rows, scale, zero, K, IS_BF16, EVEN_K)
+            acc += _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16)
+        xa, xb, xc, xd = na, nb, nc, nd
         if k_step == k_steps - 1:
             n0 = (pid + (step // k_steps) * num_programs) * BLOCK_N
             y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
