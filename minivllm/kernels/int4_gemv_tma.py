@@ -17,9 +17,10 @@ instruction). A thread holds `rows` word rows of a group for `columns` columns a
 group's zero point and scale then apply once per column, and the thread keeps that partial over all of K. The
 tile's partials are reduced across threads once, at its end.
 
-Measured on the H100 (WRITEUP 8, stop 34), timed cold at M = 1: o_proj 8.6 -> 6.2 us and qkv 10.4 -> 8.3 us
-against the Triton GEMVs; gate_up and down stay at about 2.2 and 1.7 TB/s in either arithmetic, so they are not
-bound by instructions: a column tile of this layout is 64-256 contiguous bytes a word row.
+Measured on the H100 (WRITEUP 8, stops 34-35), timed cold at M = 1: o_proj 8.6 -> 6.2 us and qkv 10.4 -> 8.3 us
+against the Triton GEMVs (stop 34). x was then read in each step's arithmetic, one L2 round trip a step; requested
+a step ahead (stop 35) the layer's four GEMVs went from 59.7 to 53.7 us (down 17.8 -> 15.2, o 6.2 -> 5.4, qkv
+8.3 -> 7.6, gate_up 27.4 -> 25.6).
 
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
@@ -60,8 +61,10 @@ class TmaGemvConfig(NamedTuple):
 
 
 # H100 candidates: the best tiles per 8B layer of bench/gemv_cold_sweep.py --tma-sweep (fp32 at 68963fa, packed
-# half at feee628: qkv, o, gate_up, down), and two that divide groups of 32 and 64
+# half at feee628 and, with x requested a step ahead, 7bcdf8c: qkv, o, gate_up, down), and two that divide groups
+# of 32 and 64
 TMA_GEMV_TILES = (TmaGemvConfig(32, 16, 2, 4, columns=8, rows=2, per_sm=2, half=True),
+                  TmaGemvConfig(64, 8, 2, 4, columns=8, rows=2, per_sm=2, half=True),
                   TmaGemvConfig(32, 16, 3, 8, rows=2, half=True), TmaGemvConfig(16, 8, 3, 4, rows=2, per_sm=2),
                   TmaGemvConfig(64, 8, 2, 4, columns=8, per_sm=2), TmaGemvConfig(16, 16, 3, 4, rows=2, per_sm=2),
                   TmaGemvConfig(32, 16, 2, 4, columns=8, per_sm=2), TmaGemvConfig(32, 16, 2, 4, rows=1),
