@@ -190,27 +190,6 @@ def test_decode_split_per_sequence_lengths():
         torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_last_partition_combines_without_a_second_kernel(monkeypatch):
-    """The fused reduction (each group's last partition to take its ticket combines the partials) gives the
-    separate reduce kernel's output, launches no reduce kernel, zeroes an empty context and leaves every ticket
-    at zero for the next call."""
-    from minivllm.kernels import decode_attention
-    from minivllm.kernels.split_k import tile_tickets
-    query, key, value, k_cache, v_cache, metadata = make_batch([300, 0, 77, 1], [1] * 4, 2, 4, 64,
-                                                               torch.float32, seed=5)
-    write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-    args = (query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, 0.125)
-    monkeypatch.setenv("MINIVLLM_DECODE_FUSED_REDUCE", "0")
-    separate = paged_decode_attention(*args, partition_size=32)   # ten partitions for the 300-token row
-    monkeypatch.setenv("MINIVLLM_DECODE_FUSED_REDUCE", "1")
-    monkeypatch.setattr(decode_attention, "_decode_reduce_kernel", None)   # a launch would raise
-    for _ in range(2):   # the second call finds the tickets zeroed by the first
-        fused = paged_decode_attention(*args, partition_size=32)
-        torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
-    assert torch.equal(fused[1], torch.zeros_like(fused[1]))
-    assert not tile_tickets(query.device, 8).any()
-
-
 # (seq_lens, query_lens, group, head_dim, dtype, block_m, block_n): plain prefill, chunked prefill
 # and prefix hits (cached prefix + chunk), decode rows mixed with chunks; small tiles force several
 # query tiles per sequence and both the unmasked and the causal key loops.

@@ -7,10 +7,7 @@ Design:
 - GQA-aware: one program serves all query heads of one KV head, so each K/V tile is loaded once per
   group and the group's heads form the M dimension of a small matrix product.
 - Split-K ("flash-decoding"): the context is cut into partitions handled by separate programs, each
-  writing its running max, softmax sum and normalised partial output. The last partition of a (sequence,
-  KV head) to finish, found by a ticket counter (`split_k.tile_tickets`), combines them; a second kernel
-  (`_decode_reduce_kernel`) does it only where no zeroed tickets exist (a capture before any eager call) or
-  MINIVLLM_DECODE_FUSED_REDUCE=0. The fused combine saves a launch in every layer at small batch.
+  writing its running max, softmax sum and normalised partial output; a second kernel combines them.
   This keeps the GPU busy when batch x kv_heads is small. Each sequence's partition size follows its
   own length (`sequence_partition_size`), so a short context in a graph captured for long ones is still
   cut finely (a 600-token context at batch 1: 8.5 instead of 12.5 us a layer on an H100,
@@ -35,7 +32,6 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.pdl import launch_options, wait_for_previous
-from minivllm.kernels.split_k import tile_tickets
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
@@ -67,47 +63,11 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
-def _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_base, first_head,
-                        num_heads, num_used, head_dim, out_row, out_stride_h, partial_stride_head,
-                        BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    """out for heads first_head .. + num_heads from their `num_used` partitions, as `_decode_reduce_kernel`
-    does per head; the partials are read from L2 (.cg), where other SMs wrote them."""
-    heads = tl.arange(0, BLOCK_R)
-    head_mask = heads < num_heads
-    head_base = seq_base + (first_head + heads) * partial_stride_head
-    split_ids = tl.arange(0, MAX_SPLITS)
-    used = head_mask[:, None] & (split_ids < num_used)[None, :]
-    maxes = tl.load(partial_max_ptr + head_base[:, None] + split_ids[None, :], mask=used, other=float("-inf"),
-                    cache_modifier=".cg")
-    global_max = tl.where(head_mask, tl.max(maxes, 1), 0.0)
-    sums = tl.load(partial_sum_ptr + head_base[:, None] + split_ids[None, :], mask=used, other=0.0,
-                   cache_modifier=".cg")
-    total = tl.sum(tl.where(used, tl.math.exp2(maxes - global_max[:, None]) * sums, 0.0), 1)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for first in range(0, num_used, CHUNK):   # [heads, CHUNK partitions, D] at a time
-        ids = first + tl.arange(0, CHUNK)
-        ok = head_mask[:, None] & (ids < num_used)[None, :]
-        offs = head_base[:, None] + ids[None, :]
-        weights = tl.where(ok, tl.math.exp2(tl.load(partial_max_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-                                            - global_max[:, None])
-                           * tl.load(partial_sum_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), 0.0)
-        partials = tl.load(partial_out_ptr + offs[:, :, None] * head_dim + dims[None, None, :],
-                           mask=ok[:, :, None] & dim_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(weights[:, :, None] * partials, 1)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + out_row + (first_head + heads)[:, None] * out_stride_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
-
-
 # The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, tickets_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
         qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
@@ -115,8 +75,7 @@ def _decode_partition_kernel(
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-        BLOCK_R: tl.constexpr, REDUCE_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,12 +85,6 @@ def _decode_partition_kernel(
         partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
         start = split * partition
         if start >= seq_len:  # this partition lies past the context: no work, nothing written
-            if FUSED_REDUCE and split == 0:   # an empty context (padding row): nothing to combine, zeros
-                heads = kv_head * num_queries_per_kv + tl.arange(0, BLOCK_R)
-                dims = tl.arange(0, BLOCK_D)
-                tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
-                         tl.zeros([BLOCK_R, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
-                         mask=(tl.arange(0, BLOCK_R) < num_queries_per_kv)[:, None] & (dims < head_dim)[None, :])
             return
         end = tl.minimum(start + partition, seq_len)
     else:
@@ -188,16 +141,6 @@ def _decode_partition_kernel(
             l_i_safe = l_i
         tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :],
                  acc / l_i_safe[:, None], mask=out_mask)
-        if FUSED_REDUCE:   # the group's last partition to finish combines them: no second kernel
-            tl.debug_barrier()   # every thread's partials are stored before the ticket releases them
-            ticket_ptr = tickets_ptr + seq * tl.num_programs(1) + kv_head
-            num_used = (seq_len + partition - 1) // partition
-            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_used - 1:
-                _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-                                    seq.to(tl.int64) * partial_stride_seq, kv_head * num_queries_per_kv,
-                                    num_queries_per_kv, num_used, head_dim, seq.to(tl.int64) * out_stride_t,
-                                    out_stride_h, partial_stride_head, BLOCK_R, REDUCE_CHUNK, MAX_SPLITS, BLOCK_D)
-                tl.atomic_xchg(ticket_ptr, 0)   # zero again for the next call
     else:
         # An empty context (padding row) yields zeros, as the reference does.
         denominator = tl.where(l_i > 0, l_i, 1.0)
@@ -340,15 +283,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_out = partial_max = partial_sum = out
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     pdl = launch_options(query.device)
-    # the last partition of a group combines them (a ticket per sequence and KV head) unless no zeroed tickets
-    # exist yet inside a graph capture, or MINIVLLM_DECODE_FUSED_REDUCE=0 asks for the second kernel
-    tickets = None
-    if split and os.environ.get("MINIVLLM_DECODE_FUSED_REDUCE", "1") != "0":
-        tickets = tile_tickets(query.device, batch * num_kv_heads)
-    max_splits = triton.next_power_of_2(num_splits)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_max, partial_sum, out if tickets is None else tickets,
+        out, partial_out, partial_max, partial_sum,
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -356,14 +293,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        FUSED_REDUCE=tickets is not None, BLOCK_R=triton.next_power_of_2(num_queries_per_kv),
-        REDUCE_CHUNK=min(8, max_splits), MAX_SPLITS=max_splits, **pdl,
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
         num_warps=num_warps, num_stages=num_stages)
-    if split and tickets is None:
+    if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            MIN_PARTITION=block_n, MAX_SPLITS=max_splits, BLOCK_D=block_d, **pdl,
+            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
             num_warps=1 if block_d <= 64 else 4)
     return out
