@@ -264,7 +264,8 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
     (TMA_TILES[5], 64, torch.bfloat16, torch.float32)])
 def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
-    of them issued before griddepcontrol.wait and the rest inside the K loop after it, one LOP3 per weight."""
+    of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
+    the loop's x loads (the next step's) ahead of its stage wait; one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype))
@@ -274,6 +275,9 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert len(copies) == 3 * (config.stages + 1)
     assert sum(i < wait for i in copies) == 3 * config.stages
+    x_loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    stage_waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
+    assert x_loads and stage_waits and wait < min(x_loads) and max(x_loads) < min(stage_waits)
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
     if config.half:   # four LOP3s and four packed FMAs of x a word of 8 weights
         assert sum("lop3.b32" in line and "0x44004400" in line for line in lines) == weights_per_thread // 2

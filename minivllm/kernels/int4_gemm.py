@@ -41,6 +41,7 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
+from minivllm.kernels.int4_gemv_tma import GROUP_SIZES as TMA_GEMV_GROUP_SIZES
 from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES, TmaGemvConfig, int4_gemv_tma, layout_split
 from minivllm.kernels.int4_gemv_tma import supported as tma_gemv_supported
 from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
@@ -320,7 +321,7 @@ def tma_gemv_tiles(M: int, group_size: int, bits: int, dtype: torch.dtype, devic
     """The Gluon GEMV's candidates (one row of 16-bit x on CUDA; for A/B runs MINIVLLM_TMA_GEMV=0 leaves them out
     and =only leaves only them); whether the GPU is an sm_90 one is checked at the call."""
     if (bits != 4 or M != 1 or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda"
-            or group_size not in (32, 64, 128) or os.environ.get("MINIVLLM_TMA_GEMV", "1") == "0"):
+            or group_size not in TMA_GEMV_GROUP_SIZES or os.environ.get("MINIVLLM_TMA_GEMV", "1") == "0"):
         return []
     return [t for t in TMA_GEMV_TILES if layout_split(t, group_size // 8) is not None]
 
@@ -383,8 +384,8 @@ def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig
     N = qweight.shape[1]
     if isinstance(config, TmaGemvConfig):
         if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size):
-            raise ValueError(f"{config} needs 4-bit codes, one row of 16-bit x on an sm_90 GPU, group size 32, 64 "
-                             "or 128 and 16-byte aligned weight rows")
+            raise ValueError(f"{config} needs 4-bit codes, one row of 16-bit x on an sm_90 GPU, a group size in "
+                             f"{TMA_GEMV_GROUP_SIZES} and 16-byte aligned weight rows")
         return int4_gemv_tma(x, qweight, scales, zeros, group_size, config)
     if isinstance(config, GemvConfig):
         return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)

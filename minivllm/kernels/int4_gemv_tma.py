@@ -298,6 +298,9 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         mbarrier.invalidate(full.index(s))
 
 
+GROUP_SIZES = (32, 64, 128)   # a group's word rows (4, 8 or 16) divide a stage and a thread's rows
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_layout(bits: int):
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
@@ -314,7 +317,7 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     the weights' bases and row strides."""
     if x.device.type != "cuda" or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if group_size not in (32, 64, 128) or not _is_hopper(x.device.index or 0):
+    if group_size not in GROUP_SIZES or not _is_hopper(x.device.index or 0):
         return False
     return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (qweight, scales, zeros))
@@ -337,7 +340,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"{config} does not divide a tile of group size {group_size}")
     threads_g, threads_r, threads_n, warps_g, warps_n = split
     if x.stride(1) != 1 or x.data_ptr() % 4:
-        x = x.contiguous().clone()   # read as 32-bit pairs
+        x = x.clone(memory_format=torch.contiguous_format)   # read as 32-bit pairs: a fresh allocation is aligned
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     rows = config.groups * group_rows
 
