@@ -225,7 +225,7 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, tiled=False):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails)."""
     import triton
@@ -240,8 +240,9 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
     K, N = 1024, 256
 
     def descriptor(t, rows):
-        return mangle_type(TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, config.block_n],
-                                            tma._shared_layout(8 * t.element_size())))
+        t = tma.tile_columns(t, config.block_n) if tiled else t[None]
+        return mangle_type(TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1],
+                                            [1, rows, config.block_n], tma._shared_layout(8 * t.element_size())))
     pointer = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     signature = dict(x_ptr=pointer, codes_desc=descriptor(torch.zeros(K // 8, N, dtype=torch.int32),
                                                           config.groups * group_rows),
@@ -252,26 +253,26 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype):
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
-                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, PDL=1)
+                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, TILED=tiled, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("config,group_size,dtype,zero_dtype", [
-    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16), (TMA_TILES[3], 32, torch.float16, torch.float32),
-    (TMA_TILES[5], 64, torch.bfloat16, torch.float32)])
-def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype):
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,tiled", [
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, False), (TMA_TILES[3], 32, torch.float16, torch.float32, True),
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, True)])
+def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, tiled):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
     the loop's x loads (the next step's) ahead of its stage wait; one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype))
+        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype, tiled))
     assert has_cubin
     lines = ptx.splitlines()
-    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.2d.shared::cluster.global" in line]
+    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.3d.shared::cluster.global" in line]
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert len(copies) == 3 * (config.stages + 1)
     assert sum(i < wait for i in copies) == 3 * config.stages
@@ -316,10 +317,11 @@ def test_tma_gemv_layout_split_and_refusals():
     (200, 8488, 64, 1, torch.bfloat16, False),      # K ragged inside a group; several tiles per program; x copied
     (4096, 4096, 128, 0, torch.float16, False),
     (1056, 264, 32, 0, torch.bfloat16, True)])      # GGUF's fractional fp32 zero points
-def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, fractional):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, fractional, tiled):
     """The Gluon GEMV against the reference (tiles that do not divide the group are refused), twice: the same
-    bits."""
-    from minivllm.kernels.int4_gemv_tma import layout_split
+    bits; on plain weights and on weights tiled to its width."""
+    from minivllm.kernels.int4_gemv_tma import int4_gemv_tma, layout_split, tile_columns
     qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=K + N)
     if fractional:
         zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
@@ -331,7 +333,15 @@ def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, f
             weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
         return
     reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4)
-    ours = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
+    if tiled:
+        weights = [tile_columns(t, config.block_n) for t in (qweight, scales, zeros)]
+
+        def run():
+            return int4_gemv_tma(x, *weights, group_size, config, n=N)
+    else:
+        def run():
+            return weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
+    ours = run()
     assert ours.dtype == dtype and ours.shape == (1, N)
     torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
-    assert torch.equal(weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config), ours)
+    assert torch.equal(run(), ours)

@@ -102,20 +102,27 @@ def _cdiv(a, b):
 
 @gluon.jit
 def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, first_tile, num_programs,
-           k_steps, STAGES: gl.constexpr):
-    """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES."""
-    ROWS: gl.constexpr = codes_desc.block_type.shape[0]
-    GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[1]
+           k_steps, STAGES: gl.constexpr, TILED: gl.constexpr):
+    """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES. The
+    descriptors are 3-D: [1, K rows, N] (plain) or [tiles, K rows, BLOCK_N] (tiled: a tile's rows contiguous)."""
+    ROWS: gl.constexpr = codes_desc.block_type.shape[1]
+    GROUPS: gl.constexpr = scales_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[2]
     stage = step % STAGES
-    n0 = (first_tile + (step // k_steps) * num_programs) * BLOCK_N
+    tile = first_tile + (step // k_steps) * num_programs
     k_step = step % k_steps
+    if TILED:
+        t = tile
+        n0 = 0
+    else:
+        t = 0
+        n0 = tile * BLOCK_N
     bar = full.index(stage)
     mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
                     + zeros_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, n0], bar, codes.index(stage))
-    tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, n0], bar, scales.index(stage))
-    tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, n0], bar, zeros.index(stage))
+    tma.async_copy_global_to_shared(codes_desc, [t, k_step * ROWS, n0], bar, codes.index(stage))
+    tma.async_copy_global_to_shared(scales_desc, [t, k_step * GROUPS, n0], bar, scales.index(stage))
+    tma.async_copy_global_to_shared(zeros_desc, [t, k_step * GROUPS, n0], bar, zeros.index(stage))
 
 
 @gluon.jit
@@ -231,9 +238,9 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
                           ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
-                          FRACTIONAL_ZEROS: gl.constexpr, PDL: gl.constexpr):
-    GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[1]
+                          FRACTIONAL_ZEROS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
+    GROUPS: gl.constexpr = scales_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[2]
     CHUNKS: gl.constexpr = GROUP_ROWS // ROWS
     # [groups, row chunks, rows, columns]: a thread's ROWS word rows of a group are summed in registers
     layout: gl.constexpr = gl.BlockedLayout([1, 1, ROWS, COLUMNS], [THREADS_G, THREADS_R, 1, THREADS_N],
@@ -248,9 +255,9 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     k_steps = _cdiv(K, GROUPS * GROUP_ROWS * 8)
     total = _cdiv(num_tiles - pid, num_programs) * k_steps
 
-    codes = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS * GROUP_ROWS, BLOCK_N], codes_desc.layout)
-    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, GROUPS, BLOCK_N], scales_desc.layout)
-    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, BLOCK_N], zeros_desc.layout)
+    codes = gl.allocate_shared_memory(gl.int32, [STAGES, 1, GROUPS * GROUP_ROWS, BLOCK_N], codes_desc.layout)
+    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, 1, GROUPS, BLOCK_N], scales_desc.layout)
+    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, 1, GROUPS, BLOCK_N], zeros_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
@@ -259,7 +266,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     for s in gl.static_range(STAGES):   # weights only: before the wait, while the previous kernel runs
         if s < total:
             _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
-                   STAGES)
+                   STAGES, TILED)
     gluon_wait_for_previous(PDL)
 
     offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, row_layout)))
@@ -277,12 +284,12 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         na, nb, nc, nd = _x_words(x_ptr, next_rows, K, EVEN_K)
         mbarrier.wait(full.index(stage), (step // STAGES) & 1)
         words = codes.index(stage).reshape([GROUPS, CHUNKS, ROWS, BLOCK_N]).load(layout)
-        scale = scales.index(stage).load(group_layout).to(gl.float32)
-        zero = zeros.index(stage).load(group_layout).to(gl.float32)
+        scale = scales.index(stage).reshape([GROUPS, BLOCK_N]).load(group_layout).to(gl.float32)
+        zero = zeros.index(stage).reshape([GROUPS, BLOCK_N]).load(group_layout).to(gl.float32)
         gl.thread_barrier()   # every warp holds the stage: it may be refilled
         if step + STAGES < total:
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
-                   num_programs, k_steps, STAGES)
+                   num_programs, k_steps, STAGES, TILED)
         if HALF:
             acc += _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16, FRACTIONAL_ZEROS)
         else:
@@ -303,7 +310,7 @@ GROUP_SIZES = (32, 64, 128)   # a group's word rows (4, 8 or 16) divide a stage 
 
 @functools.lru_cache(maxsize=None)
 def _shared_layout(bits: int):
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -314,13 +321,27 @@ def _is_hopper(index: int) -> bool:
 def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int) -> bool:
     """Whether the kernel serves this call: one row of 16-bit x on an sm_90 GPU; TMA's 16-byte alignment of
-    the weights' bases and row strides."""
+    the weights' bases and outer strides (plain [rows, N] or tiled [tiles, rows, BLOCK_N] weights)."""
     if x.device.type != "cuda" or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if group_size not in GROUP_SIZES or not _is_hopper(x.device.index or 0):
         return False
-    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (qweight, scales, zeros))
+    return all(t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               and t.data_ptr() % 16 == 0 for t in (qweight, scales, zeros))
+
+
+def tile_columns(t: torch.Tensor, block_n: int) -> torch.Tensor:
+    """[rows, N] -> [tiles, rows, block_n], each tile's columns contiguous (N padded with zeros to whole tiles):
+    a tile's K step is then one contiguous run of memory instead of `rows` runs of 4 x block_n bytes."""
+    rows, n = t.shape
+    padded = torch.zeros(rows, -(-n // block_n) * block_n, dtype=t.dtype, device=t.device)
+    padded[:, :n] = t
+    return padded.view(rows, -1, block_n).transpose(0, 1).contiguous()
+
+
+def untile_columns(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`tile_columns`' inverse: [tiles, rows, block_n] -> [rows, n]."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)[:, :n]
 
 
 def programs(num_tiles: int, sms: int) -> int:
@@ -330,10 +351,14 @@ def programs(num_tiles: int, sms: int) -> int:
 
 
 def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, config: TmaGemvConfig) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold)."""
+                  group_size: int, config: TmaGemvConfig, n: int | None = None) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold). Weights plain ([K / 8, N], ...) or tiled by
+    `tile_columns` with config.block_n ([tiles, K / 8, block_n], ...; then `n` gives N)."""
     K = x.shape[1]
-    N = qweight.shape[1]
+    tiled = qweight.dim() == 3
+    if tiled and (n is None or qweight.shape[2] != config.block_n):
+        raise ValueError(f"weights tiled {qweight.shape[2]} columns wide need N and a {config} of that width")
+    N = n if tiled else qweight.shape[1]
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
@@ -345,7 +370,8 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     rows = config.groups * group_rows
 
     def descriptor(t, box_rows):
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [box_rows, config.block_n],
+        t = t if tiled else t[None]
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1], [1, box_rows, config.block_n],
                                 _shared_layout(8 * t.element_size()))
 
     num_tiles = triton.cdiv(N, config.block_n)
@@ -356,6 +382,6 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
-        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, PDL=pdl, num_warps=config.num_warps,
+        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, TILED=tiled, PDL=pdl, num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return y
