@@ -36,7 +36,15 @@ EXTRA_TILES = (TmaGemvConfig(32, 16, 3, 8, columns=4, rows=2, half=True),
                TmaGemvConfig(32, 16, 2, 4, columns=8, rows=4, per_sm=2, half=True),
                TmaGemvConfig(32, 8, 4, 4, columns=8, rows=2, per_sm=2, half=True),
                TmaGemvConfig(32, 16, 4, 8, columns=4, rows=2, half=True),
-               TmaGemvConfig(64, 8, 3, 8, columns=8, rows=2, half=True))
+               TmaGemvConfig(64, 8, 3, 8, columns=8, rows=2, half=True),
+               # deeper rings at two programs an SM (the sweep's 96 KB budget gave these 2 stages)
+               TmaGemvConfig(64, 8, 3, 4, columns=8, rows=2, per_sm=2, half=True),
+               TmaGemvConfig(32, 16, 3, 4, columns=8, rows=2, per_sm=2, half=True),
+               TmaGemvConfig(64, 4, 4, 4, columns=8, rows=2, per_sm=2, half=True),
+               TmaGemvConfig(32, 8, 6, 4, columns=8, rows=2, per_sm=2, half=True),
+               TmaGemvConfig(64, 4, 6, 4, columns=8, rows=2, per_sm=2, half=True),
+               TmaGemvConfig(32, 16, 4, 8, columns=8, rows=2, half=True),
+               TmaGemvConfig(64, 8, 6, 8, columns=8, rows=2, half=True))
 
 
 def tiles() -> list[TmaGemvConfig]:
@@ -82,6 +90,23 @@ def main(argv=None) -> dict:
             if (name, tiled) not in best or seconds < best[name, tiled][0]:
                 best[name, tiled] = (seconds, config)
         shapes[name] = (K, N)
+        # the same tile with no arithmetic (words to registers, summed), and a torch reduction over the codes
+        nbytes = sum(t.numel() * t.element_size() for t in weights)
+        config = best[name, False][1]
+        os.environ["MINIVLLM_TMA_STREAM_ONLY"] = "1"
+        turn = itertools.count()
+        stream = device_seconds(lambda: int4_gemv_tma(x, *plain_copies[next(turn) % len(plain_copies)], GROUP,
+                                                      config), calls=max(5, len(plain_copies)), repeats=10)
+        os.environ["MINIVLLM_TMA_STREAM_ONLY"] = "0"
+        turn = itertools.count()
+        amax = device_seconds(lambda: plain_copies[next(turn) % len(plain_copies)][0].amax(),
+                              calls=max(5, len(plain_copies)), repeats=10)
+        qbytes = weights[0].numel() * 4
+        row = {"layer": name, "best_us": 1e6 * best[name, False][0], "best_tb_s": nbytes / best[name, False][0] / 1e12,
+               "stream_only_us": 1e6 * stream, "stream_only_tb_s": nbytes / stream / 1e12,
+               "torch_amax_codes_us": 1e6 * amax, "torch_amax_codes_tb_s": qbytes / amax / 1e12}
+        result.setdefault("stream", []).append(row)
+        print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         del plain_copies, weights
         write_json(path, result)
     for tiled in (False, True):

@@ -29,6 +29,7 @@ No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -238,7 +239,8 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
                           ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
-                          FRACTIONAL_ZEROS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
+                          FRACTIONAL_ZEROS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr,
+                          STREAM_ONLY: gl.constexpr = False):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = codes_desc.block_type.shape[2]
     CHUNKS: gl.constexpr = GROUP_ROWS // ROWS
@@ -290,7 +292,9 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         if step + STAGES < total:
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
                    num_programs, k_steps, STAGES, TILED)
-        if HALF:
+        if STREAM_ONLY:
+            acc += scale[:, None, :] + zero[:, None, :] + gl.reduce(words.to(gl.float32), 2, _add)
+        elif HALF:
             acc += _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16, FRACTIONAL_ZEROS)
         else:
             acc += _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16)
@@ -383,5 +387,6 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
         FRACTIONAL_ZEROS=zeros.dtype == torch.float32, TILED=tiled, PDL=pdl, num_warps=config.num_warps,
+        STREAM_ONLY=os.environ.get("MINIVLLM_TMA_STREAM_ONLY") == "1",
         **({"launch_pdl": True} if pdl else {}))
     return y
