@@ -275,3 +275,28 @@ def test_loader_reads_format_onto_cuda(fmt, tmp_path):
         parts = name.split(".")
         ours = loaded_weight(model, int(parts[2]), parts[4]).cpu()
         torch.testing.assert_close(ours, weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_gate_up_activation_fused_at_one_row_on_hopper(fmt, tmp_path):
+    """In bf16 on an sm_90 GPU, a Llama MLP's SiLU runs in gate_up's int4 GEMV epilogue at one row
+    (layers/fusion.gate_up_activation) and gives what the GEMV and the activation kernel give apart, act-order
+    permutation included; two rows take the two kernels."""
+    from minivllm.layers.fusion import gate_up_activation
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused kernel is Hopper's")
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3")
+    write_quantized(tmp_path, reference, fmt)
+    model = load_model(resolve_model(str(tmp_path)), torch.bfloat16, torch.device("cuda"))
+    mlp = model.model.layers[1].mlp
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    fused = mlp.gate_up_proj.quant_method.apply_silu_and_mul(mlp.gate_up_proj, x)
+    assert fused is not None and fused.shape == (1, 96)
+    apart = mlp.act_fn(mlp.gate_up_proj(x))
+    torch.testing.assert_close(fused.float(), apart.float(), rtol=2e-2, atol=2e-2 * apart.abs().max().item())
+    assert torch.equal(gate_up_activation(mlp.gate_up_proj, mlp.act_fn, x), fused)
+    two = x.repeat(2, 1)
+    assert mlp.gate_up_proj.quant_method.apply_silu_and_mul(mlp.gate_up_proj, two) is None
+    torch.testing.assert_close(gate_up_activation(mlp.gate_up_proj, mlp.act_fn, two), apart.repeat(2, 1))

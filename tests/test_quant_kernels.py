@@ -225,7 +225,7 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, tiled=False):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, gated=False):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails)."""
     import triton
@@ -239,10 +239,12 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, tiled=Fals
     threads_g, threads_r, threads_n, warps_g, warps_n = tma.layout_split(config, group_rows)
     K, N = 1024, 256
 
+    halves = 2 if gated else 1
+
     def descriptor(t, rows):
-        t = tma.tile_columns(t, config.block_n) if tiled else t[None]
-        return mangle_type(TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1],
-                                            [1, rows, config.block_n], tma._shared_layout(8 * t.element_size())))
+        return mangle_type(TensorDescriptor(t, [t.shape[0], halves, N // halves], [t.stride(0), N // halves, 1],
+                                            [rows, halves, config.block_n // halves],
+                                            tma._shared_layout(8 * t.element_size())))
     pointer = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     signature = dict(x_ptr=pointer, codes_desc=descriptor(torch.zeros(K // 8, N, dtype=torch.int32),
                                                           config.groups * group_rows),
@@ -253,23 +255,23 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, tiled=Fals
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
-                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, TILED=tiled, PDL=1)
+                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, GATED=gated, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,tiled", [
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,gated", [
     (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, False), (TMA_TILES[3], 32, torch.float16, torch.float32, True),
-    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, True)])
-def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, tiled):
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, False)])
+def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, gated):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
     the loop's x loads (the next step's) ahead of its stage wait; one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype, tiled))
+        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype, gated))
     assert has_cubin
     lines = ptx.splitlines()
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.3d.shared::cluster.global" in line]
@@ -279,6 +281,7 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     x_loads = [i for i, line in enumerate(lines) if "ld.global" in line]
     stage_waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
     assert x_loads and stage_waits and wait < min(x_loads) and max(x_loads) < min(stage_waits)
+    assert any("ex2.approx" in line for line in lines) == gated   # the activation only in the gated epilogue
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
     if config.half:   # four LOP3s and four packed FMAs of x a word of 8 weights
         assert sum("lop3.b32" in line and "0x44004400" in line for line in lines) == weights_per_thread // 2
@@ -312,16 +315,44 @@ def test_tma_gemv_layout_split_and_refusals():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("config", TMA_TILES)
+@pytest.mark.parametrize("K,I,group_size,dtype,fractional", [
+    (640, 200, 128, torch.bfloat16, False),     # a K tail; the halves' last tile past I
+    (1056, 264, 32, torch.float16, True),       # GGUF's fractional fp32 zero points
+    (4096, 1024, 128, torch.bfloat16, False)])  # several tiles a program
+def test_tma_gemv_gated_matches_reference(config, K, I, group_size, dtype, fractional):
+    """The Gluon GEMV with silu(gate) * up in its epilogue against the reference GEMM and activation, on
+    gate_up's layout (W = [gate | up]), twice: the same bits; where the halves are not 16-byte aligned it is
+    not offered."""
+    from minivllm.kernels.activation import silu_and_mul_reference
+    from minivllm.kernels.int4_gemm import weight_only_gemv_silu_and_mul
+    from minivllm.kernels.int4_gemv_tma import layout_split
+    if layout_split(config, group_size // 8) is None:
+        pytest.skip("the tile does not divide this group (refusal tested above)")
+    qweight, scales, zeros = random_weights(K, 2 * I, group_size, 4, dtype, seed=K + I)
+    if fractional:
+        zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 2).to(dtype).to(DEVICE)
+    reference = silu_and_mul_reference(weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4))
+    ours = weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4, config=config)
+    assert ours.dtype == dtype and ours.shape == (1, I)
+    torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
+    assert torch.equal(weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4, config=config), ours)
+    odd = [t[:, :2 * I - 8] for t in (qweight, scales, zeros)]   # halves of I - 4 columns: not 16-byte aligned
+    assert weight_only_gemv_silu_and_mul(x, *odd, group_size, 4, config=config) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", TMA_TILES)
 @pytest.mark.parametrize("K,N,group_size,x_offset,dtype,fractional", [
     (640, 200, 128, 0, torch.bfloat16, False),       # a K tail past the last whole stage; N past the last tile
     (200, 8488, 64, 1, torch.bfloat16, False),      # K ragged inside a group; several tiles per program; x copied
     (4096, 4096, 128, 0, torch.float16, False),
     (1056, 264, 32, 0, torch.bfloat16, True)])      # GGUF's fractional fp32 zero points
-@pytest.mark.parametrize("tiled", [False, True])
-def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, fractional, tiled):
+def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, fractional):
     """The Gluon GEMV against the reference (tiles that do not divide the group are refused), twice: the same
-    bits; on plain weights and on weights tiled to its width."""
-    from minivllm.kernels.int4_gemv_tma import int4_gemv_tma, layout_split, tile_columns
+    bits."""
+    from minivllm.kernels.int4_gemv_tma import layout_split
     qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=K + N)
     if fractional:
         zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
@@ -333,15 +364,7 @@ def test_tma_gemv_matches_reference(config, K, N, group_size, x_offset, dtype, f
             weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
         return
     reference = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4)
-    if tiled:
-        weights = [tile_columns(t, config.block_n) for t in (qweight, scales, zeros)]
-
-        def run():
-            return int4_gemv_tma(x, *weights, group_size, config, n=N)
-    else:
-        def run():
-            return weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
-    ours = run()
+    ours = weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config)
     assert ours.dtype == dtype and ours.shape == (1, N)
     torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
-    assert torch.equal(run(), ours)
+    assert torch.equal(weight_only_gemm(x, qweight, scales, zeros, group_size, 4, config=config), ours)

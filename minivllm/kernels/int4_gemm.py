@@ -442,6 +442,30 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     return sum_partials(out, x.dtype) if tickets is None else y
 
 
+def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                                  group_size: int, bits: int = 4,
+                                  config: TmaGemvConfig | None = None) -> torch.Tensor | None:
+    """silu(x @ W_gate) * (x @ W_up) [1, N / 2] for W = [gate | up] (gate_up_proj's columns) from one kernel: the
+    Gluon GEMV with the activation in its epilogue, which saves the activation's launch and round trip. None
+    where that kernel does not serve the call (not one row of 16-bit x on an sm_90 GPU, 4-bit codes, aligned
+    halves); the caller then runs the GEMM and the activation."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size, gated=True):
+        return None
+    tiles = tma_gemv_tiles(M, group_size, bits, x.dtype, x.device)
+    if config is None and not tiles:
+        return None
+    x = x.contiguous()
+
+    def run(tile, qweight=qweight, scales=scales, zeros=zeros):
+        return int4_gemv_tma(x, qweight, scales, zeros, group_size, tile, gated=True)
+    if config is None:
+        config = tuning.pick(("weight_only_silu_and_mul", x.dtype, group_size, N, K), tiles, run, tiles[0],
+                             weights=(qweight, scales, zeros))
+    return run(config)
+
+
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
                      config: GemmConfig | GemvConfig | TmaGemvConfig | None = None) -> torch.Tensor:

@@ -29,7 +29,6 @@ No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -103,27 +102,21 @@ def _cdiv(a, b):
 
 @gluon.jit
 def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, first_tile, num_programs,
-           k_steps, STAGES: gl.constexpr, TILED: gl.constexpr):
+           k_steps, STAGES: gl.constexpr):
     """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES. The
-    descriptors are 3-D: [1, K rows, N] (plain) or [tiles, K rows, BLOCK_N] (tiled: a tile's rows contiguous)."""
-    ROWS: gl.constexpr = codes_desc.block_type.shape[1]
-    GROUPS: gl.constexpr = scales_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[2]
+    descriptors view the weights as [rows, halves, N / halves]: a tile is the same WIDTH columns of each half."""
+    ROWS: gl.constexpr = codes_desc.block_type.shape[0]
+    GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
+    WIDTH: gl.constexpr = codes_desc.block_type.shape[2]
     stage = step % STAGES
-    tile = first_tile + (step // k_steps) * num_programs
+    n0 = (first_tile + (step // k_steps) * num_programs) * WIDTH
     k_step = step % k_steps
-    if TILED:
-        t = tile
-        n0 = 0
-    else:
-        t = 0
-        n0 = tile * BLOCK_N
     bar = full.index(stage)
     mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
                     + zeros_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(codes_desc, [t, k_step * ROWS, n0], bar, codes.index(stage))
-    tma.async_copy_global_to_shared(scales_desc, [t, k_step * GROUPS, n0], bar, scales.index(stage))
-    tma.async_copy_global_to_shared(zeros_desc, [t, k_step * GROUPS, n0], bar, zeros.index(stage))
+    tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, 0, n0], bar, codes.index(stage))
+    tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, 0, n0], bar, scales.index(stage))
+    tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, 0, n0], bar, zeros.index(stage))
 
 
 @gluon.jit
@@ -234,15 +227,36 @@ def _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16: gl.constexpr):
 
 
 @gluon.jit
+def _store_tile(y_ptr, acc, y_buffer, n0, N, out_layout: gl.constexpr, GATED: gl.constexpr,
+                BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A finished tile: its columns' sums to y, or (GATED) silu(first half) * second half to y's WIDTH columns."""
+    y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
+    if GATED:
+        WIDTH: gl.constexpr = BLOCK_N // 2
+        half_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        gl.thread_barrier()   # the last tile's halves are read
+        y_buffer.store(y)
+        gl.thread_barrier()
+        gate = y_buffer.slice(0, WIDTH).load(half_layout)
+        up = y_buffer.slice(WIDTH, WIDTH).load(half_layout)
+        offs_n = n0 + gl.arange(0, WIDTH, layout=half_layout)
+        gl.store(y_ptr + offs_n, (gate / (1.0 + gl.exp(-gate)) * up).to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    else:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
+        gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@gluon.jit
 def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles,
                           STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, COLUMNS: gl.constexpr,
                           ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
-                          FRACTIONAL_ZEROS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr,
-                          STREAM_ONLY: gl.constexpr = False):
-    GROUPS: gl.constexpr = scales_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = codes_desc.block_type.shape[2]
+                          FRACTIONAL_ZEROS: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr):
+    GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
+    HALVES: gl.constexpr = codes_desc.block_type.shape[1]
+    WIDTH: gl.constexpr = codes_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = HALVES * WIDTH
     CHUNKS: gl.constexpr = GROUP_ROWS // ROWS
     # [groups, row chunks, rows, columns]: a thread's ROWS word rows of a group are summed in registers
     layout: gl.constexpr = gl.BlockedLayout([1, 1, ROWS, COLUMNS], [THREADS_G, THREADS_R, 1, THREADS_N],
@@ -257,9 +271,10 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     k_steps = _cdiv(K, GROUPS * GROUP_ROWS * 8)
     total = _cdiv(num_tiles - pid, num_programs) * k_steps
 
-    codes = gl.allocate_shared_memory(gl.int32, [STAGES, 1, GROUPS * GROUP_ROWS, BLOCK_N], codes_desc.layout)
-    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, 1, GROUPS, BLOCK_N], scales_desc.layout)
-    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, 1, GROUPS, BLOCK_N], zeros_desc.layout)
+    codes = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS * GROUP_ROWS, HALVES, WIDTH], codes_desc.layout)
+    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, GROUPS, HALVES, WIDTH], scales_desc.layout)
+    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, HALVES, WIDTH], zeros_desc.layout)
+    y_buffer = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
@@ -268,7 +283,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     for s in gl.static_range(STAGES):   # weights only: before the wait, while the previous kernel runs
         if s < total:
             _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
-                   STAGES, TILED)
+                   STAGES)
     gluon_wait_for_previous(PDL)
 
     offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, row_layout)))
@@ -291,19 +306,15 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         gl.thread_barrier()   # every warp holds the stage: it may be refilled
         if step + STAGES < total:
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
-                   num_programs, k_steps, STAGES, TILED)
-        if STREAM_ONLY:
-            acc += scale[:, None, :] + zero[:, None, :] + gl.reduce(words.to(gl.float32), 2, _add)
-        elif HALF:
+                   num_programs, k_steps, STAGES)
+        if HALF:
             acc += _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16, FRACTIONAL_ZEROS)
         else:
             acc += _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16)
         xa, xb, xc, xd = na, nb, nc, nd
         if k_step == k_steps - 1:
-            n0 = (pid + (step // k_steps) * num_programs) * BLOCK_N
-            y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
-            gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+            n0 = (pid + (step // k_steps) * num_programs) * WIDTH
+            _store_tile(y_ptr, acc, y_buffer, n0, N, out_layout, GATED, BLOCK_N, WARPS_G * WARPS_N)
             acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
@@ -323,29 +334,17 @@ def _is_hopper(index: int) -> bool:
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int) -> bool:
+              group_size: int, gated: bool = False) -> bool:
     """Whether the kernel serves this call: one row of 16-bit x on an sm_90 GPU; TMA's 16-byte alignment of
-    the weights' bases and outer strides (plain [rows, N] or tiled [tiles, rows, BLOCK_N] weights)."""
+    the weights' bases and row strides (gated: also of each half's start)."""
     if x.device.type != "cuda" or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if group_size not in GROUP_SIZES or not _is_hopper(x.device.index or 0):
         return False
-    return all(t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-               and t.data_ptr() % 16 == 0 for t in (qweight, scales, zeros))
-
-
-def tile_columns(t: torch.Tensor, block_n: int) -> torch.Tensor:
-    """[rows, N] -> [tiles, rows, block_n], each tile's columns contiguous (N padded with zeros to whole tiles):
-    a tile's K step is then one contiguous run of memory instead of `rows` runs of 4 x block_n bytes."""
-    rows, n = t.shape
-    padded = torch.zeros(rows, -(-n // block_n) * block_n, dtype=t.dtype, device=t.device)
-    padded[:, :n] = t
-    return padded.view(rows, -1, block_n).transpose(0, 1).contiguous()
-
-
-def untile_columns(t: torch.Tensor, n: int) -> torch.Tensor:
-    """`tile_columns`' inverse: [tiles, rows, block_n] -> [rows, n]."""
-    return t.transpose(0, 1).reshape(t.shape[1], -1)[:, :n]
+    if gated and qweight.shape[1] % 16:
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (qweight, scales, zeros))
 
 
 def programs(num_tiles: int, sms: int) -> int:
@@ -355,14 +354,12 @@ def programs(num_tiles: int, sms: int) -> int:
 
 
 def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, config: TmaGemvConfig, n: int | None = None) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold). Weights plain ([K / 8, N], ...) or tiled by
-    `tile_columns` with config.block_n ([tiles, K / 8, block_n], ...; then `n` gives N)."""
+                  group_size: int, config: TmaGemvConfig, gated: bool = False) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold). gated: W's columns are two halves (gate_up:
+    gate, then up) and y [1, N / 2] = silu(x @ W_gate) * (x @ W_up), each tile BLOCK_N / 2 columns of both."""
     K = x.shape[1]
-    tiled = qweight.dim() == 3
-    if tiled and (n is None or qweight.shape[2] != config.block_n):
-        raise ValueError(f"weights tiled {qweight.shape[2]} columns wide need N and a {config} of that width")
-    N = n if tiled else qweight.shape[1]
+    halves = 2 if gated else 1
+    N = qweight.shape[1] // halves
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
@@ -372,13 +369,13 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x = x.clone(memory_format=torch.contiguous_format)   # read as 32-bit pairs: a fresh allocation is aligned
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     rows = config.groups * group_rows
+    width = config.block_n // halves
 
-    def descriptor(t, box_rows):
-        t = t if tiled else t[None]
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1], [1, box_rows, config.block_n],
-                                _shared_layout(8 * t.element_size()))
+    def descriptor(t, box_rows):   # [rows, halves, N]: the halves' same columns land side by side in a stage
+        return TensorDescriptor(t, [t.shape[0], halves, N], [t.stride(0), N if gated else t.stride(0), 1],
+                                [box_rows, halves, width], _shared_layout(8 * t.element_size()))
 
-    num_tiles = triton.cdiv(N, config.block_n)
+    num_tiles = triton.cdiv(N, width)
     pdl = pdl_mode(x.device)
     grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
     _int4_gemv_tma_kernel[grid](
@@ -386,7 +383,6 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
-        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, TILED=tiled, PDL=pdl, num_warps=config.num_warps,
-        STREAM_ONLY=os.environ.get("MINIVLLM_TMA_STREAM_ONLY") == "1",
+        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, GATED=gated, PDL=pdl, num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return y

@@ -13,6 +13,7 @@ from minivllm.layers.fusion import fusions_enabled
 class SiluAndMul(nn.Module):
     """x [..., 2d] -> silu(x[..., :d]) * x[..., d:] (SwiGLU)."""
     can_quantize_output = True   # see RMSNorm
+    fusable_into_gate_up = True  # layers/fusion.gate_up_activation
 
     def __init__(self) -> None:
         super().__init__()

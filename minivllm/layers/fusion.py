@@ -1,5 +1,6 @@
 """Whether layers may swap their plain-PyTorch ops for the Triton fusions in `minivllm.kernels`, and the
-one fusion that spans two layers: quantizing a W8A8 layer's input in the kernel that produces it.
+fusions that span two layers: quantizing a W8A8 layer's input in the kernel that produces it, and a gated
+MLP's activation in its gate_up projection's kernel.
 
 Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` turns it off (read when a layer
 is built) so benchmarks can measure what the fusions buy.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 
@@ -41,3 +43,16 @@ def fuse_input_quantization(model: nn.Module) -> int:
                 producer.quantize_output = dtype
                 fused += 1
     return fused
+
+
+def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """act(gate_up(x)) for a gated MLP. Where `act` is a plain SiluAndMul (Triton path, no quantized output) and
+    gate_up's quant method computes silu(gate) * up in its GEMM's epilogue (`apply_silu_and_mul`: int4 at one
+    row on Hopper), one kernel; otherwise the two layers."""
+    method = getattr(gate_up.quant_method, "apply_silu_and_mul", None)
+    if (method is not None and getattr(act, "fusable_into_gate_up", False) and act.use_triton
+            and act.quantize_output is None):
+        out = method(gate_up, x)
+        if out is not None:
+            return out
+    return act(gate_up(x))

@@ -63,3 +63,16 @@ class WeightOnlyLinearMethod:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a bias-free gate_up layer ([gate | up] columns) from one kernel where the GEMM can
+        take the activation (kernels/int4_gemm.weight_only_gemv_silu_and_mul: one row on Hopper); else None."""
+        if not x.is_cuda or layer.bias is not None or x.numel() != x.shape[-1]:
+            return None
+        from minivllm.kernels.int4_gemm import weight_only_gemv_silu_and_mul
+        rows = x.reshape(1, -1)
+        if layer.perm is not None:
+            rows = rows[:, layer.perm]
+        group_size, _ = self.groups(layer.input_size)
+        out = weight_only_gemv_silu_and_mul(rows, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
+        return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
+
