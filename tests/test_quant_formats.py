@@ -280,11 +280,12 @@ def test_loader_reads_format_onto_cuda(fmt, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_gate_up_activation_fused_at_one_row_on_hopper(fmt, tmp_path):
-    """In bf16 on an sm_90 GPU, a Llama MLP's SiLU runs in gate_up's int4 GEMV epilogue at one row
-    (layers/fusion.gate_up_activation) and gives what the GEMV and the activation kernel give apart, act-order
-    permutation included; two rows take the two kernels."""
-    from minivllm.layers.fusion import gate_up_activation
+def test_gemv_epilogues_fused_at_one_row_on_hopper(fmt, tmp_path):
+    """In bf16 on an sm_90 GPU, at one row, a Llama MLP's SiLU runs in gate_up's int4 GEMV epilogue
+    (layers/fusion.gate_up_activation) and attention's rotary embedding in qkv_proj's (layers/fusion.qkv_rotary),
+    each giving what the GEMV and the separate kernel give, act-order permutation included; two rows take the
+    separate kernels."""
+    from minivllm.layers.fusion import gate_up_activation, qkv_rotary
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused kernel is Hopper's")
     reference = make_tiny_hf_checkpoint(tmp_path, "llama3")
@@ -300,3 +301,39 @@ def test_gate_up_activation_fused_at_one_row_on_hopper(fmt, tmp_path):
     two = x.repeat(2, 1)
     assert mlp.gate_up_proj.quant_method.apply_silu_and_mul(mlp.gate_up_proj, two) is None
     torch.testing.assert_close(gate_up_activation(mlp.gate_up_proj, mlp.act_fn, two), apart.repeat(2, 1))
+    # attention: q and k rotated in qkv_proj's epilogue, against the projection and the rotary kernel apart
+    attn = model.model.layers[1].self_attn
+    positions = torch.tensor([11], device="cuda")
+    fused, rotated = qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions, x, attn.head_dim,
+                                attn.num_heads + attn.num_kv_heads)
+    assert rotated
+    qkv = attn.qkv_proj(x)
+    q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    attn.rotary_emb(positions, q.view(1, -1, attn.head_dim), k.view(1, -1, attn.head_dim))   # in place, in qkv
+    torch.testing.assert_close(fused.float(), qkv.float(), rtol=2e-2, atol=2e-2 * qkv.abs().max().item())
+    assert not qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions.repeat(2), two, attn.head_dim,
+                          attn.num_heads + attn.num_kv_heads)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_int4_bf16_engine_decode_matches_transformers_logprobs(tmp_path):
+    """A GPTQ act-order model served in bf16 through the engine (CUDA graphs; at one row on Hopper its GEMVs
+    carry the SiLU and the rotary embedding): each decoded token's logprob equals transformers' (fp32, the
+    checkpoint's dequantized weights) on the same tokens, within bf16's tolerance."""
+    from minivllm import LLM, SamplingParams
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3")
+    write_quantized(tmp_path, reference, "gptq-asym-desc-act")
+    reference = reference.cuda()
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_model_len=256)
+    assert llm.llm_engine.runner.graph_runner is not None
+    prompt = torch.randint(3, 128, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24, logprobs=1,
+                                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([ids], device="cuda")).logits[0].float(), dim=-1)
+    for i, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        want = expected[len(prompt) - 1 + i, token].item()
+        assert abs(logprobs[token].logprob - want) < 0.05 + 0.02 * abs(want), (i, logprobs[token].logprob, want)

@@ -225,7 +225,7 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, gated=False):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails)."""
     import triton
@@ -239,49 +239,56 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, gated=Fals
     threads_g, threads_r, threads_n, warps_g, warps_n = tma.layout_split(config, group_rows)
     K, N = 1024, 256
 
-    halves = 2 if gated else 1
+    heads, halves = (N // 128, 2) if epilogue == 2 else (1, 2 if epilogue == 1 else 1)
+    width = N // heads // halves
 
     def descriptor(t, rows):
-        return mangle_type(TensorDescriptor(t, [t.shape[0], halves, N // halves], [t.stride(0), N // halves, 1],
-                                            [rows, halves, config.block_n // halves],
+        return mangle_type(TensorDescriptor(t, [t.shape[0], heads, halves, width],
+                                            [t.stride(0), halves * width, width, 1],
+                                            [rows, 1, halves, config.block_n // halves],
                                             tma._shared_layout(8 * t.element_size())))
     pointer = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     signature = dict(x_ptr=pointer, codes_desc=descriptor(torch.zeros(K // 8, N, dtype=torch.int32),
                                                           config.groups * group_rows),
                      scales_desc=descriptor(torch.zeros(K // group_size, N, dtype=dtype), config.groups),
                      zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
-                     y_ptr=pointer, N="i32", K="i32", num_tiles="i32")
+                     y_ptr=pointer, N="i32", K="i32", num_tiles="i32", tiles_per_row="i32", positions_ptr="*i64",
+                     cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32")
     constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
-                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, GATED=gated, PDL=1)
+                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,gated", [
-    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, False), (TMA_TILES[3], 32, torch.float16, torch.float32, True),
-    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, False)])
-def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, gated):
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue", [
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0), (TMA_TILES[3], 32, torch.float16, torch.float32, 1),
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2)])
+def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
     the loop's x loads (the next step's) ahead of its stage wait; one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype, gated))
+        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype, epilogue))
     assert has_cubin
     lines = ptx.splitlines()
-    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.3d.shared::cluster.global" in line]
+    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.shared::cluster.global" in line]
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert len(copies) == 3 * (config.stages + 1)
     assert sum(i < wait for i in copies) == 3 * config.stages
-    x_loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
     stage_waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
+    # the rotary epilogue reads the position (64-bit), then cos and sin, after its tile's last stage
+    position = next((i for i in loads if "ld.global.b64" in lines[i]), len(lines))
+    x_loads = [i for i in loads if i < position]
+    assert (len(loads) - len(x_loads) >= 3) == (epilogue == 2) and position > min(stage_waits)
     assert x_loads and stage_waits and wait < min(x_loads) and max(x_loads) < min(stage_waits)
-    assert any("ex2.approx" in line for line in lines) == gated   # the activation only in the gated epilogue
+    assert any("ex2.approx" in line for line in lines) == (epilogue == 1)   # SiLU only in its epilogue
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
     if config.half:   # four LOP3s and four packed FMAs of x a word of 8 weights
         assert sum("lop3.b32" in line and "0x44004400" in line for line in lines) == weights_per_thread // 2
@@ -326,12 +333,14 @@ def test_tma_gemv_gated_matches_reference(config, K, I, group_size, dtype, fract
     from minivllm.kernels.activation import silu_and_mul_reference
     from minivllm.kernels.int4_gemm import weight_only_gemv_silu_and_mul
     from minivllm.kernels.int4_gemv_tma import layout_split
-    if layout_split(config, group_size // 8) is None:
-        pytest.skip("the tile does not divide this group (refusal tested above)")
     qweight, scales, zeros = random_weights(K, 2 * I, group_size, 4, dtype, seed=K + I)
     if fractional:
         zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
     x = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 2).to(dtype).to(DEVICE)
+    if layout_split(config, group_size // 8) is None:
+        with pytest.raises(ValueError, match="does not divide"):
+            weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4, config=config)
+        return
     reference = silu_and_mul_reference(weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4))
     ours = weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4, config=config)
     assert ours.dtype == dtype and ours.shape == (1, I)
@@ -339,6 +348,38 @@ def test_tma_gemv_gated_matches_reference(config, K, I, group_size, dtype, fract
     assert torch.equal(weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4, config=config), ours)
     odd = [t[:, :2 * I - 8] for t in (qweight, scales, zeros)]   # halves of I - 4 columns: not 16-byte aligned
     assert weight_only_gemv_silu_and_mul(x, *odd, group_size, 4, config=config) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", TMA_TILES)
+@pytest.mark.parametrize("K,head_dim,heads,rotated,group_size,position", [
+    (640, 128, 6, 4, 128, 37),        # a K tail; v's heads stored as they are
+    (1056, 64, 9, 6, 32, 1000)])      # SmolLM2's head size
+def test_tma_gemv_rotary_matches_reference(config, K, head_dim, heads, rotated, group_size, position):
+    """The Gluon GEMV with the rotary embedding in its epilogue against the reference GEMM and
+    `RotaryEmbedding.forward_reference`, on qkv_proj's layout; tiles that do not divide the group or a head's
+    half are refused."""
+    from minivllm.kernels.int4_gemm import weight_only_gemv_rotary
+    from minivllm.kernels.int4_gemv_tma import Rotary, layout_split
+    from minivllm.layers.rotary import RotaryEmbedding, default_inv_freq
+    N = heads * head_dim
+    qweight, scales, zeros = random_weights(K, N, group_size, 4, torch.bfloat16, seed=K + N)
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16).to(DEVICE)
+    rope = RotaryEmbedding(head_dim, 2048, default_inv_freq(head_dim, 10000.0)).to(DEVICE)
+    positions = torch.tensor([position], device=DEVICE)
+    rotary = Rotary(positions, rope.cos_sin_cache, head_dim, rotated)
+    if layout_split(config, group_size // 8) is None or (head_dim // 2) % (config.block_n // 2):
+        with pytest.raises(ValueError, match="does not (divide|tile)"):
+            weight_only_gemv_rotary(x, qweight, scales, zeros, group_size, 4, rotary, config=config)
+        return
+    plain = weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4).view(heads, head_dim)
+    q, k = rope.forward_reference(positions, plain[None, :rotated], plain[None, rotated:])
+    reference = torch.cat([q[0, :rotated], plain[rotated:]]).view(1, N)
+    ours = weight_only_gemv_rotary(x, qweight, scales, zeros, group_size, 4, rotary, config=config)
+    assert ours.shape == (1, N)
+    torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
+    assert torch.equal(weight_only_gemv_rotary(x, qweight, scales, zeros, group_size, 4, rotary, config=config), ours)
 
 
 @pytest.mark.gpu

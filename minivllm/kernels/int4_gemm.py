@@ -42,7 +42,7 @@ from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
 from minivllm.kernels.int4_gemv_tma import GROUP_SIZES as TMA_GEMV_GROUP_SIZES
-from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES, TmaGemvConfig, int4_gemv_tma, layout_split
+from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES, Rotary, TmaGemvConfig, int4_gemv_tma, layout_split
 from minivllm.kernels.int4_gemv_tma import supported as tma_gemv_supported
 from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile,
@@ -463,6 +463,31 @@ def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales
     if config is None:
         config = tuning.pick(("weight_only_silu_and_mul", x.dtype, group_size, N, K), tiles, run, tiles[0],
                              weights=(qweight, scales, zeros))
+    return run(config)
+
+
+def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int, bits: int, rotary: Rotary,
+                            config: TmaGemvConfig | None = None) -> torch.Tensor | None:
+    """x @ W [1, N] for qkv_proj's W (heads of rotary.head_dim columns) with the first rotary.rotated_heads
+    heads (q and k) rotated at rotary.positions, from one kernel (the Gluon GEMV with the rotation in its
+    epilogue: the rotary kernel's launch and round trip saved). None where that kernel does not serve the call;
+    the caller then runs the GEMM and the rotary kernel."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    if bits != 4 or N % rotary.head_dim or not tma_gemv_supported(x, qweight, scales, zeros, group_size):
+        return None
+    tiles = [t for t in tma_gemv_tiles(M, group_size, bits, x.dtype, x.device)
+             if (rotary.head_dim // 2) % (t.block_n // 2) == 0]
+    if config is None and not tiles:
+        return None
+    x = x.contiguous()
+
+    def run(tile, qweight=qweight, scales=scales, zeros=zeros):
+        return int4_gemv_tma(x, qweight, scales, zeros, group_size, tile, rotary=rotary)
+    if config is None:
+        config = tuning.pick(("weight_only_rotary", x.dtype, group_size, N, K, rotary.head_dim), tiles, run,
+                             tiles[0], weights=(qweight, scales, zeros))
     return run(config)
 
 

@@ -101,22 +101,29 @@ def _cdiv(a, b):
 
 
 @gluon.jit
+def _tile_origin(tile, tiles_per_row, WIDTH: gl.constexpr):
+    """(head, first column) of a tile: the weights are viewed as [rows, heads, halves, columns]."""
+    return tile // tiles_per_row, (tile % tiles_per_row) * WIDTH
+
+
+@gluon.jit
 def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, first_tile, num_programs,
-           k_steps, STAGES: gl.constexpr):
+           k_steps, tiles_per_row, STAGES: gl.constexpr):
     """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES. The
-    descriptors view the weights as [rows, halves, N / halves]: a tile is the same WIDTH columns of each half."""
+    descriptors view the weights as [rows, heads, halves, columns]: a tile is the same WIDTH columns of each
+    half of one head, so paired columns (gate and up; a head's rotary pairs d and d + D / 2) share a tile."""
     ROWS: gl.constexpr = codes_desc.block_type.shape[0]
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
-    WIDTH: gl.constexpr = codes_desc.block_type.shape[2]
+    WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
     stage = step % STAGES
-    n0 = (first_tile + (step // k_steps) * num_programs) * WIDTH
+    head, n0 = _tile_origin(first_tile + (step // k_steps) * num_programs, tiles_per_row, WIDTH)
     k_step = step % k_steps
     bar = full.index(stage)
     mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
                     + zeros_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, 0, n0], bar, codes.index(stage))
-    tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, 0, n0], bar, scales.index(stage))
-    tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, 0, n0], bar, zeros.index(stage))
+    tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, head, 0, n0], bar, codes.index(stage))
+    tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, head, 0, n0], bar, scales.index(stage))
+    tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, head, 0, n0], bar, zeros.index(stage))
 
 
 @gluon.jit
@@ -226,36 +233,52 @@ def _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16: gl.constexpr):
     return (16.0 * scale)[:, None, :] * column - (scale * zero)[:, None, :] * x_sum
 
 
+EPILOGUE_STORE, EPILOGUE_SILU_AND_MUL, EPILOGUE_ROTARY = 0, 1, 2
+
+
 @gluon.jit
-def _store_tile(y_ptr, acc, y_buffer, n0, N, out_layout: gl.constexpr, GATED: gl.constexpr,
-                BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """A finished tile: its columns' sums to y, or (GATED) silu(first half) * second half to y's WIDTH columns."""
+def _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
+                out_layout: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A finished tile to y: its columns' sums (EPILOGUE_STORE); silu(first half) * second half, y being N
+    columns wide (EPILOGUE_SILU_AND_MUL); or, for heads of 2 N columns, the halves rotated as kernels/rotary.py
+    does at the token's position, heads from `rotated_heads` on (v) stored as they are (EPILOGUE_ROTARY)."""
     y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
-    if GATED:
+    if EPILOGUE == 0:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
+        gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    else:
         WIDTH: gl.constexpr = BLOCK_N // 2
         half_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         gl.thread_barrier()   # the last tile's halves are read
         y_buffer.store(y)
         gl.thread_barrier()
-        gate = y_buffer.slice(0, WIDTH).load(half_layout)
-        up = y_buffer.slice(WIDTH, WIDTH).load(half_layout)
+        first = y_buffer.slice(0, WIDTH).load(half_layout)
+        second = y_buffer.slice(WIDTH, WIDTH).load(half_layout)
         offs_n = n0 + gl.arange(0, WIDTH, layout=half_layout)
-        gl.store(y_ptr + offs_n, (gate / (1.0 + gl.exp(-gate)) * up).to(y_ptr.dtype.element_ty), mask=offs_n < N)
-    else:
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
-        gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        if EPILOGUE == 1:
+            out = first / (1.0 + gl.exp(-first)) * second
+            gl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        else:
+            row = cos_sin_ptr + gl.load(positions_ptr).to(gl.int64) * cos_sin_stride
+            rotate = head < rotated_heads
+            cos = gl.where(rotate, gl.load(row + offs_n), 1.0)
+            sin = gl.where(rotate, gl.load(row + N + offs_n), 0.0)
+            out = y_ptr + head * (2 * N) + offs_n
+            gl.store(out, (first * cos - second * sin).to(y_ptr.dtype.element_ty))
+            gl.store(out + N, (second * cos + first * sin).to(y_ptr.dtype.element_ty))
 
 
 @gluon.jit
-def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles,
+def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles, tiles_per_row,
+                          positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
                           STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, COLUMNS: gl.constexpr,
                           ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
-                          FRACTIONAL_ZEROS: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr):
+                          FRACTIONAL_ZEROS: gl.constexpr, EPILOGUE: gl.constexpr, PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
-    HALVES: gl.constexpr = codes_desc.block_type.shape[1]
-    WIDTH: gl.constexpr = codes_desc.block_type.shape[2]
+    HALVES: gl.constexpr = codes_desc.block_type.shape[2]
+    WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = HALVES * WIDTH
     CHUNKS: gl.constexpr = GROUP_ROWS // ROWS
     # [groups, row chunks, rows, columns]: a thread's ROWS word rows of a group are summed in registers
@@ -271,9 +294,9 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     k_steps = _cdiv(K, GROUPS * GROUP_ROWS * 8)
     total = _cdiv(num_tiles - pid, num_programs) * k_steps
 
-    codes = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS * GROUP_ROWS, HALVES, WIDTH], codes_desc.layout)
-    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, GROUPS, HALVES, WIDTH], scales_desc.layout)
-    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, HALVES, WIDTH], zeros_desc.layout)
+    codes = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS * GROUP_ROWS, 1, HALVES, WIDTH], codes_desc.layout)
+    scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, GROUPS, 1, HALVES, WIDTH], scales_desc.layout)
+    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, 1, HALVES, WIDTH], zeros_desc.layout)
     y_buffer = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -283,7 +306,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     for s in gl.static_range(STAGES):   # weights only: before the wait, while the previous kernel runs
         if s < total:
             _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
-                   STAGES)
+                   tiles_per_row, STAGES)
     gluon_wait_for_previous(PDL)
 
     offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, row_layout)))
@@ -306,15 +329,16 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         gl.thread_barrier()   # every warp holds the stage: it may be refilled
         if step + STAGES < total:
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
-                   num_programs, k_steps, STAGES)
+                   num_programs, k_steps, tiles_per_row, STAGES)
         if HALF:
             acc += _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16, FRACTIONAL_ZEROS)
         else:
             acc += _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16)
         xa, xb, xc, xd = na, nb, nc, nd
         if k_step == k_steps - 1:
-            n0 = (pid + (step // k_steps) * num_programs) * WIDTH
-            _store_tile(y_ptr, acc, y_buffer, n0, N, out_layout, GATED, BLOCK_N, WARPS_G * WARPS_N)
+            head, n0 = _tile_origin(pid + (step // k_steps) * num_programs, tiles_per_row, WIDTH)
+            _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
+                        out_layout, EPILOGUE, BLOCK_N, WARPS_G * WARPS_N)
             acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
@@ -325,7 +349,7 @@ GROUP_SIZES = (32, 64, 128)   # a group's word rows (4, 8 or 16) divide a stage 
 
 @functools.lru_cache(maxsize=None)
 def _shared_layout(bits: int):
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=3)
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,13 +377,23 @@ def programs(num_tiles: int, sms: int) -> int:
     return triton.cdiv(num_tiles, waves)
 
 
+class Rotary(NamedTuple):
+    """What the EPILOGUE_ROTARY tile needs: the token's position [1], the cos | sin table [positions, head_dim]
+    (fp32, layers/rotary.py), the head size, and how many heads from the first are rotated (q and k; v after)."""
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    head_dim: int
+    rotated_heads: int
+
+
 def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, config: TmaGemvConfig, gated: bool = False) -> torch.Tensor:
+                  group_size: int, config: TmaGemvConfig, gated: bool = False,
+                  rotary: Rotary | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold). gated: W's columns are two halves (gate_up:
-    gate, then up) and y [1, N / 2] = silu(x @ W_gate) * (x @ W_up), each tile BLOCK_N / 2 columns of both."""
+    gate, then up) and y [1, N / 2] = silu(x @ W_gate) * (x @ W_up), each tile BLOCK_N / 2 columns of both.
+    rotary: W's columns are heads of `rotary.head_dim` (qkv_proj) and y has the first `rotary.rotated_heads`
+    rotated at the position (neox pairs d, d + head_dim / 2 in one tile)."""
     K = x.shape[1]
-    halves = 2 if gated else 1
-    N = qweight.shape[1] // halves
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
@@ -367,22 +401,37 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     threads_g, threads_r, threads_n, warps_g, warps_n = split
     if x.stride(1) != 1 or x.data_ptr() % 4:
         x = x.clone(memory_format=torch.contiguous_format)   # read as 32-bit pairs: a fresh allocation is aligned
-    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    total = qweight.shape[1]
+    if rotary is not None:
+        half = rotary.head_dim // 2
+        if total % rotary.head_dim or half % (config.block_n // 2):
+            raise ValueError(f"{config} does not tile heads of {rotary.head_dim} columns")
+        heads, halves, N, epilogue = total // rotary.head_dim, 2, half, EPILOGUE_ROTARY
+    elif gated:
+        heads, halves, N, epilogue = 1, 2, total // 2, EPILOGUE_SILU_AND_MUL
+    else:
+        heads, halves, N, epilogue = 1, 1, total, EPILOGUE_STORE
+    y = torch.empty(1, total // 2 if gated else total, device=x.device, dtype=x.dtype)
     rows = config.groups * group_rows
     width = config.block_n // halves
 
-    def descriptor(t, box_rows):   # [rows, halves, N]: the halves' same columns land side by side in a stage
-        return TensorDescriptor(t, [t.shape[0], halves, N], [t.stride(0), N if gated else t.stride(0), 1],
-                                [box_rows, halves, width], _shared_layout(8 * t.element_size()))
+    def descriptor(t, box_rows):   # [rows, heads, halves, N]: a tile's paired columns land side by side
+        row = t.stride(0)
+        return TensorDescriptor(t, [t.shape[0], heads, halves, N], [row, halves * N if heads > 1 else row,
+                                                                    N if halves > 1 else row, 1],
+                                [box_rows, 1, halves, width], _shared_layout(8 * t.element_size()))
 
-    num_tiles = triton.cdiv(N, width)
+    tiles_per_row = triton.cdiv(N, width)
+    num_tiles = heads * tiles_per_row
     pdl = pdl_mode(x.device)
     grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
+    positions, cos_sin = (rotary.positions, rotary.cos_sin_cache) if rotary is not None else (y, y)
     _int4_gemv_tma_kernel[grid](
         x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
-        num_tiles, STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
+        num_tiles, tiles_per_row, positions, cos_sin, cos_sin.stride(0), rotary.rotated_heads if rotary else 0,
+        STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
-        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, GATED=gated, PDL=pdl, num_warps=config.num_warps,
+        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, EPILOGUE=epilogue, PDL=pdl, num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return y

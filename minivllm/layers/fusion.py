@@ -1,6 +1,6 @@
 """Whether layers may swap their plain-PyTorch ops for the Triton fusions in `minivllm.kernels`, and the
 fusions that span two layers: quantizing a W8A8 layer's input in the kernel that produces it, and a gated
-MLP's activation in its gate_up projection's kernel.
+MLP's activation or attention's rotary embedding in the kernel of the projection before it.
 
 Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` turns it off (read when a layer
 is built) so benchmarks can measure what the fusions buy.
@@ -56,3 +56,17 @@ def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor) -> t
         if out is not None:
             return out
     return act(gate_up(x))
+
+
+def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor,
+               head_dim: int, rotated_heads: int) -> tuple[torch.Tensor, bool]:
+    """(qkv_proj(x), whether its first `rotated_heads` heads (q, k) already hold the rotary embedding at
+    `positions`): rotated in the GEMM's epilogue where the rotary layer is the plain full-width neox one on its
+    Triton path and qkv_proj's quant method can (`apply_rotary`: int4 at one row on Hopper)."""
+    method = getattr(qkv_proj.quant_method, "apply_rotary", None)
+    if (method is not None and getattr(rotary, "fusable_into_qkv", False) and rotary.use_triton
+            and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1):
+        out = method(qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads)
+        if out is not None:
+            return out, True
+    return qkv_proj(x), False

@@ -40,6 +40,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    fusable_into_qkv = True   # layers/fusion.qkv_rotary: the cos | sin table read by a GEMM's epilogue
+
     def __init__(self, head_size: int, max_position: int, inv_freq: torch.Tensor):
         super().__init__()
         self.head_size = head_size

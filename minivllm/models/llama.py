@@ -22,7 +22,7 @@ from torch import nn
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.fusion import gate_up_activation
+from minivllm.layers.fusion import gate_up_activation, qkv_rotary
 from minivllm.layers.layernorm import RMSNorm, norm_layer_input
 from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
                                     RowParallelLinear)
@@ -67,13 +67,18 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        if self.q_norm is None:   # the rotation may run in qkv_proj's epilogue (layers/fusion.qkv_rotary)
+            qkv, rotated = qkv_rotary(self.qkv_proj, self.rotary_emb, positions, hidden_states, self.head_dim,
+                                      self.num_heads + self.num_kv_heads)
+        else:
+            qkv, rotated = self.qkv_proj(hidden_states), False
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if not rotated:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(out)
 
