@@ -22,18 +22,6 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
         pdl.mode(torch.device("cpu"))
 
 
-def test_early_dependents_trigger_at_the_start_only_under_pdl_1(monkeypatch):
-    """A kernel asking for early dependents launches its successor at its start (PDL 2) where PDL is on in
-    its default setting; PDL 0 stays off and PDL 2 is already early."""
-    device = torch.device("cuda", 0)
-    for setting, plain, early in ((0, {"PDL": 0}, {"PDL": 0}), (1, {"PDL": 1, "launch_pdl": True},
-                                  {"PDL": 2, "launch_pdl": True}), (2, {"PDL": 2, "launch_pdl": True},
-                                                                    {"PDL": 2, "launch_pdl": True})):
-        monkeypatch.setattr(pdl, "mode", lambda _, setting=setting: setting)
-        assert pdl.launch_options(device) == plain
-        assert pdl.launch_options(device, early_dependents=True) == early
-
-
 def test_prefetch_needs_16_byte_rows():
     assert pdl.rows_prefetchable(torch.zeros(8, 16, dtype=torch.int8))
     assert pdl.rows_prefetchable(torch.zeros(8, 4, dtype=torch.int32))

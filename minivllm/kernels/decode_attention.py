@@ -299,7 +299,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            **launch_options(query.device, early_dependents=True),
+            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
             num_warps=1 if block_d <= 64 else 4)
     return out

@@ -49,14 +49,9 @@ def rows_prefetchable(t: torch.Tensor) -> bool:
     return row_bytes % 16 == 0 and stride_bytes % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def launch_options(device: torch.device, early_dependents: bool = False) -> dict:
-    """Keyword arguments for a kernel that takes a `PDL: tl.constexpr` and calls `wait_for_previous(PDL)`.
-    early_dependents: this kernel lets the next one launch at its start (as PDL 2 does for all), for a small
-    kernel whose successor is a GEMV that streams weights before its own wait (the norms, the attention
-    reduce): that prefetch then also overlaps the kernel before this one, not only this one's short run."""
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel that takes a `PDL: tl.constexpr` and calls `wait_for_previous(PDL)`."""
     pdl = mode(device)
-    if pdl == 1 and early_dependents:
-        pdl = 2
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": 0}
 
 

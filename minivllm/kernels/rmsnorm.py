@@ -97,8 +97,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, residual2, new_residual, weight, out, codes, scales, hidden_size, eps, x2.stride(0),
             residual2.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, QUANT=quant_dtype is not None,
-            **quant_params(quant_dtype or torch.float8_e4m3fn),
-            **launch_options(x.device, early_dependents=True),   # the next GEMV prefetches under it
+            **quant_params(quant_dtype or torch.float8_e4m3fn), **launch_options(x.device),
             num_warps=min(16, max(1, block // 512)))
     result = out.view(x.shape) if quant_dtype is None else QuantizedRows(codes, scales, x.shape, out_dtype)
     return result, (new_residual.view(x.shape) if residual is not None else None)
