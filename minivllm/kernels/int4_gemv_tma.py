@@ -22,6 +22,14 @@ against the Triton GEMVs (stop 34). x was then read in each step's arithmetic, o
 a step ahead (stop 35) the layer's four GEMVs went from 59.7 to 53.7 us (down 17.8 -> 15.2, o 6.2 -> 5.4, qkv
 8.3 -> 7.6, gate_up 27.4 -> 25.6).
 
+Epilogues (stop 36): the descriptors view the weights as [rows, heads, halves, columns], so a tile can hold paired
+columns and finish them itself. gate_up's gate and up columns (silu(gate) * up: the activation kernel goes) and
+qkv_proj's rotary pairs d, d + head_dim / 2 of a head (the rotary kernel goes; layers/fusion.py picks both at one
+row). On the H100 the int4 layer went from 74.7 to 69.3 us (the down GEMV, now straight after gate_up's, from
+14.5 to 11 us) and batch 1 from 2.23x to 2.30-2.36x bf16. Measured and dropped: each tile's K steps made one
+contiguous run (`tile_columns`, 0bb3a16), the arithmetic left out (the GEMVs took as long: the stream is the
+limit), deeper rings (slower): bench/results/history/gemv_layout_ab_0bb3a16.
+
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
 `int4_gemm.weight_only_gemm_reference`.
