@@ -442,6 +442,20 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
     return sum_partials(out, x.dtype) if tickets is None else y
 
 
+def _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, **epilogue) -> torch.Tensor | None:
+    """The Gluon GEMV with `epilogue` (int4_gemv_tma's gated / rotary), on `config` or on the fastest of `tiles`
+    for the tuning key `key` (timed once, cold); None where no tile serves it."""
+    if config is None and not tiles:
+        return None
+    x = x.contiguous()
+
+    def run(tile, qweight=qweight, scales=scales, zeros=zeros):
+        return int4_gemv_tma(x, qweight, scales, zeros, group_size, tile, **epilogue)
+    if config is None:
+        config = tuning.pick(key, tiles, run, tiles[0], weights=(qweight, scales, zeros))
+    return run(config)
+
+
 def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                                   group_size: int, bits: int = 4,
                                   config: TmaGemvConfig | None = None) -> torch.Tensor | None:
@@ -449,21 +463,11 @@ def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales
     Gluon GEMV with the activation in its epilogue, which saves the activation's launch and round trip. None
     where that kernel does not serve the call (not one row of 16-bit x on an sm_90 GPU, 4-bit codes, aligned
     halves); the caller then runs the GEMM and the activation."""
-    M, K = x.shape
-    N = qweight.shape[1]
     if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size, gated=True):
         return None
-    tiles = tma_gemv_tiles(M, group_size, bits, x.dtype, x.device)
-    if config is None and not tiles:
-        return None
-    x = x.contiguous()
-
-    def run(tile, qweight=qweight, scales=scales, zeros=zeros):
-        return int4_gemv_tma(x, qweight, scales, zeros, group_size, tile, gated=True)
-    if config is None:
-        config = tuning.pick(("weight_only_silu_and_mul", x.dtype, group_size, N, K), tiles, run, tiles[0],
-                             weights=(qweight, scales, zeros))
-    return run(config)
+    tiles = tma_gemv_tiles(x.shape[0], group_size, bits, x.dtype, x.device)
+    key = ("weight_only_silu_and_mul", x.dtype, group_size, qweight.shape[1], x.shape[1])
+    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, gated=True)
 
 
 def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -473,22 +477,13 @@ def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     heads (q and k) rotated at rotary.positions, from one kernel (the Gluon GEMV with the rotation in its
     epilogue: the rotary kernel's launch and round trip saved). None where that kernel does not serve the call;
     the caller then runs the GEMM and the rotary kernel."""
-    M, K = x.shape
-    N = qweight.shape[1]
-    if bits != 4 or N % rotary.head_dim or not tma_gemv_supported(x, qweight, scales, zeros, group_size):
+    if (bits != 4 or qweight.shape[1] % rotary.head_dim
+            or not tma_gemv_supported(x, qweight, scales, zeros, group_size)):
         return None
-    tiles = [t for t in tma_gemv_tiles(M, group_size, bits, x.dtype, x.device)
+    tiles = [t for t in tma_gemv_tiles(x.shape[0], group_size, bits, x.dtype, x.device)
              if (rotary.head_dim // 2) % (t.block_n // 2) == 0]
-    if config is None and not tiles:
-        return None
-    x = x.contiguous()
-
-    def run(tile, qweight=qweight, scales=scales, zeros=zeros):
-        return int4_gemv_tma(x, qweight, scales, zeros, group_size, tile, rotary=rotary)
-    if config is None:
-        config = tuning.pick(("weight_only_rotary", x.dtype, group_size, N, K, rotary.head_dim), tiles, run,
-                             tiles[0], weights=(qweight, scales, zeros))
-    return run(config)
+    key = ("weight_only_rotary", x.dtype, group_size, qweight.shape[1], x.shape[1], rotary.head_dim)
+    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, rotary=rotary)
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

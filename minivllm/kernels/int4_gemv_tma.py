@@ -424,7 +424,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     width = config.block_n // halves
 
     def descriptor(t, box_rows):   # [rows, heads, halves, N]: a tile's paired columns land side by side
-        row = t.stride(0)
+        row = t.stride(0)   # a dimension of size 1 takes the row's stride: TMA wants every stride 16-byte aligned
         return TensorDescriptor(t, [t.shape[0], heads, halves, N], [row, halves * N if heads > 1 else row,
                                                                     N if halves > 1 else row, 1],
                                 [box_rows, 1, halves, width], _shared_layout(8 * t.element_size()))
