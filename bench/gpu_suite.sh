@@ -125,6 +125,9 @@
 #      validation text (INT4_DISTILL, FP8_DISTILL, AWQ_DISTILL as STEPS:LR:SCALE_LR; each row only when its variable
 #      is set), appended over 100k held-out tokens to a copy of bench/results/quant_quality.json beside a fresh bf16
 #      row. ~4 min a row.
+#   NR: (carrying .whl) the int4 GEMVs that norm their input and add the residual: their GPU tests (TESTS: the -k
+#      expression; SKIP_TESTS=1 leaves them out), quant_bench's batch-1 rows for ${FORMATS:-bf16,int4} ($OUT/quant),
+#      the int4 step profile ($OUT/profile; SKIP_PROFILE=1 leaves it out). ~7 min.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -464,6 +467,20 @@ case "${1:-A}" in
     timeout 200 $QUANTIZE --method gptq --no-sym --desc-act --group-size 32 --sequential --target-full-precision \
       --grid-search --out $Q/grid32 2>&1 | tail -1
     add int4-gptq-g32-sequential-fp-target-grid grid32
+    ;;
+  NR)
+    # stop 37: the int4 GEMVs that norm their input and add the residual (the stream carried whole at one token):
+    # their GPU tests, int4 batch 1 against bf16, then the int4 step profile
+    [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/test_quant_kernels.py \
+      tests/test_quant_formats.py -k "${TESTS:-norm_and_residual or epilogues or int4_bf16_engine}" \
+      > "$OUT/gpu_tests_NR.log" 2>&1; tail -3 "$OUT/gpu_tests_NR.log"
+    mkdir -p "$OUT/quant" "$OUT/profile"
+    timeout 200 python3 bench/quant_bench.py --skip-gemm --formats ${FORMATS:-bf16,int4} --out "$OUT/quant" \
+      > "$OUT/quant/quant_bench.log" 2>&1
+    grep -v "^ " "$OUT/quant/quant_bench.log" | grep -v "M=" | tail -6
+    [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 bench/profile_step.py --batch 1 --steps 20 --kernels \
+      --quantization gptq --out "$OUT/profile" > "$OUT/profile/profile_gptq.log" 2>&1
+    grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
     ;;
   PB)
     mkdir -p "$OUT/profile"

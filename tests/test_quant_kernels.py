@@ -225,7 +225,7 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails)."""
     import triton
@@ -253,28 +253,35 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
                      scales_desc=descriptor(torch.zeros(K // group_size, N, dtype=dtype), config.groups),
                      zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
                      y_ptr=pointer, N="i32", K="i32", num_tiles="i32", tiles_per_row="i32", positions_ptr="*i64",
-                     cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32")
+                     cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32", residual_ptr=pointer,
+                     norm_weight_ptr=pointer, eps="fp32")
     constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
-                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, PDL=1)
+                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, NORM=norm,
+                     X_STEPS=triton.next_power_of_2(triton.cdiv(K, config.groups * group_size)) if norm else 1, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue", [
-    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0), (TMA_TILES[3], 32, torch.float16, torch.float32, 1),
-    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2)])
-def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue):
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue,norm", [
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0, False),
+    (TMA_TILES[3], 32, torch.float16, torch.float32, 1, True),
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2, True),
+    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 3, False)])
+def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue, norm):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
-    the loop's x loads (the next step's) ahead of its stage wait; one LOP3 per weight."""
+    the loop's x loads (the next step's) ahead of its stage wait, or, normed, the stream read once before the
+    loop (the norm's weights before the wait) and x from shared memory in it; the epilogues' own reads after
+    the last stage; one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90, (config, group_size, dtype, zero_dtype, epilogue))
+        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90,
+                                    (config, group_size, dtype, zero_dtype, epilogue, norm))
     assert has_cubin
     lines = ptx.splitlines()
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.shared::cluster.global" in line]
@@ -283,11 +290,16 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     assert sum(i < wait for i in copies) == 3 * config.stages
     loads = [i for i, line in enumerate(lines) if "ld.global" in line]
     stage_waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
-    # the rotary epilogue reads the position (64-bit), then cos and sin, after its tile's last stage
-    position = next((i for i in loads if "ld.global.b64" in lines[i]), len(lines))
-    x_loads = [i for i in loads if i < position]
-    assert (len(loads) - len(x_loads) >= 3) == (epilogue == 2) and position > min(stage_waits)
-    assert x_loads and stage_waits and wait < min(x_loads) and max(x_loads) < min(stage_waits)
+    assert stage_waits
+    ahead = [i for i in loads if i < wait]
+    x_loads = [i for i in loads if wait < i < min(stage_waits)]
+    in_loop = [i for i in loads if min(stage_waits) < i < max(stage_waits)]
+    tail = [i for i in loads if i > max(stage_waits)]
+    assert bool(ahead) == norm and x_loads and not in_loop
+    assert any("rsqrt" in line for line in lines) == norm
+    # rotary: the position (64-bit), then cos and sin; the residual add: the stream's columns
+    assert bool(tail) == (epilogue in (2, 3))
+    assert epilogue != 2 or (len(tail) >= 3 and "ld.global.b64" in lines[tail[0]])
     assert any("ex2.approx" in line for line in lines) == (epilogue == 1)   # SiLU only in its epilogue
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
     if config.half:   # four LOP3s and four packed FMAs of x a word of 8 weights
@@ -380,6 +392,56 @@ def test_tma_gemv_rotary_matches_reference(config, K, head_dim, heads, rotated, 
     assert ours.shape == (1, N)
     torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
     assert torch.equal(weight_only_gemv_rotary(x, qweight, scales, zeros, group_size, 4, rotary, config=config), ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", TMA_TILES)
+@pytest.mark.parametrize("K,N,group_size,dtype,fractional", [
+    (640, 208, 128, torch.bfloat16, False),     # a K tail; N past the last tile
+    (1056, 272, 32, torch.float16, True),       # GGUF's fractional fp32 zero points; fp16
+    (4096, 1024, 128, torch.bfloat16, False)])  # the 8B hidden size: two K steps staged
+def test_tma_gemv_norm_and_residual_match_reference(config, K, N, group_size, dtype, fractional):
+    """The Gluon GEMV that norms x itself (x the residual stream: RMSNorm(x) * weight staged in shared memory)
+    against kernels/rmsnorm's reference followed by the reference GEMM, plain and with the SiLU epilogue; and
+    the one that adds the residual row in its epilogue against the reference GEMM plus that row. The stream
+    is large (an outlier of 3000: fp16 would overflow before the norm); each call twice: the same bits."""
+    from minivllm.kernels.activation import silu_and_mul_reference
+    from minivllm.kernels.int4_gemm import weight_only_gemv_residual, weight_only_gemv_silu_and_mul
+    from minivllm.kernels.int4_gemv_tma import RowNorm, int4_gemv_tma, layout_split
+    from minivllm.kernels.rmsnorm import rms_norm_reference
+    qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=K + N)
+    if fractional:
+        zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
+    stream = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 40).to(dtype).to(DEVICE)
+    stream[0, 7] = 3000.0
+    weight = (1 + 0.3 * torch.randn(K, generator=torch.Generator().manual_seed(6))).to(dtype).to(DEVICE)
+    norm = RowNorm(weight, 1e-5)
+    residual = torch.randn(1, N, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    if layout_split(config, group_size // 8) is None:
+        with pytest.raises(ValueError, match="does not divide"):
+            int4_gemv_tma(stream, qweight, scales, zeros, group_size, config, norm=norm)
+        return
+    normed = rms_norm_reference(stream, weight, 1e-5)
+    product = weight_only_gemm_reference(normed.float(), qweight, scales, zeros, group_size, 4)
+
+    def close(ours, reference):
+        assert ours.dtype == dtype and ours.shape == reference.shape
+        torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
+    ours = int4_gemv_tma(stream, qweight, scales, zeros, group_size, config, norm=norm)
+    close(ours, product)
+    assert torch.equal(int4_gemv_tma(stream, qweight, scales, zeros, group_size, config, norm=norm), ours)
+    gated = weight_only_gemv_silu_and_mul(stream, qweight, scales, zeros, group_size, 4, config=config, norm=norm)
+    close(gated, silu_and_mul_reference(product))
+    x = stream / 40
+    added = weight_only_gemv_residual(x, qweight, scales, zeros, group_size, 4, residual, config=config)
+    close(added, weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4) + residual.float())
+    assert torch.equal(weight_only_gemv_residual(x, qweight, scales, zeros, group_size, 4, residual, config=config),
+                       added)
+    # what the kernel cannot take is not offered: a norm's weights in another dtype, a residual of another width
+    assert weight_only_gemv_silu_and_mul(stream, qweight, scales, zeros, group_size, 4,
+                                         norm=RowNorm(weight.float(), 1e-5)) is None
+    assert weight_only_gemv_residual(x, qweight, scales, zeros, group_size, 4, residual[:, :-2]) is None
 
 
 @pytest.mark.gpu

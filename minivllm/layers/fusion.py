@@ -1,6 +1,8 @@
 """Whether layers may swap their plain-PyTorch ops for the Triton fusions in `minivllm.kernels`, and the
-fusions that span two layers: quantizing a W8A8 layer's input in the kernel that produces it, and a gated
-MLP's activation or attention's rotary embedding in the kernel of the projection before it.
+fusions that span two layers: quantizing a W8A8 layer's input in the kernel that produces it; a gated
+MLP's activation or attention's rotary embedding in the kernel of the projection before it; and, for a
+decoder layer that carries its residual stream whole, each RMSNorm in the projection that reads it and each
+residual add in the projection whose output it adds.
 
 Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` turns it off (read when a layer
 is built) so benchmarks can measure what the fusions buy.
@@ -8,9 +10,12 @@ is built) so benchmarks can measure what the fusions buy.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from minivllm.distributed import get_tp_size
 
 
 def _disabled_by_env() -> bool:
@@ -45,28 +50,69 @@ def fuse_input_quantization(model: nn.Module) -> int:
     return fused
 
 
-def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+class PendingNorm(NamedTuple):
+    """norm(x), not computed yet: the projection that reads it norms x in its GEMV where its quant method can
+    (x is then the residual stream itself), and calls the norm first where it cannot."""
+    x: torch.Tensor
+    norm: nn.Module
+
+
+def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    return x.norm(x.x) if isinstance(x, PendingNorm) else x
+
+
+def carries_residual_stream(norms, projections, x: torch.Tensor) -> bool:
+    """Whether a decoder layer may take and return its residual stream whole (no separate residual): x is one
+    token, each norm is a plain RMSNorm on its Triton path that can run inside a GEMV (`fusable_into_gemv`,
+    no quantized output), and each projection's quant method offers the GEMVs that norm their input or add
+    the residual (`apply_residual`: the int4 formats). Then the layer runs no norm kernel at one row on Hopper;
+    where a GEMV declines at run time, the projection runs the norm or the add itself, with the same result."""
+    if _disabled_by_env() or x.shape[0] != 1:
+        return False
+    return (all(getattr(n, "fusable_into_gemv", False) and n.use_triton and n.quantize_output is None for n in norms)
+            and all(hasattr(p.quant_method, "apply_residual") for p in projections))
+
+
+def add_residual(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """proj(x) + residual: in the GEMV's epilogue where proj's quant method can (`apply_residual`: int4 at one
+    row on Hopper, one rank: with tensor parallelism the sum comes after the all-reduce)."""
+    method = getattr(proj.quant_method, "apply_residual", None)
+    if method is not None and get_tp_size() == 1:
+        out = method(proj, x, residual)
+        if out is not None:
+            return out
+    return proj(x) + residual
+
+
+def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args):
+    if isinstance(x, PendingNorm):
+        return method(layer, x.x, *args, norm=x.norm)
+    return method(layer, x, *args)
+
+
+def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
     """act(gate_up(x)) for a gated MLP. Where `act` is a plain SiluAndMul (Triton path, no quantized output) and
     gate_up's quant method computes silu(gate) * up in its GEMM's epilogue (`apply_silu_and_mul`: int4 at one
-    row on Hopper), one kernel; otherwise the two layers."""
+    row on Hopper), one kernel, which also norms a PendingNorm's x; otherwise the layers one by one."""
     method = getattr(gate_up.quant_method, "apply_silu_and_mul", None)
     if (method is not None and getattr(act, "fusable_into_gate_up", False) and act.use_triton
             and act.quantize_output is None):
-        out = method(gate_up, x)
+        out = _normed_call(method, gate_up, x)
         if out is not None:
             return out
-    return act(gate_up(x))
+    return act(gate_up(computed(x)))
 
 
-def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor,
+def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
                head_dim: int, rotated_heads: int) -> tuple[torch.Tensor, bool]:
     """(qkv_proj(x), whether its first `rotated_heads` heads (q, k) already hold the rotary embedding at
     `positions`): rotated in the GEMM's epilogue where the rotary layer is the plain full-width neox one on its
-    Triton path and qkv_proj's quant method can (`apply_rotary`: int4 at one row on Hopper)."""
+    Triton path and qkv_proj's quant method can (`apply_rotary`: int4 at one row on Hopper), which also norms a
+    PendingNorm's x."""
     method = getattr(qkv_proj.quant_method, "apply_rotary", None)
     if (method is not None and getattr(rotary, "fusable_into_qkv", False) and rotary.use_triton
             and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1):
-        out = method(qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads)
+        out = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads)
         if out is not None:
             return out, True
-    return qkv_proj(x), False
+    return qkv_proj(computed(x)), False

@@ -23,6 +23,7 @@ def norm_layer_input(norm: nn.Module, hidden_states: torch.Tensor, residual: tor
 
 class RMSNorm(nn.Module):
     can_quantize_output = True   # honours `quantize_output` (subclasses with their own forward say no)
+    fusable_into_gemv = True     # layers/fusion.carries_residual_stream: the int4 GEMV norms its x as forward does
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -69,6 +70,7 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: weights stored as an offset from one, `(1 + w)`, and applied in fp32 before the
     single rounding to the input dtype (Llama rounds first, then scales)."""
     can_quantize_output = False
+    fusable_into_gemv = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:

@@ -63,37 +63,59 @@ class WeightOnlyLinearMethod:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
 
-    def _one_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """x as the [1, K] row a fused GEMV epilogue takes (inputs permuted for act-order), or None where none
-        applies: not CUDA, not one row, or a bias to add before the epilogue."""
+    def _one_row(self, layer: nn.Module, x: torch.Tensor, normed: bool = False) -> torch.Tensor | None:
+        """x as the [1, K] row a fused GEMV takes (inputs permuted for act-order), or None where none applies: not
+        CUDA, not one row, a bias to add before the epilogue, or (normed: x is the residual stream, normed in
+        the GEMV) an act-order permutation, which the norm's weights would have to follow."""
         if not x.is_cuda or layer.bias is not None or x.numel() != x.shape[-1]:
+            return None
+        if normed and layer.perm is not None:
             return None
         row = x.reshape(1, -1)
         return row[:, layer.perm] if layer.perm is not None else row
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    @staticmethod
+    def _row_norm(norm):
+        from minivllm.kernels.int4_gemv_tma import RowNorm
+        return None if norm is None else RowNorm(norm.weight, norm.eps)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor | None:
         """silu(gate) * up of a bias-free gate_up layer ([gate | up] columns) from one kernel where the GEMM can
-        take the activation (kernels/int4_gemm.weight_only_gemv_silu_and_mul: one row on Hopper); else None."""
-        row = self._one_row(layer, x)
+        take the activation (kernels/int4_gemm.weight_only_gemv_silu_and_mul: one row on Hopper); with `norm`
+        (an RMSNorm), of norm(x), normed in the same kernel. Else None."""
+        row = self._one_row(layer, x, normed=norm is not None)
         if row is None:
             return None
         from minivllm.kernels.int4_gemm import weight_only_gemv_silu_and_mul
         group_size, _ = self.groups(layer.input_size)
-        out = weight_only_gemv_silu_and_mul(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
+        out = weight_only_gemv_silu_and_mul(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
+                                            norm=self._row_norm(norm))
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def apply_rotary(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     head_dim: int, rotated_heads: int) -> torch.Tensor | None:
+                     head_dim: int, rotated_heads: int, norm: nn.Module | None = None) -> torch.Tensor | None:
         """A bias-free qkv layer's output with its first `rotated_heads` heads rotated (neox) at `positions`
         from one kernel where the GEMM can take the rotation (kernels/int4_gemm.weight_only_gemv_rotary: one
-        row on Hopper); else None."""
-        row = self._one_row(layer, x)
+        row on Hopper); with `norm` (an RMSNorm), of norm(x), normed in the same kernel. Else None."""
+        row = self._one_row(layer, x, normed=norm is not None)
         if row is None:
             return None
         from minivllm.kernels.int4_gemm import weight_only_gemv_rotary
         from minivllm.kernels.int4_gemv_tma import Rotary
         group_size, _ = self.groups(layer.input_size)
         out = weight_only_gemv_rotary(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
-                                      Rotary(positions, cos_sin_cache, head_dim, rotated_heads))
+                                      Rotary(positions, cos_sin_cache, head_dim, rotated_heads),
+                                      norm=self._row_norm(norm))
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def apply_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """layer(x) + residual for a bias-free layer from one kernel where the GEMM can add it in its epilogue
+        (kernels/int4_gemm.weight_only_gemv_residual: one row on Hopper); else None."""
+        row = self._one_row(layer, x)
+        if row is None:
+            return None
+        from minivllm.kernels.int4_gemm import weight_only_gemv_residual
+        group_size, _ = self.groups(layer.input_size)
+        out = weight_only_gemv_residual(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
+                                        residual.reshape(1, -1))
+        return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
