@@ -262,38 +262,32 @@ def test_gptq_quantized_lm_head(arch, device, tmp_path):
             assert_logits_close(logits, reference(torch.tensor([seq])).logits[0])
 
 
-@pytest.mark.parametrize("fmt", ["gptq-sym", "gptq-asym-desc-act"])
-def test_int4_layers_carry_the_residual_stream_at_one_token(fmt, tmp_path, monkeypatch):
-    """At one token an int4 Llama layer takes and returns the residual stream whole (layers/fusion.py: its norms
-    go to the GEMVs that read them, its residual adds to those that write the stream; on the CPU each GEMV
-    declines and the projection runs the norm or the add itself). Decoding one token at a time, the logits
-    equal, bit for bit, those of layers that pass (output, residual) pairs, and transformers'; prompts of
-    several tokens and unquantized layers pass pairs."""
-    from minivllm.models.llama import LlamaDecoderLayer
+def test_int4_layer_norms_in_gemvs_fall_back_to_the_norm_kernels(tmp_path, monkeypatch):
+    """A Llama layer whose int4 projections norm their input (layers/fusion.PendingNorm, taken at one token on
+    Hopper) gives, where the GEMV declines at run time (here: on the CPU), the norm layer's output and residual
+    stream: decoding one token at a time, the logits equal those of the plain layer bit for bit, and
+    transformers'. Off the GPU, at two tokens and for unquantized layers, the plain path is taken."""
+    from minivllm.quantization.weight_only import WeightOnlyLinearMethod
     reference = make_tiny_hf_checkpoint(tmp_path, "llama3")
-    write_quantized(tmp_path, reference, fmt)
+    write_quantized(tmp_path, reference, "gptq-sym")
     model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
     layer = model.model.layers[0]
     one, two = torch.zeros(1, 64), torch.zeros(2, 64)
-    assert layer.carries_residual_stream(one, None)
-    assert not layer.carries_residual_stream(two, None) and not layer.carries_residual_stream(one, one)
-    carried = []
-    original = LlamaDecoderLayer.carries_residual_stream
-    monkeypatch.setattr(LlamaDecoderLayer, "carries_residual_stream",
-                        lambda self, h, r: carried.append(original(self, h, r)) or carried[-1])
+    assert not layer.norms_in_gemvs(one)
     tokens = [3, 5, 7, 11, 13]
-    run = PagedRun(model, 1, 8)
-    ours = torch.cat([run.step([[t]])[0] for t in tokens])
-    assert carried and all(carried)
-    monkeypatch.setattr(LlamaDecoderLayer, "carries_residual_stream", lambda self, h, r: False)
-    pairs = PagedRun(model, 1, 8)
-    assert torch.equal(torch.cat([pairs.step([[t]])[0] for t in tokens]), ours)
+    plain = PagedRun(model, 1, 8)
+    expected = torch.cat([plain.step([[t]])[0] for t in tokens])
+    monkeypatch.setattr(WeightOnlyLinearMethod, "norms_input", lambda self, layer, x: True)
+    assert layer.norms_in_gemvs(one) and not layer.norms_in_gemvs(two)
+    pending = PagedRun(model, 1, 8)
+    ours = torch.cat([pending.step([[t]])[0] for t in tokens])
+    assert torch.equal(ours, expected)
     with torch.no_grad():
         assert_logits_close(ours, reference(torch.tensor([tokens])).logits[0])
     (tmp_path / "plain").mkdir()
     make_tiny_hf_checkpoint(tmp_path / "plain", "llama3")
-    plain = load_model(resolve_model(str(tmp_path / "plain")), torch.float32, torch.device("cpu"))
-    assert not plain.model.layers[0].carries_residual_stream(one, None)
+    unquantized = load_model(resolve_model(str(tmp_path / "plain")), torch.float32, torch.device("cpu"))
+    assert not unquantized.model.layers[0].norms_in_gemvs(one)
 
 
 @pytest.mark.gpu
@@ -318,9 +312,9 @@ def test_gemv_epilogues_fused_at_one_row_on_hopper(fmt, tmp_path):
     """In bf16 on an sm_90 GPU, at one row, a Llama MLP's SiLU runs in gate_up's int4 GEMV epilogue
     (layers/fusion.gate_up_activation) and attention's rotary embedding in qkv_proj's (layers/fusion.qkv_rotary),
     each giving what the GEMV and the separate kernel give, act-order permutation included; two rows take the
-    separate kernels. With the residual stream carried whole (PendingNorm, add_residual), the norms and the
-    residual add run in the GEMVs and give what the norm, the GEMV and the add give apart."""
-    from minivllm.layers.fusion import PendingNorm, add_residual, gate_up_activation, qkv_rotary
+    separate kernels. A layer's norms handed to its GEMVs (PendingNorm) give what the norm kernel and the GEMV
+    give apart, the residual stream included."""
+    from minivllm.layers.fusion import PendingNorm, gate_up_activation, qkv_rotary
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused kernel is Hopper's")
     reference = make_tiny_hf_checkpoint(tmp_path, "llama3")
@@ -351,27 +345,32 @@ def test_gemv_epilogues_fused_at_one_row_on_hopper(fmt, tmp_path):
     assert not qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions.repeat(2), two, attn.head_dim,
                           attn.num_heads + attn.num_kv_heads)[1]
 
-    # the residual stream carried whole: each norm in the GEMV that reads it, each add in the one that writes
-    # it (act-order declines the norm: its weights would have to follow the permutation; the norm runs first)
+    # each norm, with the residual add before it, in the GEMV that reads it (act-order declines: the norm's
+    # weights and the residual would have to follow the permutation; the norm kernel runs first)
     layer = model.model.layers[1]
-    stream = (torch.randn(1, 64, generator=torch.Generator().manual_seed(4)) * 30).to(torch.bfloat16).cuda()
     post, pre = layer.post_attention_layernorm, layer.input_layernorm
-    in_kernel = mlp.gate_up_proj.quant_method.apply_silu_and_mul(mlp.gate_up_proj, stream, norm=post)
-    assert (in_kernel is None) == (fmt == "gptq-asym-desc-act")
-    apart = mlp.act_fn(mlp.gate_up_proj(post(stream)))
-    normed = gate_up_activation(mlp.gate_up_proj, mlp.act_fn, PendingNorm(stream, post))
-    torch.testing.assert_close(normed.float(), apart.float(), rtol=2e-2, atol=2e-2 * apart.abs().max().item())
-    normed, rotated = qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions, PendingNorm(stream, pre),
-                                 attn.head_dim, attn.num_heads + attn.num_kv_heads)
-    apart, _ = qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions, pre(stream), attn.head_dim,
-                          attn.num_heads + attn.num_kv_heads)
-    assert rotated
-    torch.testing.assert_close(normed.float(), apart.float(), rtol=2e-2, atol=2e-2 * apart.abs().max().item())
-    y = torch.randn(1, attn.q_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
-    assert attn.o_proj.quant_method.apply_residual(attn.o_proj, y, stream) is not None
-    apart = (attn.o_proj(y).float() + stream.float())
-    torch.testing.assert_close(add_residual(attn.o_proj, y, stream).float(), apart, rtol=2e-2,
-                               atol=2e-2 * apart.abs().max().item())
+    assert layer.norms_in_gemvs(x) == (fmt != "gptq-asym-desc-act")
+    hidden, residual = ((torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)) * 30).to(torch.bfloat16)
+                        .cuda() for seed in (4, 6))
+    normed, stream = post(hidden, residual)
+    pending = PendingNorm.of(post, hidden, residual)
+    assert (mlp.gate_up_proj.quant_method.apply_silu_and_mul(mlp.gate_up_proj, hidden, norm=pending) is None) \
+        == (fmt == "gptq-asym-desc-act")
+    pending = PendingNorm.of(post, hidden, residual)
+    apart = mlp.act_fn(mlp.gate_up_proj(normed))
+    ours = gate_up_activation(mlp.gate_up_proj, mlp.act_fn, pending)
+    torch.testing.assert_close(ours.float(), apart.float(), rtol=2e-2, atol=2e-2 * apart.abs().max().item())
+    assert torch.equal(pending.stream, stream)
+    for residual_in in (None, residual):   # the first layer has no residual yet: the stream is x itself
+        pending = PendingNorm.of(pre, hidden, residual_in)
+        ours, rotated = qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions, pending, attn.head_dim,
+                                   attn.num_heads + attn.num_kv_heads)
+        normed = pre(hidden) if residual_in is None else pre(hidden, residual_in)[0]
+        apart, _ = qkv_rotary(attn.qkv_proj, attn.rotary_emb, positions, normed, attn.head_dim,
+                              attn.num_heads + attn.num_kv_heads)
+        assert rotated
+        torch.testing.assert_close(ours.float(), apart.float(), rtol=2e-2, atol=2e-2 * apart.abs().max().item())
+        assert torch.equal(pending.stream, hidden if residual_in is None else stream)
 
 
 @pytest.mark.gpu
@@ -379,7 +378,7 @@ def test_gemv_epilogues_fused_at_one_row_on_hopper(fmt, tmp_path):
 @pytest.mark.parametrize("fmt", ["gptq-asym-desc-act", "gptq-sym"])
 def test_int4_bf16_engine_decode_matches_transformers_logprobs(fmt, tmp_path):
     """A GPTQ model served in bf16 through the engine (CUDA graphs; at one row on Hopper its GEMVs carry the
-    SiLU, the rotary embedding, the residual adds and, without act-order, the norms): each decoded token's
+    SiLU, the rotary embedding and, without act-order, the norms and residual adds): each decoded token's
     logprob equals transformers' (fp32, the checkpoint's dequantized weights) on the same tokens, within bf16's
     tolerance."""
     from minivllm import LLM, SamplingParams

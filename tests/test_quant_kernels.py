@@ -225,7 +225,7 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails)."""
     import triton
@@ -253,13 +253,13 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
                      scales_desc=descriptor(torch.zeros(K // group_size, N, dtype=dtype), config.groups),
                      zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
                      y_ptr=pointer, N="i32", K="i32", num_tiles="i32", tiles_per_row="i32", positions_ptr="*i64",
-                     cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32", residual_ptr=pointer,
-                     norm_weight_ptr=pointer, eps="fp32")
+                     cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32", norm_weight_ptr=pointer,
+                     eps="fp32", residual_ptr=pointer, stream_ptr=pointer)
     constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
-                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, NORM=norm,
+                     FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, NORM=norm, ADD_RESIDUAL=add,
                      X_STEPS=triton.next_power_of_2(triton.cdiv(K, config.groups * group_size)) if norm else 1, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
@@ -267,21 +267,22 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue,norm", [
-    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0, False),
-    (TMA_TILES[3], 32, torch.float16, torch.float32, 1, True),
-    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2, True),
-    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 3, False)])
-def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue, norm):
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue,norm,add", [
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0, False, False),
+    (TMA_TILES[3], 32, torch.float16, torch.float32, 1, True, True),
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2, True, False),
+    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 2, False, False)])
+def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue, norm,
+                                                            add):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
     the loop's x loads (the next step's) ahead of its stage wait, or, normed, the stream read once before the
-    loop (the norm's weights before the wait) and x from shared memory in it; the epilogues' own reads after
-    the last stage; one LOP3 per weight."""
+    loop (the norm's weights before the wait; the residual after it, their sum stored once) and x from shared
+    memory in it; the rotary epilogue's reads after the last stage; one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90,
-                                    (config, group_size, dtype, zero_dtype, epilogue, norm))
+                                    (config, group_size, dtype, zero_dtype, epilogue, norm, add))
     assert has_cubin
     lines = ptx.splitlines()
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.shared::cluster.global" in line]
@@ -297,8 +298,10 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     tail = [i for i in loads if i > max(stage_waits)]
     assert bool(ahead) == norm and x_loads and not in_loop
     assert any("rsqrt" in line for line in lines) == norm
-    # rotary: the position (64-bit), then cos and sin; the residual add: the stream's columns
-    assert bool(tail) == (epilogue in (2, 3))
+    stores = [i for i, line in enumerate(lines) if "st.global" in line]
+    assert any(wait < i < min(stage_waits) for i in stores) == add   # the stream's next value, before the loop
+    # rotary: the position (64-bit), then cos and sin
+    assert bool(tail) == (epilogue == 2)
     assert epilogue != 2 or (len(tail) >= 3 and "ld.global.b64" in lines[tail[0]])
     assert any("ex2.approx" in line for line in lines) == (epilogue == 1)   # SiLU only in its epilogue
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
@@ -402,46 +405,47 @@ def test_tma_gemv_rotary_matches_reference(config, K, head_dim, heads, rotated, 
     (1056, 272, 32, torch.float16, True),       # GGUF's fractional fp32 zero points; fp16
     (4096, 1024, 128, torch.bfloat16, False)])  # the 8B hidden size: two K steps staged
 def test_tma_gemv_norm_and_residual_match_reference(config, K, N, group_size, dtype, fractional):
-    """The Gluon GEMV that norms x itself (x the residual stream: RMSNorm(x) * weight staged in shared memory)
-    against kernels/rmsnorm's reference followed by the reference GEMM, plain and with the SiLU epilogue; and
-    the one that adds the residual row in its epilogue against the reference GEMM plus that row. The stream
-    is large (an outlier of 3000: fp16 would overflow before the norm); each call twice: the same bits."""
+    """The Gluon GEMV that norms x itself (RMSNorm(x) * weight staged in shared memory) against
+    kernels/rmsnorm's references followed by the reference GEMM, plain and with the SiLU epilogue, without and
+    with the residual added first (x + residual then written to the stream row, as the fused add + norm kernel
+    writes it). The rows are large (an outlier of 3000: fp16 would overflow before the norm); each call twice:
+    the same bits."""
     from minivllm.kernels.activation import silu_and_mul_reference
-    from minivllm.kernels.int4_gemm import weight_only_gemv_residual, weight_only_gemv_silu_and_mul
+    from minivllm.kernels.int4_gemm import weight_only_gemv_silu_and_mul
     from minivllm.kernels.int4_gemv_tma import RowNorm, int4_gemv_tma, layout_split
-    from minivllm.kernels.rmsnorm import rms_norm_reference
+    from minivllm.kernels.rmsnorm import fused_add_rms_norm_reference, rms_norm_reference
     qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=K + N)
     if fractional:
         zeros = (torch.rand(zeros.shape, generator=torch.Generator().manual_seed(7)) * 40 - 12).to(DEVICE)
-    stream = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 40).to(dtype).to(DEVICE)
-    stream[0, 7] = 3000.0
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 40).to(dtype).to(DEVICE)
+    x[0, 7] = 3000.0
+    residual = (torch.randn(1, K, generator=torch.Generator().manual_seed(8)) * 40).to(dtype).to(DEVICE)
     weight = (1 + 0.3 * torch.randn(K, generator=torch.Generator().manual_seed(6))).to(dtype).to(DEVICE)
-    norm = RowNorm(weight, 1e-5)
-    residual = torch.randn(1, N, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
     if layout_split(config, group_size // 8) is None:
         with pytest.raises(ValueError, match="does not divide"):
-            int4_gemv_tma(stream, qweight, scales, zeros, group_size, config, norm=norm)
+            int4_gemv_tma(x, qweight, scales, zeros, group_size, config, norm=RowNorm(weight, 1e-5))
         return
-    normed = rms_norm_reference(stream, weight, 1e-5)
-    product = weight_only_gemm_reference(normed.float(), qweight, scales, zeros, group_size, 4)
 
     def close(ours, reference):
         assert ours.dtype == dtype and ours.shape == reference.shape
         torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
-    ours = int4_gemv_tma(stream, qweight, scales, zeros, group_size, config, norm=norm)
-    close(ours, product)
-    assert torch.equal(int4_gemv_tma(stream, qweight, scales, zeros, group_size, config, norm=norm), ours)
-    gated = weight_only_gemv_silu_and_mul(stream, qweight, scales, zeros, group_size, 4, config=config, norm=norm)
-    close(gated, silu_and_mul_reference(product))
-    x = stream / 40
-    added = weight_only_gemv_residual(x, qweight, scales, zeros, group_size, 4, residual, config=config)
-    close(added, weight_only_gemm_reference(x.float(), qweight, scales, zeros, group_size, 4) + residual.float())
-    assert torch.equal(weight_only_gemv_residual(x, qweight, scales, zeros, group_size, 4, residual, config=config),
-                       added)
+    normed, stream = rms_norm_reference(x, weight, 1e-5), None
+    for norm in (RowNorm(weight, 1e-5), RowNorm(weight, 1e-5, residual, torch.full_like(x, float("nan")))):
+        if norm.residual is not None:
+            normed, stream = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
+        product = weight_only_gemm_reference(normed.float(), qweight, scales, zeros, group_size, 4)
+        ours = int4_gemv_tma(x, qweight, scales, zeros, group_size, config, norm=norm)
+        close(ours, product)
+        assert torch.equal(int4_gemv_tma(x, qweight, scales, zeros, group_size, config, norm=norm), ours)
+        if norm.residual is not None:
+            assert torch.equal(norm.stream, stream)
+        gated = weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4, config=config, norm=norm)
+        close(gated, silu_and_mul_reference(product))
     # what the kernel cannot take is not offered: a norm's weights in another dtype, a residual of another width
-    assert weight_only_gemv_silu_and_mul(stream, qweight, scales, zeros, group_size, 4,
+    assert weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4,
                                          norm=RowNorm(weight.float(), 1e-5)) is None
-    assert weight_only_gemv_residual(x, qweight, scales, zeros, group_size, 4, residual[:, :-2]) is None
+    assert weight_only_gemv_silu_and_mul(x, qweight, scales, zeros, group_size, 4,
+                                         norm=RowNorm(weight, 1e-5, residual[:, 2:], x.clone())) is None
 
 
 @pytest.mark.gpu

@@ -443,7 +443,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 
 def _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, **epilogue) -> torch.Tensor | None:
-    """The Gluon GEMV with `epilogue` (int4_gemv_tma's gated / rotary / norm / residual), on `config` or on the
+    """The Gluon GEMV with `epilogue` (int4_gemv_tma's gated / rotary / norm), on `config` or on the
     fastest of `tiles` for the tuning key `key` (timed once, cold); None where no tile serves it."""
     if config is None and not tiles:
         return None
@@ -452,8 +452,9 @@ def _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, ke
     def run(tile, qweight=qweight, scales=scales, zeros=zeros):
         return int4_gemv_tma(x, qweight, scales, zeros, group_size, tile, **epilogue)
     if config is None:
-        config = tuning.pick(key + (epilogue.get("norm") is not None,), tiles, run, tiles[0],
-                             weights=(qweight, scales, zeros))
+        norm = epilogue.get("norm")
+        normed = "none" if norm is None else "norm" if norm.residual is None else "add and norm"
+        config = tuning.pick(key + (normed,), tiles, run, tiles[0], weights=(qweight, scales, zeros))
     return run(config)
 
 
@@ -462,7 +463,7 @@ def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales
                                   norm: RowNorm | None = None) -> torch.Tensor | None:
     """silu(x @ W_gate) * (x @ W_up) [1, N / 2] for W = [gate | up] (gate_up_proj's columns) from one kernel: the
     Gluon GEMV with the activation in its epilogue, which saves the activation's launch and round trip; with
-    `norm`, x is the residual stream and RMSNorm(x) is what multiplies W (the norm's kernel saved too). None
+    `norm`, RMSNorm(x [+ residual]) is what multiplies W (the norm's kernel saved too, int4_gemv_tma.RowNorm). None
     where that kernel does not serve the call (not one row of 16-bit x on an sm_90 GPU, 4-bit codes, aligned
     halves); the caller then runs the norm, the GEMM and the activation."""
     if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size, gated=True, norm=norm):
@@ -477,9 +478,9 @@ def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             norm: RowNorm | None = None) -> torch.Tensor | None:
     """x @ W [1, N] for qkv_proj's W (heads of rotary.head_dim columns) with the first rotary.rotated_heads
     heads (q and k) rotated at rotary.positions, from one kernel (the Gluon GEMV with the rotation in its
-    epilogue: the rotary kernel's launch and round trip saved); with `norm`, RMSNorm(x) @ W, x being the
-    residual stream. None where that kernel does not serve the call; the caller then runs the norm, the GEMM
-    and the rotary kernel."""
+    epilogue: the rotary kernel's launch and round trip saved); with `norm`, of RMSNorm(x [+ residual])
+    (int4_gemv_tma.RowNorm). None where that kernel does not serve the call; the caller then runs the norm, the
+    GEMM and the rotary kernel."""
     if (bits != 4 or qweight.shape[1] % rotary.head_dim
             or not tma_gemv_supported(x, qweight, scales, zeros, group_size, norm=norm)):
         return None
@@ -487,18 +488,6 @@ def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torc
              if (rotary.head_dim // 2) % (t.block_n // 2) == 0]
     key = ("weight_only_rotary", x.dtype, group_size, qweight.shape[1], x.shape[1], rotary.head_dim)
     return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, rotary=rotary, norm=norm)
-
-
-def weight_only_gemv_residual(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                              group_size: int, bits: int, residual: torch.Tensor,
-                              config: TmaGemvConfig | None = None) -> torch.Tensor | None:
-    """x @ W + residual [1, N] from one kernel (o_proj's and down_proj's product added to the residual stream in
-    the GEMV's epilogue: the next norm no longer adds it). None where that kernel does not serve the call."""
-    if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size, residual=residual):
-        return None
-    tiles = tma_gemv_tiles(x.shape[0], group_size, bits, x.dtype, x.device)
-    key = ("weight_only_residual", x.dtype, group_size, qweight.shape[1], x.shape[1])
-    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, residual=residual)
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

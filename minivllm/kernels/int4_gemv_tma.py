@@ -241,22 +241,18 @@ def _fp32_step(words, xa, xb, xc, xd, scale, zero, IS_BF16: gl.constexpr):
     return (16.0 * scale)[:, None, :] * column - (scale * zero)[:, None, :] * x_sum
 
 
-EPILOGUE_STORE, EPILOGUE_SILU_AND_MUL, EPILOGUE_ROTARY, EPILOGUE_ADD = 0, 1, 2, 3
+EPILOGUE_STORE, EPILOGUE_SILU_AND_MUL, EPILOGUE_ROTARY = 0, 1, 2
 
 
 @gluon.jit
 def _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
-                residual_ptr, out_layout: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_WARPS: gl.constexpr):
-    """A finished tile to y: its columns' sums (EPILOGUE_STORE), or those plus the residual stream's columns
-    (EPILOGUE_ADD: y is the stream's next value); silu(first half) * second half, y being N columns wide
-    (EPILOGUE_SILU_AND_MUL); or, for heads of 2 N columns, the halves rotated as kernels/rotary.py does at the
-    token's position, heads from `rotated_heads` on (v) stored as they are (EPILOGUE_ROTARY)."""
+                out_layout: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A finished tile to y: its columns' sums (EPILOGUE_STORE); silu(first half) * second half, y being N
+    columns wide (EPILOGUE_SILU_AND_MUL); or, for heads of 2 N columns, the halves rotated as kernels/rotary.py
+    does at the token's position, heads from `rotated_heads` on (v) stored as they are (EPILOGUE_ROTARY)."""
     y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
-    if EPILOGUE == 0 or EPILOGUE == 3:
+    if EPILOGUE == 0:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
-        if EPILOGUE == 3:
-            y += gl.load(residual_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
         gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
     else:
         WIDTH: gl.constexpr = BLOCK_N // 2
@@ -299,12 +295,21 @@ def _rounded_pair(low, high, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _stage_normed_x(x_ptr, words, weight_words, x_smem, K, eps, IS_BF16: gl.constexpr):
+def _stage_normed_x(x_ptr, residual_ptr, stream_ptr, words, weight_words, x_smem, K, eps, IS_BF16: gl.constexpr,
+                    ADD: gl.constexpr):
     """RMSNorm(x) * weight into x_smem as [K step, word j, word row], rounded as kernels/rmsnorm.py rounds
-    (normalised in fp32, rounded, scaled, rounded). Every program reads the whole row for its sum of squares:
-    the tile owns all of K, so the row's norm costs one 2K-byte read from L2 and no other kernel."""
+    (normalised in fp32, rounded, scaled, rounded); ADD: of x + residual, rounded, which program 0 also writes
+    to the stream's next value. Every program reads the whole row for its sum of squares: the tile owns all of
+    K, so the row's norm costs a 2K-byte read (4K with the residual) from L2 and no other kernel."""
     dtype: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
-    x = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + words, mask=words * 2 < K, other=0)
+    inside = words * 2 < K
+    x = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + words, mask=inside, other=0)
+    if ADD:
+        residual = gl.load(residual_ptr.to(gl.pointer_type(gl.int32)) + words, mask=inside, other=0)
+        x_low, x_high = _pair_floats(x, IS_BF16)
+        r_low, r_high = _pair_floats(residual, IS_BF16)
+        x = _rounded_pair(x_low + r_low, x_high + r_high, dtype)
+        gl.store(stream_ptr.to(gl.pointer_type(gl.int32)) + words, x, mask=inside & (gl.program_id(0) == 0))
     low, high = _pair_floats(x, IS_BF16)
     squares = gl.reduce(gl.reduce(low * low + high * high, 1, _add), 0, _add)
     inv_rms = gl.rsqrt(squares / K + eps)
@@ -326,13 +331,14 @@ def _smem_x_words(x_smem, k_step, GROUPS: gl.constexpr, CHUNKS: gl.constexpr, RO
 
 @gluon.jit
 def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles, tiles_per_row,
-                          positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads, residual_ptr,
-                          norm_weight_ptr, eps, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, COLUMNS: gl.constexpr,
+                          positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads, norm_weight_ptr, eps,
+                          residual_ptr, stream_ptr, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr,
+                          COLUMNS: gl.constexpr,
                           ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
                           FRACTIONAL_ZEROS: gl.constexpr, EPILOGUE: gl.constexpr, NORM: gl.constexpr,
-                          X_STEPS: gl.constexpr, PDL: gl.constexpr):
+                          ADD_RESIDUAL: gl.constexpr, X_STEPS: gl.constexpr, PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     HALVES: gl.constexpr = codes_desc.block_type.shape[2]
     WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
@@ -364,7 +370,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         if s < total:
             _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
                    tiles_per_row, STAGES)
-    if NORM:   # x is the residual stream: RMSNorm(x) * weight, staged once (the norm's weights before the wait)
+    if NORM:   # RMSNorm(x [+ residual]) * weight, staged once (the norm's weights read before the wait)
         RPS: gl.constexpr = GROUPS * GROUP_ROWS
         NUM_WARPS: gl.constexpr = WARPS_G * WARPS_N
         stage_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NUM_WARPS], [1, 0])
@@ -374,7 +380,8 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     if NORM:
         # stored through a rank-2 view: the buffer's rank-1 layout is what lets a K step's word j be indexed
         stage_view = x_smem._reinterpret(gl.int32, [X_STEPS * 4, RPS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        _stage_normed_x(x_ptr, row_words, weight_words, stage_view, K, eps, IS_BF16)
+        _stage_normed_x(x_ptr, residual_ptr, stream_ptr, row_words, weight_words, stage_view, K, eps, IS_BF16,
+                        ADD_RESIDUAL)
         gl.thread_barrier()
 
     offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, row_layout)))
@@ -412,7 +419,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         if k_step == k_steps - 1:
             head, n0 = _tile_origin(pid + (step // k_steps) * num_programs, tiles_per_row, WIDTH)
             _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
-                        residual_ptr, out_layout, EPILOGUE, BLOCK_N, WARPS_G * WARPS_N)
+                        out_layout, EPILOGUE, BLOCK_N, WARPS_G * WARPS_N)
             acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
@@ -431,27 +438,36 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+class RowNorm(NamedTuple):
+    """An RMSNorm the kernel applies to x first: weight [K] in x's dtype, eps; where `residual` [1, K] is given,
+    of x + residual, which the kernel also writes to `stream` [1, K] (the residual stream's next value)."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    stream: torch.Tensor | None = None
+
+
 NORM_MAX_K = 16384   # the staged, normed row: 2 K bytes of shared memory a program
 
 
+def _row_like(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """A row the kernel reads or writes as 32-bit words beside x: contiguous, aligned, x's dtype and width."""
+    return t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % 4 == 0 and t.numel() == x.shape[1]
+
+
 def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, gated: bool = False, norm: RowNorm | None = None,
-              residual: torch.Tensor | None = None) -> bool:
+              group_size: int, gated: bool = False, norm: RowNorm | None = None) -> bool:
     """Whether the kernel serves this call: one row of 16-bit x on an sm_90 GPU; TMA's 16-byte alignment of
-    the weights' bases and row strides (gated: also of each half's start); a norm's weights and a residual
-    row contiguous, in x's dtype, and a normed row within NORM_MAX_K."""
+    the weights' bases and row strides (gated: also of each half's start); a norm's weights, residual and
+    stream rows like x (`_row_like`), x within NORM_MAX_K."""
     if x.device.type != "cuda" or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if group_size not in GROUP_SIZES or not _is_hopper(x.device.index or 0):
         return False
     if gated and qweight.shape[1] % 16:
         return False
-    if norm is not None and not (norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
-                                 and norm.weight.data_ptr() % 4 == 0
-                                 and norm.weight.numel() == x.shape[1] <= NORM_MAX_K):
-        return False
-    if residual is not None and not (residual.dtype == x.dtype and residual.is_contiguous()
-                                     and residual.numel() == qweight.shape[1]):
+    if norm is not None and (x.shape[1] > NORM_MAX_K or not _row_like(norm.weight, x) or (
+            norm.residual is not None and not (_row_like(norm.residual, x) and _row_like(norm.stream, x)))):
         return False
     return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (qweight, scales, zeros))
@@ -461,12 +477,6 @@ def programs(num_tiles: int, sms: int) -> int:
     """Programs for `num_tiles` whole-K tiles: as many waves as needed, each program with the same count."""
     waves = triton.cdiv(num_tiles, sms)
     return triton.cdiv(num_tiles, waves)
-
-
-class RowNorm(NamedTuple):
-    """An RMSNorm the kernel applies to x first (x is then the residual stream): weight [K] in x's dtype, eps."""
-    weight: torch.Tensor
-    eps: float
 
 
 class Rotary(NamedTuple):
@@ -480,12 +490,12 @@ class Rotary(NamedTuple):
 
 def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, config: TmaGemvConfig, gated: bool = False, rotary: Rotary | None = None,
-                  norm: RowNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  norm: RowNorm | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold). gated: W's columns are two halves (gate_up:
     gate, then up) and y [1, N / 2] = silu(x @ W_gate) * (x @ W_up), each tile BLOCK_N / 2 columns of both.
     rotary: W's columns are heads of `rotary.head_dim` (qkv_proj) and y has the first `rotary.rotated_heads`
-    rotated at the position (neox pairs d, d + head_dim / 2 in one tile). norm: x is the residual stream and
-    the product is RMSNorm(x) @ W (any epilogue). residual [1, N]: y = x @ W + residual (the plain store only)."""
+    rotated at the position (neox pairs d, d + head_dim / 2 in one tile). norm: the product is RMSNorm(x) @ W,
+    or RMSNorm(x + norm.residual) @ W with x + norm.residual written to norm.stream (any epilogue)."""
     K = x.shape[1]
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
@@ -495,8 +505,6 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if x.stride(1) != 1 or x.data_ptr() % 4:
         x = x.clone(memory_format=torch.contiguous_format)   # read as 32-bit pairs: a fresh allocation is aligned
     total = qweight.shape[1]
-    if residual is not None and (gated or rotary is not None):
-        raise ValueError("a residual adds to the plain product only")
     if rotary is not None:
         half = rotary.head_dim // 2
         if total % rotary.head_dim or half % (config.block_n // 2):
@@ -505,7 +513,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     elif gated:
         heads, halves, N, epilogue = 1, 2, total // 2, EPILOGUE_SILU_AND_MUL
     else:
-        heads, halves, N, epilogue = 1, 1, total, EPILOGUE_STORE if residual is None else EPILOGUE_ADD
+        heads, halves, N, epilogue = 1, 1, total, EPILOGUE_STORE
     y = torch.empty(1, total // 2 if gated else total, device=x.device, dtype=x.dtype)
     rows = config.groups * group_rows
     width = config.block_n // halves
@@ -524,11 +532,13 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     _int4_gemv_tma_kernel[grid](
         x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
         num_tiles, tiles_per_row, positions, cos_sin, cos_sin.stride(0), rotary.rotated_heads if rotary else 0,
-        y if residual is None else residual, x if norm is None else norm.weight, norm.eps if norm else 0.0,
+        x if norm is None else norm.weight, norm.eps if norm else 0.0,
+        *((x, x) if norm is None or norm.residual is None else (norm.residual, norm.stream)),
         STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
         FRACTIONAL_ZEROS=zeros.dtype == torch.float32, EPILOGUE=epilogue, NORM=norm is not None,
+        ADD_RESIDUAL=norm is not None and norm.residual is not None,
         X_STEPS=triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 1, PDL=pdl,
         num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
     return y

@@ -1,8 +1,7 @@
 """Whether layers may swap their plain-PyTorch ops for the Triton fusions in `minivllm.kernels`, and the
 fusions that span two layers: quantizing a W8A8 layer's input in the kernel that produces it; a gated
-MLP's activation or attention's rotary embedding in the kernel of the projection before it; and, for a
-decoder layer that carries its residual stream whole, each RMSNorm in the projection that reads it and each
-residual add in the projection whose output it adds.
+MLP's activation or attention's rotary embedding in the kernel of the projection before it; and a decoder
+layer's RMSNorms, with the residual adds before them, in the kernel of the projection after them.
 
 Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` turns it off (read when a layer
 is built) so benchmarks can measure what the fusions buy.
@@ -15,7 +14,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from minivllm.distributed import get_tp_size
 
 
 def _disabled_by_env() -> bool:
@@ -51,43 +49,50 @@ def fuse_input_quantization(model: nn.Module) -> int:
 
 
 class PendingNorm(NamedTuple):
-    """norm(x), not computed yet: the projection that reads it norms x in its GEMV where its quant method can
-    (x is then the residual stream itself), and calls the norm first where it cannot."""
+    """A decoder layer's norm(x + residual) (norm(x) where residual is None), not computed yet: the projection
+    that reads it norms in its GEMV where its quant method can, and that GEMV also writes x + residual, the
+    residual stream's next value, to `stream`; elsewhere `computed` runs the norm and fills `stream`."""
     x: torch.Tensor
     norm: nn.Module
+    residual: torch.Tensor | None
+    stream: torch.Tensor   # x itself where residual is None
+
+    @classmethod
+    def of(cls, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> "PendingNorm":
+        return cls(x, norm, residual, x if residual is None else torch.empty_like(x))
 
 
 def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
-    return x.norm(x.x) if isinstance(x, PendingNorm) else x
+    """x, or a PendingNorm's norm computed by the norm layer (its stream filled)."""
+    if not isinstance(x, PendingNorm):
+        return x
+    if x.residual is None:
+        return x.norm(x.x)
+    normed, stream = x.norm(x.x, x.residual)
+    x.stream.copy_(stream)
+    return normed
 
 
-def carries_residual_stream(norms, projections, x: torch.Tensor) -> bool:
-    """Whether a decoder layer may take and return its residual stream whole (no separate residual): x is one
-    token, each norm is a plain RMSNorm on its Triton path that can run inside a GEMV (`fusable_into_gemv`,
-    no quantized output), and each projection's quant method offers the GEMVs that norm their input or add
-    the residual (`apply_residual`: the int4 formats). Then the layer runs no norm kernel at one row on Hopper;
-    where a GEMV declines at run time, the projection runs the norm or the add itself, with the same result."""
+def norms_in_gemvs(norms, projections, x: torch.Tensor) -> bool:
+    """Whether a decoder layer at input x may hand its norms to the projections that read them (PendingNorm):
+    x is one token, each norm is a plain RMSNorm on its Triton path (`fusable_into_gemv`, no quantized output),
+    and each projection's quant method can norm its input in its GEMV (`norms_input`: int4 at one row on
+    Hopper). The layer then runs no norm kernel; its residual adds happen in the same GEMVs."""
     if _disabled_by_env() or x.shape[0] != 1:
         return False
     return (all(getattr(n, "fusable_into_gemv", False) and n.use_triton and n.quantize_output is None for n in norms)
-            and all(hasattr(p.quant_method, "apply_residual") for p in projections))
-
-
-def add_residual(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """proj(x) + residual: in the GEMV's epilogue where proj's quant method can (`apply_residual`: int4 at one
-    row on Hopper, one rank: with tensor parallelism the sum comes after the all-reduce)."""
-    method = getattr(proj.quant_method, "apply_residual", None)
-    if method is not None and get_tp_size() == 1:
-        out = method(proj, x, residual)
-        if out is not None:
-            return out
-    return proj(x) + residual
+            and all(getattr(p.quant_method, "norms_input", lambda *_: False)(p, x) for p in projections))
 
 
 def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args):
+    """(method's output or None, x): a PendingNorm is normed in method's kernel where it can be, else computed
+    first (and x is then the norm's output)."""
     if isinstance(x, PendingNorm):
-        return method(layer, x.x, *args, norm=x.norm)
-    return method(layer, x, *args)
+        out = method(layer, x.x, *args, norm=x)
+        if out is not None:
+            return out, x
+        x = computed(x)
+    return method(layer, x, *args), x
 
 
 def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
@@ -97,7 +102,7 @@ def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | Pen
     method = getattr(gate_up.quant_method, "apply_silu_and_mul", None)
     if (method is not None and getattr(act, "fusable_into_gate_up", False) and act.use_triton
             and act.quantize_output is None):
-        out = _normed_call(method, gate_up, x)
+        out, x = _normed_call(method, gate_up, x)
         if out is not None:
             return out
     return act(gate_up(computed(x)))
@@ -112,7 +117,7 @@ def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, 
     method = getattr(qkv_proj.quant_method, "apply_rotary", None)
     if (method is not None and getattr(rotary, "fusable_into_qkv", False) and rotary.use_triton
             and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1):
-        out = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads)
+        out, x = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads)
         if out is not None:
             return out, True
     return qkv_proj(computed(x)), False

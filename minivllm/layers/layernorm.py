@@ -23,7 +23,7 @@ def norm_layer_input(norm: nn.Module, hidden_states: torch.Tensor, residual: tor
 
 class RMSNorm(nn.Module):
     can_quantize_output = True   # honours `quantize_output` (subclasses with their own forward say no)
-    fusable_into_gemv = True     # layers/fusion.carries_residual_stream: the int4 GEMV norms its x as forward does
+    fusable_into_gemv = True     # layers/fusion.norms_in_gemvs: the int4 GEMV norms its x as forward does
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

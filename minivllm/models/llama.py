@@ -22,8 +22,7 @@ from torch import nn
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.fusion import (PendingNorm, add_residual, carries_residual_stream, computed, gate_up_activation,
-                                    qkv_rotary)
+from minivllm.layers.fusion import PendingNorm, computed, gate_up_activation, norms_in_gemvs, qkv_rotary
 from minivllm.layers.layernorm import RMSNorm, norm_layer_input
 from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
                                     RowParallelLinear)
@@ -67,9 +66,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention's output, plus `residual` where given (the residual stream's next value)."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm) -> torch.Tensor:
         if self.q_norm is None:   # the rotation may run in qkv_proj's epilogue (layers/fusion.qkv_rotary)
             qkv, rotated = qkv_rotary(self.qkv_proj, self.rotary_emb, positions, hidden_states, self.head_dim,
                                       self.num_heads + self.num_kv_heads)
@@ -83,7 +80,7 @@ class LlamaAttention(nn.Module):
         if not rotated:
             q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.flatten(1), k.flatten(1), v)
-        return self.o_proj(out) if residual is None else add_residual(self.o_proj, out, residual)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -97,10 +94,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor | PendingNorm, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP's output, plus `residual` where given (the residual stream's next value)."""
-        h = gate_up_activation(self.gate_up_proj, self.act_fn, x)
-        return self.down_proj(h) if residual is None else add_residual(self.down_proj, h, residual)
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        return self.down_proj(gate_up_activation(self.gate_up_proj, self.act_fn, x))
 
     def input_quant_pairs(self):
         """(producer, its only consumer) for layers/fusion.py."""
@@ -123,22 +118,21 @@ class LlamaDecoderLayer(nn.Module):
             pairs.append(("post_attention_layernorm", "mlp.gate_up_proj"))
         return pairs
 
-    def carries_residual_stream(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether this call takes the residual stream whole and returns it whole (residual None): at one token
-        with the int4 GEMVs that norm their input and add their output to the stream (layers/fusion.py), so
-        neither norm runs as a kernel of its own."""
+    def norms_in_gemvs(self, hidden_states: torch.Tensor) -> bool:
+        """Whether qkv_proj and gate_up_proj run this call's norms (and the residual adds before them) in their
+        GEMVs: one token, int4 on Hopper (layers/fusion.norms_in_gemvs)."""
         attn, mlp = self.self_attn, self.mlp
-        return (residual is None and type(mlp) is LlamaMLP and attn.q_norm is None
-                and carries_residual_stream((self.input_layernorm, self.post_attention_layernorm),
-                                            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
-                                            hidden_states))
+        return (type(mlp) is LlamaMLP and attn.q_norm is None
+                and norms_in_gemvs((self.input_layernorm, self.post_attention_layernorm),
+                                   (attn.qkv_proj, mlp.gate_up_proj), hidden_states))
 
     def forward(self, positions, hidden_states, residual):
-        """Returns (this layer's output, residual stream before it); the next norm adds the two. A layer that
-        carries the stream whole returns (the stream, None)."""
-        if self.carries_residual_stream(hidden_states, residual):
-            stream = self.self_attn(positions, PendingNorm(hidden_states, self.input_layernorm), hidden_states)
-            return self.mlp(PendingNorm(stream, self.post_attention_layernorm), stream), None
+        """Returns (this layer's output, residual stream before it); the next norm adds the two."""
+        if self.norms_in_gemvs(hidden_states):
+            pending = PendingNorm.of(self.input_layernorm, hidden_states, residual)
+            hidden_states = self.self_attn(positions, pending)
+            pending = PendingNorm.of(self.post_attention_layernorm, hidden_states, pending.stream)
+            return self.mlp(pending), pending.stream
         hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
@@ -166,7 +160,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, residual)
-        return norm_layer_input(self.norm, hidden_states, residual)[0]
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

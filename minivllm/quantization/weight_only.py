@@ -65,8 +65,8 @@ class WeightOnlyLinearMethod:
 
     def _one_row(self, layer: nn.Module, x: torch.Tensor, normed: bool = False) -> torch.Tensor | None:
         """x as the [1, K] row a fused GEMV takes (inputs permuted for act-order), or None where none applies: not
-        CUDA, not one row, a bias to add before the epilogue, or (normed: x is the residual stream, normed in
-        the GEMV) an act-order permutation, which the norm's weights would have to follow."""
+        CUDA, not one row, a bias to add before the epilogue, or (normed: the GEMV norms x itself) an act-order
+        permutation, which the norm's weights and the residual would have to follow."""
         if not x.is_cuda or layer.bias is not None or x.numel() != x.shape[-1]:
             return None
         if normed and layer.perm is not None:
@@ -74,15 +74,29 @@ class WeightOnlyLinearMethod:
         row = x.reshape(1, -1)
         return row[:, layer.perm] if layer.perm is not None else row
 
-    @staticmethod
-    def _row_norm(norm):
-        from minivllm.kernels.int4_gemv_tma import RowNorm
-        return None if norm is None else RowNorm(norm.weight, norm.eps)
+    def norms_input(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply_silu_and_mul` / `apply_rotary` can norm x themselves (layers/fusion.PendingNorm): one
+        row on Hopper, 4-bit codes, no act-order permutation."""
+        row = self._one_row(layer, x, normed=True)
+        if row is None or self.bits != 4:
+            return False
+        from minivllm.kernels.int4_gemm import tma_gemv_supported
+        return tma_gemv_supported(row, layer.qweight, layer.scales, layer.zeros, self.groups(layer.input_size)[0])
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor | None:
+    @staticmethod
+    def _row_norm(pending):
+        """A layers/fusion.PendingNorm as the kernel's RowNorm (rows of [1, K])."""
+        if pending is None:
+            return None
+        from minivllm.kernels.int4_gemv_tma import RowNorm
+        residual = None if pending.residual is None else pending.residual.reshape(1, -1)
+        stream = None if pending.residual is None else pending.stream.reshape(1, -1)
+        return RowNorm(pending.norm.weight, pending.norm.eps, residual, stream)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, norm=None) -> torch.Tensor | None:
         """silu(gate) * up of a bias-free gate_up layer ([gate | up] columns) from one kernel where the GEMM can
-        take the activation (kernels/int4_gemm.weight_only_gemv_silu_and_mul: one row on Hopper); with `norm`
-        (an RMSNorm), of norm(x), normed in the same kernel. Else None."""
+        take the activation (kernels/int4_gemm.weight_only_gemv_silu_and_mul: one row on Hopper); with `norm` (a
+        layers/fusion.PendingNorm whose x is x), of its norm, computed in the same kernel. Else None."""
         row = self._one_row(layer, x, normed=norm is not None)
         if row is None:
             return None
@@ -93,10 +107,11 @@ class WeightOnlyLinearMethod:
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def apply_rotary(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     head_dim: int, rotated_heads: int, norm: nn.Module | None = None) -> torch.Tensor | None:
+                     head_dim: int, rotated_heads: int, norm=None) -> torch.Tensor | None:
         """A bias-free qkv layer's output with its first `rotated_heads` heads rotated (neox) at `positions`
         from one kernel where the GEMM can take the rotation (kernels/int4_gemm.weight_only_gemv_rotary: one
-        row on Hopper); with `norm` (an RMSNorm), of norm(x), normed in the same kernel. Else None."""
+        row on Hopper); with `norm` (a layers/fusion.PendingNorm whose x is x), of its norm, computed in the
+        same kernel. Else None."""
         row = self._one_row(layer, x, normed=norm is not None)
         if row is None:
             return None
@@ -106,16 +121,4 @@ class WeightOnlyLinearMethod:
         out = weight_only_gemv_rotary(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
                                       Rotary(positions, cos_sin_cache, head_dim, rotated_heads),
                                       norm=self._row_norm(norm))
-        return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
-
-    def apply_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
-        """layer(x) + residual for a bias-free layer from one kernel where the GEMM can add it in its epilogue
-        (kernels/int4_gemm.weight_only_gemv_residual: one row on Hopper); else None."""
-        row = self._one_row(layer, x)
-        if row is None:
-            return None
-        from minivllm.kernels.int4_gemm import weight_only_gemv_residual
-        group_size, _ = self.groups(layer.input_size)
-        out = weight_only_gemv_residual(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
-                                        residual.reshape(1, -1))
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
