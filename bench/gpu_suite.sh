@@ -128,6 +128,8 @@
 #   NR: (carrying .whl) the int4 GEMVs that norm their input and add the residual: their GPU tests (TESTS: the -k
 #      expression; SKIP_TESTS=1 leaves them out), quant_bench's batch-1 rows for ${FORMATS:-bf16,int4} ($OUT/quant),
 #      the int4 step profile ($OUT/profile; SKIP_PROFILE=1 leaves it out). ~7 min.
+#   NV: (carrying .whl) int4 batch 1 and its step profile for each MINIVLLM_NORMS_IN_GEMVS value in VARIANTS
+#      (default "input post": one norm in its GEMV, the other a kernel) -> $OUT/<variant>. ~2 min a variant.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -481,6 +483,17 @@ case "${1:-A}" in
     [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 bench/profile_step.py --batch 1 --steps 20 --kernels \
       --quantization gptq --out "$OUT/profile" > "$OUT/profile/profile_gptq.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
+    ;;
+  NV)
+    # stop 37: which norms the int4 GEMVs take (MINIVLLM_NORMS_IN_GEMVS, each of VARIANTS in turn): int4 batch 1
+    # and the int4 step profile for each
+    for v in ${VARIANTS:-input post}; do
+      mkdir -p "$OUT/$v"
+      MINIVLLM_NORMS_IN_GEMVS=$v timeout 120 python3 bench/quant_bench.py --skip-gemm --formats int4 --out "$OUT/$v" \
+        > "$OUT/$v/quant_bench.log" 2>&1; echo "$v: $(grep -o "'decode_batch1_tokens_per_s': [0-9.]*" "$OUT/$v/quant_bench.log")"
+      MINIVLLM_NORMS_IN_GEMVS=$v timeout 100 python3 bench/profile_step.py --batch 1 --steps 20 --kernels \
+        --quantization gptq --out "$OUT/$v" > "$OUT/$v/profile_gptq.log" 2>&1
+    done
     ;;
   PB)
     mkdir -p "$OUT/profile"

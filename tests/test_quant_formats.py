@@ -273,21 +273,24 @@ def test_int4_layer_norms_in_gemvs_fall_back_to_the_norm_kernels(tmp_path, monke
     model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
     layer = model.model.layers[0]
     one, two = torch.zeros(1, 64), torch.zeros(2, 64)
-    assert not layer.norms_in_gemvs(one)
+    assert layer.norms_in_gemvs(one) == (False, False)
     tokens = [3, 5, 7, 11, 13]
     plain = PagedRun(model, 1, 8)
     expected = torch.cat([plain.step([[t]])[0] for t in tokens])
     monkeypatch.setattr(WeightOnlyLinearMethod, "norms_input", lambda self, layer, x: True)
-    assert layer.norms_in_gemvs(one) and not layer.norms_in_gemvs(two)
-    pending = PagedRun(model, 1, 8)
-    ours = torch.cat([pending.step([[t]])[0] for t in tokens])
-    assert torch.equal(ours, expected)
+    assert layer.norms_in_gemvs(one) == (True, True) and layer.norms_in_gemvs(two) == (False, False)
+    for which in ("input,post", "post", "input"):
+        monkeypatch.setenv("MINIVLLM_NORMS_IN_GEMVS", which)
+        assert layer.norms_in_gemvs(one) == ("input" in which, "post" in which)
+        pending = PagedRun(model, 1, 8)
+        ours = torch.cat([pending.step([[t]])[0] for t in tokens])
+        assert torch.equal(ours, expected)
     with torch.no_grad():
         assert_logits_close(ours, reference(torch.tensor([tokens])).logits[0])
     (tmp_path / "plain").mkdir()
     make_tiny_hf_checkpoint(tmp_path / "plain", "llama3")
     unquantized = load_model(resolve_model(str(tmp_path / "plain")), torch.float32, torch.device("cpu"))
-    assert not unquantized.model.layers[0].norms_in_gemvs(one)
+    assert unquantized.model.layers[0].norms_in_gemvs(one) == (False, False)
 
 
 @pytest.mark.gpu
@@ -349,7 +352,7 @@ def test_gemv_epilogues_fused_at_one_row_on_hopper(fmt, tmp_path):
     # weights and the residual would have to follow the permutation; the norm kernel runs first)
     layer = model.model.layers[1]
     post, pre = layer.post_attention_layernorm, layer.input_layernorm
-    assert layer.norms_in_gemvs(x) == (fmt != "gptq-asym-desc-act")
+    assert layer.norms_in_gemvs(x) == (fmt != "gptq-asym-desc-act",) * 2
     hidden, residual = ((torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)) * 30).to(torch.bfloat16)
                         .cuda() for seed in (4, 6))
     normed, stream = post(hidden, residual)

@@ -73,15 +73,18 @@ def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
     return normed
 
 
-def norms_in_gemvs(norms, projections, x: torch.Tensor) -> bool:
-    """Whether a decoder layer at input x may hand its norms to the projections that read them (PendingNorm):
-    x is one token, each norm is a plain RMSNorm on its Triton path (`fusable_into_gemv`, no quantized output),
-    and each projection's quant method can norm its input in its GEMV (`norms_input`: int4 at one row on
-    Hopper). The layer then runs no norm kernel; its residual adds happen in the same GEMVs."""
+def norms_in_gemvs(pairs, x: torch.Tensor) -> list[bool]:
+    """For each (name, norm, projection) of a decoder layer at input x, whether the projection may take the norm
+    as a PendingNorm: x is one token, the norm a plain RMSNorm on its Triton path (`fusable_into_gemv`, no
+    quantized output), the projection's quant method able to norm its input in its GEMV (`norms_input`: int4 at
+    one row on Hopper), and the name listed in MINIVLLM_NORMS_IN_GEMVS (default "input,post"; a benchmark's
+    switch). Each norm so taken runs no kernel of its own; its residual add happens in the same GEMV."""
     if _disabled_by_env() or x.shape[0] != 1:
-        return False
-    return (all(getattr(n, "fusable_into_gemv", False) and n.use_triton and n.quantize_output is None for n in norms)
-            and all(getattr(p.quant_method, "norms_input", lambda *_: False)(p, x) for p in projections))
+        return [False] * len(pairs)
+    allowed = os.environ.get("MINIVLLM_NORMS_IN_GEMVS", "input,post").split(",")
+    return [name in allowed and getattr(norm, "fusable_into_gemv", False) and norm.use_triton
+            and norm.quantize_output is None and getattr(proj.quant_method, "norms_input", lambda *_: False)(proj, x)
+            for name, norm, proj in pairs]
 
 
 def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args):

@@ -118,23 +118,27 @@ class LlamaDecoderLayer(nn.Module):
             pairs.append(("post_attention_layernorm", "mlp.gate_up_proj"))
         return pairs
 
-    def norms_in_gemvs(self, hidden_states: torch.Tensor) -> bool:
-        """Whether qkv_proj and gate_up_proj run this call's norms (and the residual adds before them) in their
-        GEMVs: one token, int4 on Hopper (layers/fusion.norms_in_gemvs)."""
+    def norms_in_gemvs(self, hidden_states: torch.Tensor) -> tuple[bool, bool]:
+        """Whether qkv_proj and gate_up_proj run this call's input and post-attention norms (and the residual adds
+        before them) in their GEMVs: one token, int4 on Hopper (layers/fusion.norms_in_gemvs)."""
         attn, mlp = self.self_attn, self.mlp
-        return (type(mlp) is LlamaMLP and attn.q_norm is None
-                and norms_in_gemvs((self.input_layernorm, self.post_attention_layernorm),
-                                   (attn.qkv_proj, mlp.gate_up_proj), hidden_states))
+        if type(mlp) is not LlamaMLP or attn.q_norm is not None:
+            return False, False
+        return tuple(norms_in_gemvs((("input", self.input_layernorm, attn.qkv_proj),
+                                     ("post", self.post_attention_layernorm, mlp.gate_up_proj)), hidden_states))
 
     def forward(self, positions, hidden_states, residual):
         """Returns (this layer's output, residual stream before it); the next norm adds the two."""
-        if self.norms_in_gemvs(hidden_states):
+        input_in_gemv, post_in_gemv = self.norms_in_gemvs(hidden_states)
+        if input_in_gemv:
             pending = PendingNorm.of(self.input_layernorm, hidden_states, residual)
-            hidden_states = self.self_attn(positions, pending)
-            pending = PendingNorm.of(self.post_attention_layernorm, hidden_states, pending.stream)
+            hidden_states, residual = self.self_attn(positions, pending), pending.stream
+        else:
+            hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)
+            hidden_states = self.self_attn(positions, hidden_states)
+        if post_in_gemv:
+            pending = PendingNorm.of(self.post_attention_layernorm, hidden_states, residual)
             return self.mlp(pending), pending.stream
-        hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
