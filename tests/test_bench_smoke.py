@@ -107,3 +107,21 @@ def test_percentiles_and_slug():
     assert device_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert device_slug("NVIDIA H200") == "h200"
     assert device_slug("cpu") == "cpu"
+
+
+def test_layer_marginals_cut_layers_and_charge_each_kernel_what_it_adds():
+    """bench/layer_marginals.py: a kernel's marginal is its end minus the latest end before it (PDL overlaps
+    starts), layers are cut at the KV write, and a layer of another shape (the last, cut short) is left out."""
+    from bench.layer_marginals import layer_marginals
+    timeline = [("embed", 0.0, 2.0)]
+    start = 2.0
+    for layer in range(4):   # write_kv 1 us; the GEMV launched early (0.5 us in) ends 3 us after it; the norm 0.5
+        timeline += [("_write_kv_kernel", start, 1.0), ("_gemv", start + 0.5, 3.5), ("_norm", start + 4.0, 0.5)]
+        if layer == 0:
+            timeline.append(("_sample", start + 4.5, 2.0))   # another shape: left out
+            start += 2.0
+        start += 4.5
+    timeline += [("_write_kv_kernel", start, 1.0)]
+    total, per_kernel, count = layer_marginals(timeline)
+    assert count == 3 and per_kernel == [("_write_kv_kernel", 1.0), ("_gemv", 3.0), ("_norm", 0.5)]
+    assert total == 4.5

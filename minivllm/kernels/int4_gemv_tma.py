@@ -37,7 +37,7 @@ whole row is read by every program (a tile owns all of K), 8-16 KB from L2. qkv_
 layer's norms this way at one row (layers/fusion.norms_in_gemvs), and the two norm kernels go: the int4 layer went
 from 69.3 to 67.5 us in the H100 profile (qkv 12.2 -> 9.1 us with its norm, gate_up 28.6 -> 26.1), less than
 the two kernels' 3.2 us because down_proj, after the normed gate_up, read 11.7 -> 12.3-14.8 us. Adding the
-residual in o_proj's and down_proj's epilogues instead (7e271e9) ran those two 2.3 and 4.6 us slower.
+residual in o_proj's and down_proj's epilogues instead (7e271e9) ran those two 1.5 and 5.0 us slower.
 
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
