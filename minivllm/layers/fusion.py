@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 
-
 def _disabled_by_env() -> bool:
     return os.environ.get("MINIVLLM_DISABLE_FUSIONS", "0") == "1"
 
