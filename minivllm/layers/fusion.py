@@ -62,13 +62,13 @@ class PendingNorm(NamedTuple):
 
 
 def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
-    """x, or a PendingNorm's norm computed by the norm layer (its stream filled)."""
+    """x, or a PendingNorm's norm computed by the norm layer as the plain layer does (its stream filled)."""
     if not isinstance(x, PendingNorm):
         return x
-    if x.residual is None:
-        return x.norm(x.x)
-    normed, stream = x.norm(x.x, x.residual)
-    x.stream.copy_(stream)
+    from minivllm.layers.layernorm import norm_layer_input   # layernorm imports this module
+    normed, stream = norm_layer_input(x.norm, x.x, x.residual)
+    if stream is not x.stream:
+        x.stream.copy_(stream)
     return normed
 
 

@@ -89,9 +89,10 @@ class WeightOnlyLinearMethod:
         if pending is None:
             return None
         from minivllm.kernels.int4_gemv_tma import RowNorm
-        residual = None if pending.residual is None else pending.residual.reshape(1, -1)
-        stream = None if pending.residual is None else pending.stream.reshape(1, -1)
-        return RowNorm(pending.norm.weight, pending.norm.eps, residual, stream)
+        if pending.residual is None:
+            return RowNorm(pending.norm.weight, pending.norm.eps)
+        return RowNorm(pending.norm.weight, pending.norm.eps, pending.residual.reshape(1, -1),
+                       pending.stream.reshape(1, -1))
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, norm=None) -> torch.Tensor | None:
         """silu(gate) * up of a bias-free gate_up layer ([gate | up] columns) from one kernel where the GEMM can
