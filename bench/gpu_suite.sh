@@ -128,6 +128,9 @@
 #   NR: (carrying .whl) the int4 GEMVs that norm their input and add the residual: their GPU tests (TESTS: the -k
 #      expression; SKIP_TESTS=1 leaves them out), quant_bench's batch-1 rows for ${FORMATS:-bf16,int4} ($OUT/quant),
 #      the int4 step profile ($OUT/profile; SKIP_PROFILE=1 leaves it out). ~7 min.
+#   TS: (carrying .whl) stop 38: what a batch-1 int4 step spends between its graphs (step_gap_<gpu>.json), then the
+#      one-row GEMV tiles searched by timing the whole decode graph (bench/step_tile_search.py ->
+#      step_tile_search_<gpu>.json; PASSES overrides 1). ~5 min.
 #   NV: (carrying .whl) int4 batch 1 and its step profile for each MINIVLLM_NORMS_IN_GEMVS value in VARIANTS
 #      (default "input post": one norm in its GEMV, the other a kernel) -> $OUT/<variant>. ~2 min a variant.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
@@ -483,6 +486,10 @@ case "${1:-A}" in
     [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 bench/profile_step.py --batch 1 --steps 20 --kernels \
       --quantization gptq --out "$OUT/profile" > "$OUT/profile/profile_gptq.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
+    ;;
+  TS)
+    timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" \
+      > "$OUT/step_tile_search.log" 2>&1; grep -v "^  pass" "$OUT/step_tile_search.log" | tail -30
     ;;
   NV)
     # stop 37: which norms the int4 GEMVs take (MINIVLLM_NORMS_IN_GEMVS, each of VARIANTS in turn): int4 batch 1
