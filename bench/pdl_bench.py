@@ -61,11 +61,6 @@ def format_rows(args, fmt: str) -> dict:
             seed += 1   # new prompts each time: no prefix-cache hits
             one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=1000 + seed), SINGLE.output_len)
             timings[setting].append(1e3 / one["median_tpot_ms"])
-            if args.retune and round_index == 0:   # what the tuner chose for the one-row GEMVs under this setting
-                from bench.step_tile_search import layer_of
-                from minivllm.kernels import tuning
-                print("  one-row tiles: " + "; ".join(f"{layer_of(k)} {c}" for k, c in tuning._chosen.items()
-                                                        if layer_of(k) is not None), flush=True)
             print(f"{fmt:<5} round {round_index} {args.variable} {setting}: batch 1 {timings[setting][-1]:.1f} tok/s", flush=True)
             if args.w1 and round_index == args.rounds - 1:
                 w1[setting] = timed_generate(llm, random_prompts(W1, vocab, seed=seed),

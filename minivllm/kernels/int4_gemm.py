@@ -454,8 +454,7 @@ def _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, ke
     if config is None:
         norm = epilogue.get("norm")
         normed = "none" if norm is None else "norm" if norm.residual is None else "add and norm"
-        config = tuning.pick(key + (normed,), tiles, run, tiles[0], weights=(qweight, scales, zeros),
-                             before=tuning.behind_a_norm(x))
+        config = tuning.pick(key + (normed,), tiles, run, tiles[0], weights=(qweight, scales, zeros))
     return run(config)
 
 
@@ -518,5 +517,5 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),
                          candidates(bucket, N, K, x.device, group_size, bits, x.dtype), run, default,
-                         weights=(qweight, scales, zeros), before=tuning.behind_a_norm(x))
+                         weights=(qweight, scales, zeros))
     return run(choice)

@@ -15,7 +15,6 @@ copy over and over measured L2 reads for any layer under 50 MB: on the H100 the 
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -28,13 +27,9 @@ Config = TypeVar("Config")
 _chosen: dict[Hashable, object] = {}
 
 
-def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5,
-                   before: Callable[[], object] | None = None) -> float:
-    """Median seconds per call of `fn`, `calls` of them captured in one CUDA graph and replayed `repeats` times;
-    `before`, where given, runs ahead of each call (in the graph and in the time)."""
+def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -> float:
+    """Median seconds per call of `fn`, `calls` of them captured in one CUDA graph and replayed `repeats` times."""
     fn()   # compiles
-    if before is not None:
-        before()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -43,8 +38,6 @@ def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            if before is not None:
-                before()
             fn()
     times = []
     for _ in range(repeats):
@@ -78,32 +71,10 @@ def cold_copies(weights: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...
     return copies
 
 
-def behind_a_norm(x: torch.Tensor) -> Callable[[], object] | None:
-    """An RMSNorm of a row like `x`, for `pick(before=...)`: a one-row GEMV in a decode step follows a small
-    kernel (the attention reduce before o_proj), and times alone, back to back, under-weigh what it does once
-    its input arrives. In the H100's decode graph the tiles that won behind other calls of themselves lost
-    0.8% a step (bench/step_tile_search.py). None with MINIVLLM_TUNE_BEHIND=0 (the calls back to back)."""
-    if os.environ.get("MINIVLLM_TUNE_BEHIND", "1") == "0" or x.shape[0] != 1 or not x.is_cuda:
-        return None
-    shape, dtype, device = tuple(x.shape), x.dtype, x.device
-
-    def norm():   # its tensors made on the first (eager) call, only when a pick times
-        from minivllm.kernels.rmsnorm import rms_norm
-        row, weight = _norm_inputs(shape, dtype, device)
-        return rms_norm(row, weight, 1e-5)
-    return norm
-
-
-@functools.lru_cache(maxsize=None)
-def _norm_inputs(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(shape, dtype=dtype, device=device), torch.ones(shape[1], dtype=dtype, device=device)
-
-
 def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object], default: Config,
-         weights: Sequence[torch.Tensor] = (), before: Callable[[], object] | None = None) -> Config:
+         weights: Sequence[torch.Tensor] = ()) -> Config:
     """The fastest of `candidates` for `key` (timed on its first call), or `default` where timing can't run.
-    `run(candidate, *weights)` computes with the given weight tensors; timed calls pass copies in turn.
-    `before`: a kernel each timed call follows, as the call follows it in a decode step (see `behind_a_norm`)."""
+    `run(candidate, *weights)` computes with the given weight tensors; timed calls pass copies in turn."""
     if key in _chosen:
         return _chosen[key]
     if len(candidates) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
@@ -114,7 +85,7 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
     for candidate in candidates:
         try:
             seconds = device_seconds(lambda: run(candidate, *copies[next(turn) % len(copies)]),
-                                     calls=max(5, len(copies)), before=before)
+                                     calls=max(5, len(copies)))
             timings.append((seconds, candidate))
         except Exception as e:   # a tile that does not fit this GPU (shared memory, registers): not a candidate
             logger.debug("tuning %s: %s failed: %s", key, candidate, e)
