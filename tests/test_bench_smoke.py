@@ -125,3 +125,15 @@ def test_layer_marginals_cut_layers_and_charge_each_kernel_what_it_adds():
     total, per_kernel, count = layer_marginals(timeline)
     assert count == 3 and per_kernel == [("_write_kv_kernel", 1.0), ("_gemv", 3.0), ("_norm", 0.5)]
     assert total == 4.5
+
+
+def test_step_tile_search_names_the_one_row_gemv_keys():
+    """bench/step_tile_search.py finds a Llama-3-8B layer's four one-row GEMVs among the tuner's keys (as
+    int4_gemm builds them: plain (N, K) after the M bucket; the fused ones by name, with the norm's suffix)."""
+    from bench.step_tile_search import as_choice, layer_of
+    assert layer_of(("weight_only", "bf16", 4, 128, 1, 4096, 4096)) == "o_proj"
+    assert layer_of(("weight_only", "bf16", 4, 128, 1, 4096, 14336)) == "down_proj"
+    assert layer_of(("weight_only", "bf16", 4, 128, 64, 4096, 4096)) is None   # W1's batch, not one row
+    assert layer_of(("weight_only_rotary", "bf16", 128, 6144, 4096, 128, "add and norm")) == "qkv_proj"
+    assert layer_of(("weight_only_silu_and_mul", "bf16", 128, 28672, 4096, "norm")) == "gate_up_proj"
+    assert as_choice(("weight_only",), "tile") == ("tile", 1) and as_choice(("weight_only_rotary",), "tile") == "tile"
