@@ -90,3 +90,57 @@ def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum, 
     assert torch.isfinite(reference.float()).all()
     for replay in results["0"] + results[setting]:
         assert torch.equal(replay, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fresh_rows", [1, 16])
+def test_decode_attention_in_a_pdl_graph_sees_the_rows_written_before_it(monkeypatch, fresh_rows):
+    """A graph of [K/V write of `fresh_rows` new tokens, launching its successor at its start -> decode
+    attention of one row per new token (a verify step's decode rows), three layers deep]: the settled rows are
+    read before the PDL wait, the fresh ones after it. Every replay writes new values, so a fresh row read early (stale) would show against the same kernels
+    launched without PDL."""
+    from minivllm.attention.metadata import MAX_DECODE_ROWS_QUERY_LEN
+    from minivllm.kernels import paged_decode_attention, write_kv
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(fresh_rows)
+    block_size, kv_heads, heads, head_dim, context = 16, 8, 32, 128, 600
+    blocks = context // block_size + 2
+    caches = [tuple(torch.randn(blocks, block_size, kv_heads, head_dim, device=device, generator=generator,
+                                dtype=torch.bfloat16) for _ in range(2)) for _ in range(3)]
+    table = torch.randperm(blocks, device=device, generator=generator).to(torch.int32)
+    positions = torch.arange(context - fresh_rows, context, device=device)
+    slots = (table[positions // block_size].long() * block_size + positions % block_size)
+    lens = (positions + 1).to(torch.int32)
+    tables = table.expand(fresh_rows, blocks).contiguous()
+    query = torch.randn(fresh_rows, heads, head_dim, device=device, generator=generator, dtype=torch.bfloat16)
+    new_kv = torch.randn(2, fresh_rows, kv_heads, head_dim, device=device, generator=generator, dtype=torch.bfloat16)
+
+    def step():
+        out = query
+        for k_cache, v_cache in caches:   # each layer's query is the one before's output: a chain of kernels
+            write_kv(new_kv[0], new_kv[1], k_cache, v_cache, slots, early_successor=True)
+            out = paged_decode_attention(out, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+                                         fresh_tokens=MAX_DECODE_ROWS_QUERY_LEN)
+        return out
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MINIVLLM_PDL", mode)
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        replays = []
+        for i in range(10):
+            new_kv.copy_(torch.randn(new_kv.shape, device=device, generator=torch.Generator(device=device)
+                                     .manual_seed(100 + i), dtype=torch.bfloat16))
+            graph.replay()
+            replays.append(out.clone())
+        torch.cuda.synchronize()
+        results[mode] = replays
+    for with_pdl, without in zip(results["1"], results["0"]):
+        assert torch.isfinite(without.float()).all()
+        assert torch.equal(with_pdl, without)
+    assert not torch.equal(results["0"][0], results["0"][1])   # the new rows change the output
