@@ -131,10 +131,6 @@
 #   TS: (carrying .whl) stop 38: what a batch-1 int4 step spends between its graphs (step_gap_<gpu>.json), then the
 #      one-row GEMV tiles searched by timing the whole decode graph (bench/step_tile_search.py ->
 #      step_tile_search_<gpu>.json; PASSES overrides 1). ~5 min.
-#   EA: (carrying .whl) stop 38: the decode kernel reading its settled KV rows before the PDL wait: its GPU tests
-#      (the PDL graph against ordinary launches, the decode kernels, the tiny engines with and without speculation,
-#      the int4 engine), then bench/pdl_bench.py --variable MINIVLLM_DECODE_EARLY_KV (1 on, 0 off) alternating in
-#      one process for ${FORMATS:-bf16,int4} ($OUT/pdl_early_kv). ~7 min.
 #   NV: (carrying .whl) int4 batch 1 and its step profile for each MINIVLLM_NORMS_IN_GEMVS value in VARIANTS
 #      (default "input post": one norm in its GEMV, the other a kernel) -> $OUT/<variant>. ~2 min a variant.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
@@ -490,15 +486,6 @@ case "${1:-A}" in
     [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 bench/profile_step.py --batch 1 --steps 20 --kernels \
       --quantization gptq --out "$OUT/profile" > "$OUT/profile/profile_gptq.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
-    ;;
-  EA)
-    [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_kernels.py \
-      tests/test_spec_decode_gpu.py tests/test_gpu_engine.py tests/test_quant_formats.py \
-      -k "pdl or decode or fp32_greedy_identical_with_speculation or tiny or small_decode or mixed_steps or int4_bf16_engine" \
-      > "$OUT/gpu_tests_EA.log" 2>&1; tail -3 "$OUT/gpu_tests_EA.log"
-    mkdir -p "$OUT/pdl_early_kv"
-    timeout ${EA_TIMEOUT:-300} python3 bench/pdl_bench.py --variable MINIVLLM_DECODE_EARLY_KV --settings 1,0 \
-      --formats ${FORMATS:-bf16,int4} --rounds ${ROUNDS:-2} --out "$OUT/pdl_early_kv" 2>&1 | grep -v "^ " | tail -12
     ;;
   TS)
     timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" \

@@ -190,34 +190,6 @@ def test_decode_split_per_sequence_lengths():
         torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fresh_tokens", [1, 3, 16])
-@pytest.mark.parametrize("partition_size,window", [(None, None), (32, None), (1 << 20, 40)])
-def test_decode_reads_the_settled_rows_early_and_the_fresh_ones_after(fresh_tokens, partition_size, window):
-    """The first key tile's rows split at seq_len - fresh_tokens (read before and after the PDL wait on a GPU)
-    make up the same keys and values: the output equals the all-after-the-wait one bit for bit."""
-    gen = torch.Generator().manual_seed(fresh_tokens)
-    block_size, kv_heads, group, head_dim = 16, 2, 4, 64
-    seq_lens = [5, 70, 1, 0, 47, 130]   # boundaries inside a tile and a page, a single row, a padding row
-    blocks_per_seq = 16
-    num_blocks = len(seq_lens) * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    tables = torch.randperm(num_blocks, generator=gen).view(len(seq_lens), blocks_per_seq).to(torch.int32).to(DEVICE)
-    query = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    args = (query, k_cache, v_cache, tables, lens, head_dim ** -0.5)
-    options = dict(partition_size=partition_size, sliding_window=window)
-    early = paged_decode_attention(*args, fresh_tokens=fresh_tokens, **options)
-    after = paged_decode_attention(*args, fresh_tokens=None, **options)
-    assert torch.equal(early, after)
-    assert torch.equal(early[3], torch.zeros_like(early[3]))
-    rows = (tables[1].long()[:, None] * block_size + torch.arange(block_size, device=DEVICE)).flatten()[:70]
-    start = 0 if window is None else 70 - window
-    k, v = (c.flatten(0, 1)[rows[start:], 0].float() for c in (k_cache, v_cache))
-    expected = torch.softmax(query[1, :group].float() @ k.t() * head_dim ** -0.5, dim=-1) @ v
-    torch.testing.assert_close(early[1, :group].float(), expected, rtol=2e-2, atol=2e-2)
-
-
 # (seq_lens, query_lens, group, head_dim, dtype, block_m, block_n): plain prefill, chunked prefill
 # and prefix hits (cached prefix + chunk), decode rows mixed with chunks; small tiles force several
 # query tiles per sequence and both the unmasked and the causal key loops.

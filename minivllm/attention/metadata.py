@@ -17,12 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Longest query that runs as decode rows (one row per query token, worker/inputs.py): each row reads its whole
-# context, so long queries (prefill chunks) belong to the varlen kernel, which reads it once per tile of
-# queries. So a decode-only row has at most this many cache rows written in its own step (its token; a verify
-# step's drafts): the rest may be read before the step's earlier kernels end (kernels/decode_attention.py).
-MAX_DECODE_ROWS_QUERY_LEN = 16
-
 
 @dataclass
 class AttentionMetadata:

@@ -9,12 +9,10 @@ Must agree with `TorchAttentionBackend` on any valid metadata.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from minivllm.attention.backend import AttentionBackend
-from minivllm.attention.metadata import MAX_DECODE_ROWS_QUERY_LEN, AttentionMetadata
+from minivllm.attention.metadata import AttentionMetadata
 
 try:
     from minivllm.kernels import paged_decode_attention, paged_prefill_attention, prefill_attention_sm90, write_kv
@@ -32,9 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_partition_size = decode_partition_size
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
-        # the attention kernel behind it may start at once and read the KV rows no kernel of this step writes
-        write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                 early_successor=self._fresh_tokens() is not None)
+        write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
@@ -47,7 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
                                           metadata.seq_lens, scale,
                                           partition_size=self.decode_partition_size,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, fresh_tokens=self._fresh_tokens())
+                                          logits_soft_cap=logits_soft_cap)
         return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                        metadata.seq_lens, metadata.block_tables, scale,
                                        max_query_len=metadata.max_query_len,
@@ -56,12 +52,6 @@ class TritonAttentionBackend(AttentionBackend):
                                        logits_soft_cap=logits_soft_cap, key=key, value=value,
                                        query_tile_plan=self._query_tile_plan(query, key, value, k_cache,
                                                                              v_cache, metadata))
-
-    @staticmethod
-    def _fresh_tokens() -> int | None:
-        """The cache rows a decode row may have written in its step (the rest the decode kernel reads before
-        its PDL wait); MINIVLLM_DECODE_EARLY_KV=0 reads them all after it (a switch for A/B runs)."""
-        return None if os.environ.get("MINIVLLM_DECODE_EARLY_KV") == "0" else MAX_DECODE_ROWS_QUERY_LEN
 
     @staticmethod
     def _query_tile_plan(query, key, value, k_cache, v_cache, metadata: AttentionMetadata):

@@ -35,7 +35,6 @@ from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
-ALL_FRESH = 1 << 30          # fresh_tokens=None: every cache row is read after the PDL wait
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
 
 
@@ -64,31 +63,6 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
-def _kv_tile(k_cache_ptr, v_cache_ptr, rows, dims, mask, dim_mask, dtype):
-    """K [D, N] and V [N, D] of a tile's token rows where `mask`, zeros elsewhere, in `dtype`."""
-    k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=mask[None, :] & dim_mask[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=mask[:, None] & dim_mask[None, :], other=0.0)
-    return k.to(dtype), v.to(dtype)
-
-
-@triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap_scale, DOT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One key tile of the online softmax: the running (max, sum, output) after it."""
-    scores = _dot(q, k, DOT_PRECISION, UPCAST)                                # [G, N]
-    if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
-        scores = _tanh(scores * softcap_scale)
-    scores = scores * qk_scale
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.math.exp2(scores - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-    return m_new, l_i, acc
-
-
 # The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
@@ -101,10 +75,8 @@ def _decode_partition_kernel(
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr):
-    # Before the wait: what no kernel of this step writes. The lengths and block tables are copied in before
-    # the step's first kernel, and the cache rows older than the newest FRESH of a row were written by earlier
-    # steps; so the first tile's settled rows cross HBM while the previous kernel (the KV write) still runs.
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,52 +84,49 @@ def _decode_partition_kernel(
     if SPLIT:
         partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
         start = split * partition
+        if start >= seq_len:  # this partition lies past the context: no work, nothing written
+            return
         end = tl.minimum(start + partition, seq_len)
     else:
         start = 0
         end = seq_len
     if USE_WINDOW:   # the query (position seq_len - 1) sees the last `sliding_window` keys only
         start = tl.maximum(start, seq_len - sliding_window)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    positions = start + tl.arange(0, BLOCK_N)
-    valid = positions < end
-    # Gather token rows through the block table; a tile may span several pages.
-    pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row + kv_head * cache_stride_h
-    fresh = positions >= seq_len - FRESH
-    k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, dims, valid & ~fresh, dim_mask, query_ptr.dtype.element_ty)
-    wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
-    if SPLIT and start >= seq_len:  # this partition lies past the context: no work, nothing written
-        return
-    # rows this step wrote (its own token; a verify step's drafts as decode rows), now visible
-    k_new, v_new = _kv_tile(k_cache_ptr, v_cache_ptr, rows, dims, valid & fresh, dim_mask,
-                            query_ptr.dtype.element_ty)
-    k = tl.where(fresh[None, :], k_new, k)
-    v = tl.where(fresh[:, None], v_new, v)
 
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * num_queries_per_kv + group
     head_mask = group < num_queries_per_kv
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
     q = tl.load(query_ptr + seq.to(tl.int64) * query_stride_t + heads[:, None] * query_stride_h
                 + dims[None, :], mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of scores (log2 units)
     l_i = tl.zeros([BLOCK_G], tl.float32)                  # running softmax denominator
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if start < end:   # (an empty context, a padding row, attends to nothing)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap_scale, DOT_PRECISION,
-                                     UPCAST, SOFTCAP)
-    for tile_start in range(start + BLOCK_N, end, BLOCK_N):
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < end
+        # Gather token rows through the block table; a tile may span several pages.
         pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row \
             + kv_head * cache_stride_h
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, dims, valid, dim_mask, q.dtype)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap_scale, DOT_PRECISION,
-                                     UPCAST, SOFTCAP)
+        k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
+                    mask=valid[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
+        scores = _dot(q, k, DOT_PRECISION, UPCAST)                                # [G, N]
+        if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
+            scores = _tanh(scores * softcap_scale)
+        scores = scores * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
 
     acc = acc * v_scale   # the values' dequantization scale, once per output instead of per element
     out_mask = head_mask[:, None] & dim_mask[None, :]
@@ -185,12 +154,12 @@ def _decode_reduce_kernel(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
         head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
         MIN_PARTITION: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)   # copied in before the step's first kernel: read before the wait
+    seq_len = tl.load(seq_lens_ptr + seq)
     partition = _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION)
     num_used = (seq_len + partition - 1) // partition   # only these were written
-    wait_for_previous(PDL)
     base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
     split_ids = tl.arange(0, MAX_SPLITS)
     used = split_ids < num_used
@@ -270,16 +239,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            partition_size: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None, fresh_tokens: int | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
     `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
     read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
-    its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off).
-    `fresh_tokens` n: only each row's newest n cache rows may have been written since the step's first kernel
-    (its own token, a verify step's drafts), so under PDL the older ones of its first key tile are read before
-    the wait; None: every row is read after it."""
+    its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -327,8 +293,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        FRESH=ALL_FRESH if fresh_tokens is None else fresh_tokens, **pdl,
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](

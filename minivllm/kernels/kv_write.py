@@ -74,14 +74,11 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-             early_successor: bool = False) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] -> k_cache/v_cache
     [num_blocks, block_size, num_kv_heads, head_dim] at `slot_mapping` (rows with slot -1 skipped).
     key/value may be strided views (e.g. slices of a fused QKV output) as long as head_dim is dense.
-    The scales apply to an fp8 cache only (key / k_scale, value / v_scale). `early_successor`: under PDL the
-    next kernel launches at this one's start, not past its wait (kernels/pdl.py, setting 2), so the decode
-    kernel behind it reads its settled KV rows while the GEMM before this one still runs."""
+    The scales apply to an fp8 cache only (key / k_scale, value / v_scale)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape and slot_mapping.shape == (num_tokens,)
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
@@ -92,9 +89,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     block_size = k_cache.shape[1]
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    pdl = launch_options(key.device)
-    if early_successor and pdl["PDL"] == 1:
-        pdl["PDL"] = 2
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -102,5 +96,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         num_kv_heads, head_dim, k_scale, v_scale,
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
         QUANTIZE=k_cache.dtype == torch.float8_e4m3fn, FP8_MAX=FP8_E4M3_MAX,
-        EMULATED_CAST=os.environ.get("TRITON_INTERPRET") == "1", **pdl,
+        EMULATED_CAST=os.environ.get("TRITON_INTERPRET") == "1", **launch_options(key.device),
         num_warps=4 if block_h * block_d >= 1024 else 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.attention.metadata import MAX_DECODE_ROWS_QUERY_LEN, AttentionMetadata
+from minivllm.attention.metadata import AttentionMetadata
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
 from minivllm.layers.sampler import SamplingRow
@@ -42,6 +42,11 @@ class SequenceSamplingRow(SamplingRow):
         # counted this step's sample and drafts as pending already), plus the drafts before this position.
         return (self.seq.num_output_tokens + self.seq.num_pending_tokens - 1 - self.num_step_drafts
                 + len(self.drafts))
+
+
+# Longest query that runs as decode rows: each row reads its whole context, so long queries (prefill
+# chunks) belong to the varlen kernel, which reads it once per tile of queries.
+MAX_DECODE_ROWS_QUERY_LEN = 16
 
 
 @dataclass
