@@ -131,6 +131,10 @@
 #   TS: (carrying .whl) stop 38: what a batch-1 int4 step spends between its graphs (step_gap_<gpu>.json), then the
 #      one-row GEMV tiles searched by timing the whole decode graph (bench/step_tile_search.py ->
 #      step_tile_search_<gpu>.json; PASSES overrides 1). ~5 min.
+#   KQ: (carrying .whl) stop 38: qkv_proj's int4 GEMV storing the token's k and v in the paged cache: its GPU tests
+#      (the rotary kernel with the KV write, the fused layers, the int4 engine against transformers), then
+#      bench/pdl_bench.py --variable MINIVLLM_KV_IN_QKV (1 on, 0 off) alternating in one process for
+#      ${FORMATS:-int4} ($OUT/kv_in_qkv). ~6 min.
 #   NV: (carrying .whl) int4 batch 1 and its step profile for each MINIVLLM_NORMS_IN_GEMVS value in VARIANTS
 #      (default "input post": one norm in its GEMV, the other a kernel) -> $OUT/<variant>. ~2 min a variant.
 # Usage on the device machine: MINIVLLM_COMMIT=<sha> bash bench/gpu_suite.sh STAGE   (results under $OUT)
@@ -486,6 +490,14 @@ case "${1:-A}" in
     [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 bench/profile_step.py --batch 1 --steps 20 --kernels \
       --quantization gptq --out "$OUT/profile" > "$OUT/profile/profile_gptq.log" 2>&1
     grep -E "^ +1 |step profile|decode steps" "$OUT/profile/profile_gptq.log"
+    ;;
+  KQ)
+    [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/test_quant_kernels.py \
+      tests/test_quant_formats.py -k "rotary or epilogues or int4_bf16_engine" > "$OUT/gpu_tests_KQ.log" 2>&1
+    tail -3 "$OUT/gpu_tests_KQ.log"
+    mkdir -p "$OUT/kv_in_qkv"
+    timeout ${KQ_TIMEOUT:-300} python3 bench/pdl_bench.py --variable MINIVLLM_KV_IN_QKV --settings 1,0 \
+      --formats ${FORMATS:-int4} --rounds ${ROUNDS:-3} --out "$OUT/kv_in_qkv" 2>&1 | grep -v "^ " | tail -12
     ;;
   TS)
     timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" \

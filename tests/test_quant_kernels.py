@@ -225,7 +225,7 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False, kv=False):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails)."""
     import triton
@@ -254,35 +254,39 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
                      zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
                      y_ptr=pointer, N="i32", K="i32", num_tiles="i32", tiles_per_row="i32", positions_ptr="*i64",
                      cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32", norm_weight_ptr=pointer,
-                     eps="fp32", residual_ptr=pointer, stream_ptr=pointer)
+                     eps="fp32", residual_ptr=pointer, stream_ptr=pointer, k_cache_ptr=pointer, v_cache_ptr=pointer,
+                     slot_ptr="*i64", cache_stride_block="i32", cache_stride_row="i32", cache_stride_head="i32",
+                     q_heads="i32", kv_heads="i32")
     constants = dict(STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
                      THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g,
                      WARPS_N=warps_n,
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
                      FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, NORM=norm, ADD_RESIDUAL=add,
-                     X_STEPS=triton.next_power_of_2(triton.cdiv(K, config.groups * group_size)) if norm else 1, PDL=1)
+                     X_STEPS=triton.next_power_of_2(triton.cdiv(K, config.groups * group_size)) if norm else 1,
+                     WRITE_KV=kv, KV_BLOCK=16, PDL=1)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue,norm,add", [
-    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0, False, False),
-    (TMA_TILES[3], 32, torch.float16, torch.float32, 1, True, True),
-    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2, True, False),
-    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 2, False, False)])
+@pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue,norm,add,kv", [
+    (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0, False, False, False),
+    (TMA_TILES[3], 32, torch.float16, torch.float32, 1, True, True, False),
+    (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2, True, False, False),
+    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 2, False, False, True)])
 def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue, norm,
-                                                            add):
+                                                            add, kv):
     """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
     the loop's x loads (the next step's) ahead of its stage wait, or, normed, the stream read once before the
     loop (the norm's weights before the wait; the residual after it, their sum stored once) and x from shared
-    memory in it; the rotary epilogue's reads after the last stage; one LOP3 per weight."""
+    memory in it; the rotary epilogue's reads after the last stage (and the KV write's slot, its two stores to the
+    cache after y's); one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90,
-                                    (config, group_size, dtype, zero_dtype, epilogue, norm, add))
+                                    (config, group_size, dtype, zero_dtype, epilogue, norm, add, kv))
     assert has_cubin
     lines = ptx.splitlines()
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.shared::cluster.global" in line]
@@ -303,6 +307,9 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     # rotary: the position (64-bit), then cos and sin
     assert bool(tail) == (epilogue == 2)
     assert epilogue != 2 or (len(tail) >= 3 and "ld.global.b64" in lines[tail[0]])
+    # the rotary tile's two halves to y, and with the KV write to the cache too, after the slot (64-bit)
+    tail_stores = [i for i in stores if i > max(stage_waits)]
+    assert epilogue != 2 or (len(tail_stores), len(tail)) == ((4, 4) if kv else (2, 3))
     assert any("ex2.approx" in line for line in lines) == (epilogue == 1)   # SiLU only in its epilogue
     weights_per_thread = config.groups * (group_size // 8) * config.block_n * 8 // (32 * config.num_warps)
     if config.half:   # four LOP3s and four packed FMAs of x a word of 8 weights
@@ -395,6 +402,23 @@ def test_tma_gemv_rotary_matches_reference(config, K, head_dim, heads, rotated, 
     assert ours.shape == (1, N)
     torch.testing.assert_close(ours.float(), reference, rtol=3e-3, atol=3e-3 * reference.abs().max().item())
     assert torch.equal(weight_only_gemv_rotary(x, qweight, scales, zeros, group_size, 4, rotary, config=config), ours)
+    # with the KV write: the same y, and its k and v heads in the token's cache row (kernels/kv_write's layout),
+    # the other rows untouched; slot -1 stores nothing
+    from minivllm.kernels.int4_gemv_tma import KVWrite
+    kv_heads = heads - rotated
+    caches = torch.randn(2, 8, 16, kv_heads, head_dim, device=DEVICE).to(torch.bfloat16)
+    for slot in (37, -1):
+        k_cache, v_cache = caches.clone()
+        kv = KVWrite(k_cache, v_cache, torch.tensor([slot], device=DEVICE), kv_heads)
+        written = weight_only_gemv_rotary(x, qweight, scales, zeros, group_size, 4, rotary._replace(kv_cache=kv),
+                                          config=config)
+        assert torch.equal(written, ours)
+        expected_k, expected_v = caches.clone()
+        if slot >= 0:
+            heads_out = ours.view(heads, head_dim)
+            expected_k[slot // 16, slot % 16] = heads_out[rotated - kv_heads:rotated]
+            expected_v[slot // 16, slot % 16] = heads_out[rotated:]
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 @pytest.mark.gpu

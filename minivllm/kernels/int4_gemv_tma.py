@@ -255,10 +255,12 @@ EPILOGUE_STORE, EPILOGUE_SILU_AND_MUL, EPILOGUE_ROTARY = 0, 1, 2
 
 @gluon.jit
 def _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
-                out_layout: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+                kv, out_layout: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_WARPS: gl.constexpr, WRITE_KV: gl.constexpr, KV_BLOCK: gl.constexpr):
     """A finished tile to y: its columns' sums (EPILOGUE_STORE); silu(first half) * second half, y being N
     columns wide (EPILOGUE_SILU_AND_MUL); or, for heads of 2 N columns, the halves rotated as kernels/rotary.py
-    does at the token's position, heads from `rotated_heads` on (v) stored as they are (EPILOGUE_ROTARY)."""
+    does at the token's position, heads from `rotated_heads` on (v) stored as they are (EPILOGUE_ROTARY). WRITE_KV
+    (rotary only): a k or v head is also stored into its paged cache at the token's slot (`_kv_row`)."""
     y = gl.reduce(gl.reduce(acc, 1, _add), 0, _add)
     if EPILOGUE == 0:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=out_layout)
@@ -281,8 +283,22 @@ def _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, c
             cos = gl.where(rotate, gl.load(row + offs_n), 1.0)
             sin = gl.where(rotate, gl.load(row + N + offs_n), 0.0)
             out = y_ptr + head * (2 * N) + offs_n
-            gl.store(out, (first * cos - second * sin).to(y_ptr.dtype.element_ty))
-            gl.store(out + N, (second * cos + first * sin).to(y_ptr.dtype.element_ty))
+            low = (first * cos - second * sin).to(y_ptr.dtype.element_ty)
+            high = (second * cos + first * sin).to(y_ptr.dtype.element_ty)
+            gl.store(out, low)
+            gl.store(out + N, high)
+            if WRITE_KV:
+                k_cache_ptr, v_cache_ptr, slot_ptr, stride_block, stride_row, stride_head, q_heads, kv_heads = kv
+                if head >= q_heads:   # a k head (rotated) or a v head: its row of the token's cache slot
+                    slot = gl.load(slot_ptr)
+                    if slot >= 0:
+                        slot_row = (slot // KV_BLOCK) * stride_block + (slot % KV_BLOCK) * stride_row
+                        if head >= q_heads + kv_heads:
+                            cache = v_cache_ptr + slot_row + (head - q_heads - kv_heads) * stride_head
+                        else:
+                            cache = k_cache_ptr + slot_row + (head - q_heads) * stride_head
+                        gl.store(cache + offs_n, low)
+                        gl.store(cache + N + offs_n, high)
 
 
 @gluon.jit
@@ -341,12 +357,14 @@ def _smem_x_words(x_smem, k_step, GROUPS: gl.constexpr, CHUNKS: gl.constexpr, RO
 @gluon.jit
 def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, K, num_tiles, tiles_per_row,
                           positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads, norm_weight_ptr, eps,
-                          residual_ptr, stream_ptr, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr,
+                          residual_ptr, stream_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cache_stride_block,
+                          cache_stride_row, cache_stride_head, q_heads, kv_heads, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr,
                           COLUMNS: gl.constexpr, ROWS: gl.constexpr, THREADS_G: gl.constexpr, THREADS_R: gl.constexpr,
                           THREADS_N: gl.constexpr, WARPS_G: gl.constexpr, WARPS_N: gl.constexpr,
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
                           FRACTIONAL_ZEROS: gl.constexpr, EPILOGUE: gl.constexpr, NORM: gl.constexpr,
-                          ADD_RESIDUAL: gl.constexpr, X_STEPS: gl.constexpr, PDL: gl.constexpr):
+                          ADD_RESIDUAL: gl.constexpr, X_STEPS: gl.constexpr, WRITE_KV: gl.constexpr,
+                          KV_BLOCK: gl.constexpr, PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     HALVES: gl.constexpr = codes_desc.block_type.shape[2]
     WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
@@ -426,8 +444,10 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         xa, xb, xc, xd = na, nb, nc, nd
         if k_step == k_steps - 1:
             head, n0 = _tile_origin(pid + (step // k_steps) * num_programs, tiles_per_row, WIDTH)
+            kv = (k_cache_ptr, v_cache_ptr, slot_ptr, cache_stride_block, cache_stride_row, cache_stride_head,
+                  q_heads, kv_heads)
             _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
-                        out_layout, EPILOGUE, BLOCK_N, WARPS_G * WARPS_N)
+                        kv, out_layout, EPILOGUE, BLOCK_N, WARPS_G * WARPS_N, WRITE_KV, KV_BLOCK)
             acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
@@ -487,13 +507,33 @@ def programs(num_tiles: int, sms: int) -> int:
     return triton.cdiv(num_tiles, waves)
 
 
+class KVWrite(NamedTuple):
+    """The paged KV cache the EPILOGUE_ROTARY tile also stores the token's k and v heads into (kernels/kv_write.py's
+    layout: [blocks, block_size, kv_heads, head_dim] in x's dtype) at slot_mapping [1] (-1: not stored); the
+    last 2 * kv_heads heads of the product are k's, then v's."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_heads: int
+
+
 class Rotary(NamedTuple):
     """What the EPILOGUE_ROTARY tile needs: the token's position [1], the cos | sin table [positions, head_dim]
-    (fp32, layers/rotary.py), the head size, and how many heads from the first are rotated (q and k; v after)."""
+    (fp32, layers/rotary.py), the head size, and how many heads from the first are rotated (q and k; v after);
+    kv_cache, where given, the cache the k and v heads also go to (`KVWrite`)."""
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
     head_dim: int
     rotated_heads: int
+    kv_cache: KVWrite | None = None
+
+
+def kv_write_supported(x: torch.Tensor, kv: KVWrite, head_dim: int) -> bool:
+    """Whether the rotary tile can store into `kv`: caches in x's dtype (not fp8, whose scales it does not
+    apply), alike in shape and strides, dense rows of head_dim; one slot."""
+    k, v = kv.k_cache, kv.v_cache
+    return (k.dtype == v.dtype == x.dtype and k.shape == v.shape and k.stride() == v.stride() and k.dim() == 4
+            and k.shape[2:] == (kv.kv_heads, head_dim) and k.stride(3) == 1 and kv.slot_mapping.numel() == 1)
 
 
 def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -537,16 +577,23 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     pdl = pdl_mode(x.device)
     grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
     positions, cos_sin = (rotary.positions, rotary.cos_sin_cache) if rotary is not None else (y, y)
+    kv = rotary.kv_cache if rotary is not None else None
+    if kv is not None and not kv_write_supported(x, kv, rotary.head_dim):
+        raise ValueError("the KV cache the rotary tile writes must be in x's dtype, [blocks, block_size, kv_heads, "
+                         "head_dim] with dense rows, for one slot")
+    kv_args = (kv.k_cache, kv.v_cache, kv.slot_mapping, *kv.k_cache.stride()[:3], rotary.rotated_heads - kv.kv_heads,
+               kv.kv_heads) if kv is not None else (y, y, y, 0, 0, 0, 0, 0)
     _int4_gemv_tma_kernel[grid](
         x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
         num_tiles, tiles_per_row, positions, cos_sin, cos_sin.stride(0), rotary.rotated_heads if rotary else 0,
         x if norm is None else norm.weight, norm.eps if norm else 0.0,
-        *((x, x) if norm is None or norm.residual is None else (norm.residual, norm.stream)),
+        *((x, x) if norm is None or norm.residual is None else (norm.residual, norm.stream)), *kv_args,
         STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
         FRACTIONAL_ZEROS=zeros.dtype == torch.float32, EPILOGUE=epilogue, NORM=norm is not None,
         ADD_RESIDUAL=norm is not None and norm.residual is not None,
-        X_STEPS=triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 1, PDL=pdl,
+        X_STEPS=triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 1,
+        WRITE_KV=kv is not None, KV_BLOCK=kv.k_cache.shape[1] if kv is not None else 1, PDL=pdl,
         num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
     return y

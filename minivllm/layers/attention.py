@@ -1,4 +1,5 @@
-"""The attention layer: store this step's K/V in the paged cache, then attend through the backend.
+"""The attention layer: store this step's K/V in the paged cache (unless the kernel before did: `kv_write_target`),
+then attend through the backend.
 
 `k_cache` / `v_cache` are per-layer views `[num_blocks, block_size, num_kv_heads, head_dim]` and
 `backend` an `AttentionBackend`, all set by the model runner after the KV cache is allocated. Before
@@ -11,6 +12,8 @@ positions are masked; the cache still holds them) and `logits_soft_cap` (Gemma-2
 the scores). Both default to None: plain causal attention.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +48,20 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
+    def kv_write_target(self, dtype: torch.dtype) -> tuple | None:
+        """(k_cache, v_cache, slot_mapping, kv_heads) for a kernel that stores this step's one token's k and v
+        itself (layers/fusion.qkv_rotary), then `forward(kv_written=True)`; None where the cache is absent, not in
+        `dtype` (an fp8 cache's scales are this layer's) or the step has more than one token, and with
+        MINIVLLM_KV_IN_QKV=0 (a switch for A/B runs)."""
+        if (self.k_cache.numel() == 0 or self.k_cache.dtype != dtype
+                or os.environ.get("MINIVLLM_KV_IN_QKV") == "0"):
+            return None
+        slot_mapping = get_forward_context().slot_mapping
+        return (self.k_cache, self.v_cache, slot_mapping, self.num_kv_heads) if slot_mapping.numel() == 1 else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]. `kv_written`: k and v are in the cache already
+        (`kv_write_target`)."""
         meta = get_forward_context()
         query = q.view(-1, self.num_heads, self.head_dim)
         key = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -54,8 +69,9 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             out = self._attend_without_cache(query, key, value, meta)
         else:
-            self.backend.write_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping,
-                                  self.k_scale, self.v_scale)
+            if not kv_written:
+                self.backend.write_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping,
+                                      self.k_scale, self.v_scale)
             out = self.backend.attend(query, self.k_cache, self.v_cache, meta, self.scale,
                                       self.k_scale, self.v_scale, sliding_window=self.sliding_window,
                                       logits_soft_cap=self.logits_soft_cap,

@@ -86,15 +86,15 @@ def norms_in_gemvs(pairs, x: torch.Tensor) -> list[bool]:
             for name, norm, proj in pairs]
 
 
-def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args):
+def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args, **kwargs):
     """(method's output or None, x): a PendingNorm is normed in method's kernel where it can be, else computed
     first (and x is then the norm's output)."""
     if isinstance(x, PendingNorm):
-        out = method(layer, x.x, *args, norm=x)
+        out = method(layer, x.x, *args, norm=x, **kwargs)
         if out is not None:
             return out, x
         x = computed(x)
-    return method(layer, x, *args), x
+    return method(layer, x, *args, **kwargs), x
 
 
 def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
@@ -111,15 +111,17 @@ def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | Pen
 
 
 def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
-               head_dim: int, rotated_heads: int) -> tuple[torch.Tensor, bool]:
+               head_dim: int, rotated_heads: int, kv_cache: tuple | None = None) -> tuple[torch.Tensor, bool]:
     """(qkv_proj(x), whether its first `rotated_heads` heads (q, k) already hold the rotary embedding at
     `positions`): rotated in the GEMM's epilogue where the rotary layer is the plain full-width neox one on its
     Triton path and qkv_proj's quant method can (`apply_rotary`: int4 at one row on Hopper), which also norms a
-    PendingNorm's x."""
+    PendingNorm's x. `kv_cache` (Attention.kv_write_target): where rotated, k and v were also stored there by
+    the same kernel."""
     method = getattr(qkv_proj.quant_method, "apply_rotary", None)
     if (method is not None and getattr(rotary, "fusable_into_qkv", False) and rotary.use_triton
             and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1):
-        out, x = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads)
+        out, x = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads,
+                              **({} if kv_cache is None else {"kv_cache": kv_cache}))
         if out is not None:
             return out, True
     return qkv_proj(computed(x)), False

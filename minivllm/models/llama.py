@@ -67,9 +67,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm) -> torch.Tensor:
-        if self.q_norm is None:   # the rotation may run in qkv_proj's epilogue (layers/fusion.qkv_rotary)
+        kv_cache = None
+        if self.q_norm is None:   # the rotation (and the KV write) may run in qkv_proj's epilogue (layers/fusion)
+            x = hidden_states.x if isinstance(hidden_states, PendingNorm) else hidden_states
+            kv_cache = self.attn.kv_write_target(x.dtype)
             qkv, rotated = qkv_rotary(self.qkv_proj, self.rotary_emb, positions, hidden_states, self.head_dim,
-                                      self.num_heads + self.num_kv_heads)
+                                      self.num_heads + self.num_kv_heads, kv_cache)
         else:
             qkv, rotated = self.qkv_proj(computed(hidden_states)), False
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -79,7 +82,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.flatten(1), k.flatten(1), v)
+        out = self.attn(q.flatten(1), k.flatten(1), v, kv_written=rotated and kv_cache is not None)
         return self.o_proj(out)
 
 
