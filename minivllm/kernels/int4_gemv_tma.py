@@ -39,6 +39,10 @@ from 69.3 to 67.5 us in the H100 profile (qkv 12.2 -> 9.1 us with its norm, gate
 the two kernels' 3.2 us because down_proj, after the normed gate_up, read 11.7 -> 12.3-14.8 us. Adding the
 residual in o_proj's and down_proj's epilogues instead (7e271e9) ran those two 1.5 and 5.0 us slower.
 
+KV write (stop 38): with a `KVWrite`, the rotary tile of a k or v head also stores it in the paged KV cache at the
+token's slot (kernels/kv_write.py's layout), and the attention layer skips its KV write kernel: int4 batch 1
+375.7 -> 381.6 tok/s on the H100 (bench/results/history/kv_in_qkv_a131c8b).
+
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
 `int4_gemm.weight_only_gemm_reference`.
