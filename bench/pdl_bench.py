@@ -36,6 +36,11 @@ def recapture(llm, setting: str, variable: str = "MINIVLLM_PDL", retune: bool = 
     if retune:   # the capture's warm-up passes time the GEMM tiles again, under the new setting
         from minivllm.kernels import tuning
         tuning._chosen.clear()
+    recapture_graphs(llm)
+
+
+def recapture_graphs(llm) -> None:
+    """The engine's CUDA graphs captured again (settings and tuning choices read at capture take effect)."""
     engine = llm.llm_engine
     runner = engine.runner
     runner.graph_runner = None   # the old graphs and their pool go before the new ones are captured

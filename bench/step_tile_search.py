@@ -5,21 +5,20 @@
 kernels/tuning.py times each GEMV alone, repeated in a graph, where each call's weights stream in under the
 previous call's tail. In a decode step the GEMVs sit behind other kernels (o_proj behind the attention reduce),
 so the tile that wins alone need not win there. This script builds the batch-1 int4 engine (dummy Llama-3-8B,
-GPTQ layout) as bench/quant_bench.py does, lets the tuner choose, then for each one-row GEMV key in turn
-(qkv with its norm and rotation, o, gate_up with its norm and SiLU, down) recaptures the decode graph with each
-candidate tile in place of the tuner's and times the graph's replay (device time of the whole step, events
-around back-to-back replays). Each pass of coordinate search keeps each key's
-best. Last, the tuner's set and
-the searched set alternate over rounds of batch-1 decode through the engine (median time per output token,
-as quant_bench.py measures it), beside the graph's replay time, so the step's time outside the graph shows.
-First, the device's activities between two async decode steps (torch.profiler, CUDA activity only, so the
-host is barely slowed), each with its start and length: what a step spends outside its graph.
-Writes step_gap_<device>.json and step_tile_search_<device>.json.
+GPTQ layout) as bench/quant_bench.py does and lets the tuner choose. Then:
+- the device's activities between two async decode steps (torch.profiler, CUDA activity only, so the host is
+  barely slowed), each with its start and length: what a step spends outside its graph (step_gap_<device>.json);
+- for each one-row GEMV key in turn (qkv with its norm and rotation, o, gate_up with its norm and SiLU, down),
+  the decode graph recaptured with each candidate tile in place of the tuner's and its replay timed (device
+  time of the whole step, events around back-to-back replays); each pass of this coordinate search keeps each
+  key's best;
+- the tuner's set and the searched set alternating over rounds of batch-1 decode through the engine (median
+  time per output token, as quant_bench.py measures it), beside the graph's replay time, so the step's time
+  outside the graph shows (step_tile_search_<device>.json).
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_slug, run_metadata, write_json  # noqa: E402
+from bench.pdl_bench import recapture_graphs  # noqa: E402
 from bench.quant_bench import SINGLE, engine_options  # noqa: E402
 from bench.throughput import random_prompts, timed_generate, warm_up  # noqa: E402
 
@@ -48,14 +48,6 @@ def layer_of(key) -> str | None:
 def as_choice(key, tile):
     """What tuning._chosen holds for `key` with the Gluon tile `tile`: the tile, or (tile, split 1)."""
     return (tile, 1) if key[0] == "weight_only" else tile
-
-
-def recapture(llm) -> None:
-    runner = llm.llm_engine.runner
-    runner.graph_runner = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    runner.capture_cuda_graphs(llm.llm_engine.config.max_num_seqs, llm.llm_engine.max_model_len)
 
 
 def replay_us(llm, replays: int) -> float:
@@ -143,7 +135,7 @@ def main(argv=None) -> dict:
                 for key in layer_keys:
                     tuning._chosen[key] = as_choice(key, tile)
                 try:
-                    recapture(llm)
+                    recapture_graphs(llm)
                     us = replay_us(llm, args.replays)
                 except Exception as e:   # a tile this shape refuses
                     print(f"  {layer} {tile}: {e}", flush=True)
@@ -168,7 +160,7 @@ def main(argv=None) -> dict:
             for layer, layer_keys in keys.items():
                 for key, choice in zip(layer_keys, chosen[layer]):
                     tuning._chosen[key] = choice
-            recapture(llm)
+            recapture_graphs(llm)
             seed += 1
             one = timed_generate(llm, random_prompts(SINGLE, vocab, seed=2000 + seed), SINGLE.output_len)
             replay = replay_us(llm, args.replays)

@@ -121,7 +121,7 @@ def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, 
     if (method is not None and getattr(rotary, "fusable_into_qkv", False) and rotary.use_triton
             and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1):
         out, x = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads,
-                              **({} if kv_cache is None else {"kv_cache": kv_cache}))
+                              kv_cache=kv_cache)
         if out is not None:
             return out, True
     return qkv_proj(computed(x)), False
