@@ -282,7 +282,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     else:  # unused by the kernel; any tensor satisfies the signature
         partial_out = partial_max = partial_sum = out
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
-    pdl = launch_options(query.device)
+    pdl = launch_options(query.device, "decode_partition")
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_max, partial_sum,
@@ -299,6 +299,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
+            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            **launch_options(query.device, "decode_reduce"),
             num_warps=1 if block_d <= 64 else 4)
     return out
