@@ -499,15 +499,15 @@ case "${1:-A}" in
     timeout ${KQ_TIMEOUT:-300} python3 bench/pdl_bench.py --variable MINIVLLM_KV_IN_QKV --settings 1,0 \
       --formats ${FORMATS:-int4} --rounds ${ROUNDS:-3} --out "$OUT/kv_in_qkv" 2>&1 | grep -v "^ " | tail -12
     ;;
-  PE)
+  EK)
     # stop 39: which decode-path kernels let their successor launch at their start (MINIVLLM_PDL_EARLY): the GPU
     # tests with all of them early, then pdl_bench alternating the sets in one process per format
     [ -n "${SKIP_TESTS:-}" ] || MINIVLLM_PDL_EARLY=gemv+gemv_rotary+decode_partition+decode_reduce timeout 240 \
       python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_formats.py tests/test_pdl.py \
-      -k "rotary or epilogues or int4_bf16_engine or pdl" > "$OUT/gpu_tests_PE.log" 2>&1
-    tail -3 "$OUT/gpu_tests_PE.log"
+      -k "rotary or epilogues or int4_bf16_engine or pdl" > "$OUT/gpu_tests_EK.log" 2>&1
+    tail -3 "$OUT/gpu_tests_EK.log"
     mkdir -p "$OUT/pdl_early"
-    timeout ${PE_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_PDL_EARLY \
+    timeout ${EK_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_PDL_EARLY \
       --settings ${SETTINGS:-none,decode_reduce,decode_partition+decode_reduce,gemv+gemv_rotary+decode_partition+decode_reduce} \
       --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-3} --out "$OUT/pdl_early" 2>&1 | grep -v "^ " | tail -16
     ;;
