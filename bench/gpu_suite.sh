@@ -512,7 +512,7 @@ case "${1:-A}" in
       --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-3} --out "$OUT/pdl_early" 2>&1 | grep -v "^ " | tail -16
     ;;
   TS)
-    timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" \
+    timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" --write-configs "$OUT" \
       > "$OUT/step_tile_search.log" 2>&1; grep -v "^  pass" "$OUT/step_tile_search.log" | tail -30
     ;;
   NV)

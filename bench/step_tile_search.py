@@ -15,10 +15,14 @@ GPTQ layout) as bench/quant_bench.py does and lets the tuner choose. Then:
 - the tuner's set and the searched set alternating over rounds of batch-1 decode through the engine (median
   time per output token, as quant_bench.py measures it), beside the graph's replay time, so the step's time
   outside the graph shows (step_tile_search_<device>.json).
+
+The tuner starts from its own timings (MINIVLLM_TUNED_CONFIGS=0). With --write-configs DIR, the searched choices
+of every one-row key go to DIR/<device name>.json, the file kernels/tuning.py reads from kernels/configs/.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -97,7 +101,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--write-configs", type=Path, default=None,
+                        help="a folder for the searched choices, in kernels/configs/'s format")
     args = parser.parse_args(argv)
+    os.environ["MINIVLLM_TUNED_CONFIGS"] = "0"   # the search starts from the tuner's own timings
     from minivllm import LLM
     from minivllm.kernels import tuning
     from minivllm.kernels.int4_gemm import tma_gemv_tiles
@@ -173,6 +180,13 @@ def main(argv=None) -> dict:
                         for name, rows in rounds.items()}
     print("medians:", result["median"], flush=True)
     write_json(args.out / f"step_tile_search_{device_slug(result['device'])}.json", result)
+    if args.write_configs is not None:
+        stored = {key: layer_choice for layer, layer_keys in keys.items()
+                  for key, layer_choice in zip(layer_keys, searched[layer])}
+        path = args.write_configs / tuning.config_file(result["device"]).name
+        write_json(path, {**run_metadata(device), "source": "bench/step_tile_search.py", "model": args.model,
+                          "quantization": "gptq", "median": result["median"],
+                          "choices": {repr(key): repr(choice) for key, choice in stored.items()}})
     return result
 
 

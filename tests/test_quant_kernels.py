@@ -219,6 +219,42 @@ def test_cold_copies_exceed_l2():
     assert len(cold_copies(large)) == 3 and cold_copies(()) == [()]
 
 
+def test_stored_choices_are_taken_by_repr_and_only_from_the_candidates(tmp_path, monkeypatch):
+    """A key found in the device's configs file takes the stored candidate; a stored choice no longer among the
+    candidates, another device, or MINIVLLM_TUNED_CONFIGS=0 leave the key to timing (None)."""
+    import json
+
+    from minivllm.kernels import tuning
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tiles = [TmaGemvConfig(32, 16, 2, 4, rows=2, per_sm=2), TmaGemvConfig(32, 16, 3, 8, columns=4, rows=2)]
+    key, other = ("weight_only", torch.bfloat16, 4, 128, 1, 4096, 4096), ("weight_only", torch.bfloat16, 4, 128, 1, 1, 1)
+    assert tuning.config_file("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+    tuning.config_file("Test GPU").write_text(json.dumps({"choices": {
+        repr(key): repr((tiles[1], 1)), repr(other): repr((TmaGemvConfig(64, 8, 2, 4), 1))}}))
+    candidates = [(tile, 1) for tile in tiles]
+    assert tuning.stored_choice(key, candidates, "Test GPU") == (tiles[1], 1)
+    assert tuning.stored_choice(other, candidates, "Test GPU") is None      # stored, but not a candidate now
+    assert tuning.stored_choice(key, candidates, "Another GPU") is None     # no file for that device
+    monkeypatch.setenv("MINIVLLM_TUNED_CONFIGS", "0")
+    assert tuning.stored_choice(key, candidates, "Test GPU") is None
+
+
+def test_shipped_choices_are_current_one_row_candidates():
+    """Every choice in kernels/configs/ is the repr of a current Gluon GEMV candidate (or of it with split 1), so
+    a change of the candidates cannot silently leave a shipped file unused."""
+    import json
+
+    from minivllm.kernels import tuning
+    from minivllm.kernels.int4_gemm import tma_gemv_tiles
+    files = sorted(tuning.CONFIG_DIR.glob("*.json"))
+    assert files, "no shipped configs"
+    tiles = tma_gemv_tiles(1, 128, 4, torch.bfloat16, torch.device("cuda"))
+    allowed = {repr(t) for t in tiles} | {repr((t, 1)) for t in tiles}
+    for path in files:
+        choices = json.loads(path.read_text())["choices"]
+        assert choices and set(choices.values()) <= allowed, path.name
+
+
 # ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------
 TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2),
              TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8), TmaGemvConfig(32, 16, 2, 4, rows=1),

@@ -12,12 +12,22 @@ one layer, so the timed calls rotate through copies of the weights that together
 (MINIVLLM_TUNE_COLD=0: the same copy every call, as before, for comparison). Timing one
 copy over and over measured L2 reads for any layer under 50 MB: on the H100 the int4 GEMV's o_proj took
 8.4 us there and 10.4 us in the engine, down_proj 14.5 against 19.3.
+
+Timed alone, back to back, a tile is not timed where it runs: in a decode step, behind other kernels, beside the
+next one's early start. Choices measured in the whole step (bench/step_tile_search.py --write-configs) ship per
+device in configs/<device name>.json, as vLLM ships its tuned kernel configs; a key found there takes the stored
+candidate without timing (MINIVLLM_TUNED_CONFIGS=0: time every key, as before). A stored choice that is no
+longer among a key's candidates is ignored.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import logging
 import os
+import re
+from pathlib import Path
 from typing import Callable, Hashable, Sequence, TypeVar
 
 import torch
@@ -71,12 +81,39 @@ def cold_copies(weights: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...
     return copies
 
 
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def config_file(device_name: str) -> Path:
+    """The stored choices' file for a device: configs/NVIDIA_H100_80GB_HBM3.json for "NVIDIA H100 80GB HBM3"."""
+    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _stored_choices(path: Path) -> dict[str, str]:
+    return json.loads(path.read_text())["choices"] if path.is_file() else {}
+
+
+def stored_choice(key: Hashable, candidates: Sequence[Config], device_name: str) -> Config | None:
+    """The candidate stored for `key` on this device (matched by repr, as --write-configs writes both), or None."""
+    if os.environ.get("MINIVLLM_TUNED_CONFIGS", "1") == "0":
+        return None
+    wanted = _stored_choices(config_file(device_name)).get(repr(key))
+    return next((c for c in candidates if repr(c) == wanted), None) if wanted is not None else None
+
+
 def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object], default: Config,
          weights: Sequence[torch.Tensor] = ()) -> Config:
-    """The fastest of `candidates` for `key` (timed on its first call), or `default` where timing can't run.
-    `run(candidate, *weights)` computes with the given weight tensors; timed calls pass copies in turn."""
+    """The fastest of `candidates` for `key` (stored for this device, or timed on its first call), or `default`
+    where timing can't run. `run(candidate, *weights)` computes with the given weight tensors; timed calls pass
+    copies in turn."""
     if key in _chosen:
         return _chosen[key]
+    if len(candidates) >= 2 and torch.cuda.is_available():
+        stored = stored_choice(key, candidates, torch.cuda.get_device_name())
+        if stored is not None:
+            _chosen[key] = stored
+            return stored
     if len(candidates) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
         return default
     copies = cold_copies(weights) if os.environ.get("MINIVLLM_TUNE_COLD", "1") != "0" else [tuple(weights)]
