@@ -511,6 +511,13 @@ case "${1:-A}" in
       --settings ${SETTINGS:-none,decode_reduce,decode_partition+decode_reduce,gemv+gemv_rotary+decode_partition+decode_reduce} \
       --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-3} --out "$OUT/pdl_early" 2>&1 | grep -v "^ " | tail -16
     ;;
+  TC)
+    # stop 39: the shipped one-row tile choices (kernels/configs/) against the tuner's own timings, alternating in
+    # one process, each setting tuned again before its capture
+    mkdir -p "$OUT/tuned_configs"
+    timeout ${TC_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_TUNED_CONFIGS --settings 1,0 --retune \
+      --formats ${FORMATS:-int4} --rounds ${ROUNDS:-3} --out "$OUT/tuned_configs" 2>&1 | grep -v "^ " | tail -12
+    ;;
   TS)
     timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" --write-configs "$OUT" \
       > "$OUT/step_tile_search.log" 2>&1; grep -v "^  pass" "$OUT/step_tile_search.log" | tail -30
