@@ -511,6 +511,14 @@ case "${1:-A}" in
       --settings ${SETTINGS:-none,decode_reduce,decode_partition+decode_reduce,gemv+gemv_rotary+decode_partition+decode_reduce} \
       --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-3} --out "$OUT/pdl_early" 2>&1 | grep -v "^ " | tail -16
     ;;
+  DS)
+    # stop 39: the batch-1 decode attention's split and tile (MINIVLLM_DECODE_SHAPE "programs per SM:keys:warps"),
+    # alternating in one process per format
+    mkdir -p "$OUT/decode_shape"
+    timeout ${DS_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_DECODE_SHAPE \
+      --settings ${SETTINGS:-2:64:4,0.5:64:4,4:32:2,2:128:4} --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-2} \
+      --out "$OUT/decode_shape" 2>&1 | grep -v "^ " | tail -20
+    ;;
   TC)
     # stop 39: the shipped one-row tile choices (kernels/configs/) against the tuner's own timings, alternating in
     # one process, each setting tuned again before its capture

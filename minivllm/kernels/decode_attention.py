@@ -192,7 +192,7 @@ def choose_decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sm
     valid for any sequence lengths up to `max_context`; each sequence's partition then follows its own
     length (`sequence_partition_size`)."""
     programs = batch * num_kv_heads
-    target = PROGRAMS_PER_SM * num_sms
+    target = max(1, int(_programs_per_sm() * num_sms))
     if programs >= target or max_context <= min_partition:
         return None
     return min(triton.cdiv(target, programs), triton.cdiv(max_context, min_partition))
@@ -232,7 +232,16 @@ def _decode_config(block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
     4096 tokens; the device copies at 3.0 TB/s); 32-key tiles were clearly slower."""
     if block_d > 128 or dtype == torch.float32:
         return 32, 4, 2
+    shape = os.environ.get("MINIVLLM_DECODE_SHAPE")   # A/B runs: "programs per SM:keys per tile:warps"
+    if shape:
+        _, keys, warps = shape.split(":")
+        return int(keys), int(warps), 3
     return 64, 4, 3
+
+
+def _programs_per_sm() -> float:
+    shape = os.environ.get("MINIVLLM_DECODE_SHAPE")
+    return float(shape.split(":")[0]) if shape else PROGRAMS_PER_SM
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
