@@ -499,26 +499,6 @@ case "${1:-A}" in
     timeout ${KQ_TIMEOUT:-300} python3 bench/pdl_bench.py --variable MINIVLLM_KV_IN_QKV --settings 1,0 \
       --formats ${FORMATS:-int4} --rounds ${ROUNDS:-3} --out "$OUT/kv_in_qkv" 2>&1 | grep -v "^ " | tail -12
     ;;
-  EK)
-    # stop 39: which decode-path kernels let their successor launch at their start (MINIVLLM_PDL_EARLY): the GPU
-    # tests with all of them early, then pdl_bench alternating the sets in one process per format
-    [ -n "${SKIP_TESTS:-}" ] || MINIVLLM_PDL_EARLY=gemv+gemv_rotary+decode_partition+decode_reduce timeout 240 \
-      python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_quant_formats.py tests/test_pdl.py \
-      -k "rotary or epilogues or int4_bf16_engine or pdl" > "$OUT/gpu_tests_EK.log" 2>&1
-    tail -3 "$OUT/gpu_tests_EK.log"
-    mkdir -p "$OUT/pdl_early"
-    timeout ${EK_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_PDL_EARLY \
-      --settings ${SETTINGS:-none,decode_reduce,decode_partition+decode_reduce,gemv+gemv_rotary+decode_partition+decode_reduce} \
-      --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-3} --out "$OUT/pdl_early" 2>&1 | grep -v "^ " | tail -16
-    ;;
-  DS)
-    # stop 39: the batch-1 decode attention's split and tile (MINIVLLM_DECODE_SHAPE "programs per SM:keys:warps"),
-    # alternating in one process per format
-    mkdir -p "$OUT/decode_shape"
-    timeout ${DS_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_DECODE_SHAPE \
-      --settings ${SETTINGS:-2:64:4,0.5:64:4,4:32:2,2:128:4} --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-2} \
-      --out "$OUT/decode_shape" 2>&1 | grep -v "^ " | tail -20
-    ;;
   TC)
     # stop 39: the shipped one-row tile choices (kernels/configs/) against the tuner's own timings, alternating in
     # one process, each setting tuned again before its capture

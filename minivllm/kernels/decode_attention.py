@@ -192,7 +192,7 @@ def choose_decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sm
     valid for any sequence lengths up to `max_context`; each sequence's partition then follows its own
     length (`sequence_partition_size`)."""
     programs = batch * num_kv_heads
-    target = max(1, int(_programs_per_sm() * num_sms))
+    target = PROGRAMS_PER_SM * num_sms
     if programs >= target or max_context <= min_partition:
         return None
     return min(triton.cdiv(target, programs), triton.cdiv(max_context, min_partition))
@@ -232,16 +232,7 @@ def _decode_config(block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
     4096 tokens; the device copies at 3.0 TB/s); 32-key tiles were clearly slower."""
     if block_d > 128 or dtype == torch.float32:
         return 32, 4, 2
-    shape = os.environ.get("MINIVLLM_DECODE_SHAPE")   # A/B runs: "programs per SM:keys per tile:warps"
-    if shape:
-        _, keys, warps = shape.split(":")
-        return int(keys), int(warps), 3
     return 64, 4, 3
-
-
-def _programs_per_sm() -> float:
-    shape = os.environ.get("MINIVLLM_DECODE_SHAPE")
-    return float(shape.split(":")[0]) if shape else PROGRAMS_PER_SM
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -291,7 +282,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     else:  # unused by the kernel; any tensor satisfies the signature
         partial_out = partial_max = partial_sum = out
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
-    pdl = launch_options(query.device, "decode_partition")
+    pdl = launch_options(query.device)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_max, partial_sum,
@@ -308,7 +299,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            **launch_options(query.device, "decode_reduce"),
+            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
             num_warps=1 if block_d <= 64 else 4)
     return out

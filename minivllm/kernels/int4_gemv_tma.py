@@ -578,7 +578,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
     tiles_per_row = triton.cdiv(N, width)
     num_tiles = heads * tiles_per_row
-    pdl = pdl_mode(x.device, "gemv_rotary" if rotary is not None else "gemv")
+    pdl = pdl_mode(x.device)
     grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
     positions, cos_sin = (rotary.positions, rotary.cos_sin_cache) if rotary is not None else (y, y)
     kv = rotary.kv_cache if rotary is not None else None

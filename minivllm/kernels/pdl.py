@@ -31,27 +31,14 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-# Kernels that let their successor launch at their start under MINIVLLM_PDL=1 (see `early_kernels`).
-EARLY_KERNELS = ""
-
-
-def early_kernels() -> frozenset[str]:
-    """The kernels named in MINIVLLM_PDL_EARLY ("+"-separated; "none" for none; default EARLY_KERNELS)."""
-    setting = os.environ.get("MINIVLLM_PDL_EARLY", EARLY_KERNELS)
-    return frozenset(name for name in setting.split("+") if name and name != "none")
-
-
-def mode(device: torch.device, kernel: str = "") -> int:
-    """0: ordinary launches; 1: the next kernel launches once this one is past its wait; 2: at its start.
-    `kernel` names the caller, so a kernel in `early_kernels()` takes 2 where the setting is 1."""
+def mode(device: torch.device) -> int:
+    """0: ordinary launches; 1: the next kernel launches once this one is past its wait; 2: at its start."""
     setting = os.environ.get("MINIVLLM_PDL", "1")
     if setting not in ("0", "1", "2"):
         raise ValueError(f"MINIVLLM_PDL must be 0, 1 or 2, not {setting!r}")
     if (setting == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
         return 0
-    if setting == "1" and kernel and kernel in early_kernels():
-        return 2
     return int(setting)
 
 
@@ -62,9 +49,9 @@ def rows_prefetchable(t: torch.Tensor) -> bool:
     return row_bytes % 16 == 0 and stride_bytes % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def launch_options(device: torch.device, kernel: str = "") -> dict:
+def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel that takes a `PDL: tl.constexpr` and calls `wait_for_previous(PDL)`."""
-    pdl = mode(device, kernel)
+    pdl = mode(device)
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": 0}
 
 
