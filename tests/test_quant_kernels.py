@@ -256,9 +256,20 @@ def test_shipped_choices_are_current_one_row_candidates():
 
 
 # ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------
+def _shipped_tiles() -> list[TmaGemvConfig]:
+    """The Gluon tiles that kernels/configs/ hands the engine without timing: the GPU tests run each of them too."""
+    import json
+
+    from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES
+    from minivllm.kernels.tuning import CONFIG_DIR
+    shipped = {v for path in CONFIG_DIR.glob("*.json") for v in json.loads(path.read_text())["choices"].values()}
+    return [t for t in TMA_GEMV_TILES if repr(t) in shipped or repr((t, 1)) in shipped]
+
+
 TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2),
              TmaGemvConfig(64, 8, 2, 4, columns=8, rows=8), TmaGemvConfig(32, 16, 2, 4, rows=1),
              TmaGemvConfig(16, 8, 2, 4, rows=2, per_sm=2, half=True), TmaGemvConfig(32, 16, 2, 4, rows=1, half=True)]
+TMA_TILES += [t for t in _shipped_tiles() if t not in TMA_TILES]
 
 
 def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False, kv=False):
