@@ -37,17 +37,15 @@ from bench.pdl_bench import recapture_graphs  # noqa: E402
 from bench.quant_bench import SINGLE, engine_options  # noqa: E402
 from bench.throughput import random_prompts, timed_generate, warm_up  # noqa: E402
 
-def _extra_tiles():
+def extra_tiles() -> list:
+    """Around stop 38's winner (32, 16, 3, 8, columns 4, rows 2, one program an SM, half): ring depth, stage size,
+    warps, the thread's share, tile width; and gate_up's (64, 8, 2, 4, columns 8, two an SM) with 8 warps or one an
+    SM. None of them is among the tuner's candidates."""
     from minivllm.kernels.int4_gemv_tma import TmaGemvConfig as T
-    # around stop 38's winner (32, 16, 3, 8, columns 4, rows 2, one program an SM, half): ring depth, stage size,
-    # warps, the thread's share, tile width; and gate_up's (64, 8, 2, 4, columns 8, two an SM) with 8 warps or one an SM
     return [T(32, 16, 4, 8, 4, 2, 1, True), T(32, 16, 2, 8, 4, 2, 1, True), T(32, 32, 2, 8, 4, 2, 1, True),
             T(32, 16, 3, 8, 8, 2, 1, True), T(32, 16, 3, 8, 4, 4, 1, True), T(32, 16, 3, 16, 4, 2, 1, True),
             T(32, 16, 3, 4, 4, 2, 1, True), T(16, 16, 3, 8, 4, 2, 1, True), T(64, 16, 2, 8, 4, 2, 1, True),
             T(64, 8, 3, 8, 8, 2, 1, True), T(64, 8, 2, 8, 8, 2, 2, True)]
-
-
-EXTRA_TILES = _extra_tiles()
 ONE_ROW_KEYS = {"weight_only_rotary": "qkv_proj", "weight_only_silu_and_mul": "gate_up_proj"}
 
 
@@ -114,7 +112,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--layers", default="o_proj,qkv_proj,gate_up_proj,down_proj", help="the layers searched, in order")
     parser.add_argument("--extra-tiles", action="store_true",
-                        help="also try EXTRA_TILES, variants of the searched winner that are not the tuner's candidates")
+                        help="also try extra_tiles(), variants of the searched winner that are not the tuner's candidates")
     parser.add_argument("--write-configs", type=Path, default=None,
                         help="a folder for the searched choices, in kernels/configs/'s format")
     args = parser.parse_args(argv)
@@ -139,7 +137,7 @@ def main(argv=None) -> dict:
     print("tuner's choices:", {layer: str(choice) for layer, choice in tuned.items()}, flush=True)
     tiles = tma_gemv_tiles(1, 128, 4, torch.bfloat16, device)
     if args.extra_tiles:
-        tiles += [t for t in EXTRA_TILES if t not in tiles and layout_split(t, 128 // 8) is not None]
+        tiles += [t for t in extra_tiles() if t not in tiles and layout_split(t, 128 // 8) is not None]
     result = {**run_metadata(device), "model": args.model, "quantization": "gptq", "workload": str(SINGLE),
               "tuned": {layer: str(c) for layer, c in tuned.items()}, "search": []}
     started = time.perf_counter()

@@ -109,12 +109,13 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
     copies in turn."""
     if key in _chosen:
         return _chosen[key]
-    if len(candidates) >= 2 and torch.cuda.is_available():
-        stored = stored_choice(key, candidates, torch.cuda.get_device_name())
-        if stored is not None:
-            _chosen[key] = stored
-            return stored
-    if len(candidates) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+    if len(candidates) < 2 or not torch.cuda.is_available():
+        return default
+    stored = stored_choice(key, candidates, torch.cuda.get_device_name())
+    if stored is not None:
+        _chosen[key] = stored
+        return stored
+    if torch.cuda.is_current_stream_capturing():
         return default
     copies = cold_copies(weights) if os.environ.get("MINIVLLM_TUNE_COLD", "1") != "0" else [tuple(weights)]
     turn = itertools.count()
