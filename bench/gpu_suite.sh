@@ -509,10 +509,11 @@ case "${1:-A}" in
   DR)
     # stop 40: split-K decode partitions combined by the last one to finish (fused) against the reduce kernel:
     # the GPU tests first, then both settings alternating in one process
-    python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_quant_kernels.py tests/test_quant_formats.py \
+    [ -z "$SKIP_TESTS" ] && python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_quant_kernels.py tests/test_quant_formats.py \
       -k "decode or rotary or epilogues or norm_and_residual or int4_bf16_engine or tma_gemv" 2>&1 \
       | tee "$OUT/gpu_tests_DR.log" | tail -3
     mkdir -p "$OUT/decode_reduce"
+    [ -n "$SKIP_TESTS" ] && timeout 120 python3 bench/decode_split_sweep.py --reduce --out "$OUT/decode_reduce" 2>&1 | tail -5
     timeout ${DR_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_DECODE_REDUCE --settings fused,kernel \
       --formats ${FORMATS:-bf16,int4} --rounds ${ROUNDS:-3} --out "$OUT/decode_reduce" 2>&1 | grep -v "^ " | tail -12
     ;;

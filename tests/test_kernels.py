@@ -154,8 +154,8 @@ def test_decode_split_and_unsplit_agree_and_zero_an_empty_context(fuse_reduce):
 
 def test_fused_decode_combine_compiles_to_a_published_arrival_and_l2_reads():
     """The ordering the fused combine relies on, in the sm_90 code: a CTA barrier after the partial stores and
-    before one acq_rel, gpu-scope atomic add; the last arrival's reset, then its reads of the partials
-    from L2 (.cg) rather than L1."""
+    before one acq_rel, gpu-scope atomic add; the last arrival's successor launch and reset, then its reads of
+    the partials from L2 (.cg) rather than L1."""
     import multiprocessing
 
     from tests.sm90_compile import fused_decode_ptx
@@ -166,6 +166,8 @@ def test_fused_decode_combine_compiles_to_a_published_arrival_and_l2_reads():
     partial_stores = [i for i, line in enumerate(lines) if "st.global" in line and i < adds[0]]
     barriers = [i for i, line in enumerate(lines) if "bar.sync" in line or "barrier.sync" in line]
     assert partial_stores and any(max(partial_stores) < i < adds[0] for i in barriers)
+    launches = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+    assert launches and min(launches) > adds[0]   # o_proj launches when a last arrival starts combining
     resets = [i for i, line in enumerate(lines) if "atom" in line and ".exch" in line]
     cg_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
     assert resets and cg_loads and min(cg_loads) > adds[0]

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import launch_options, wait_for_previous
+from minivllm.kernels.pdl import launch_options, let_next_launch, wait_for_previous, wait_for_previous_only
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
@@ -117,7 +117,13 @@ def _decode_partition_kernel(
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FUSE_REDUCE: tl.constexpr,
         BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
+    # before the early return below too (see kernels/pdl.py). Fused, the next kernel (o_proj) launches only
+    # once each KV head's last partition starts combining, as it did at the reduce kernel's start: resident
+    # earlier, its weight prefetch slows the attention (int4 batch 1 383 against 392 tok/s, cb5e6fb).
+    if FUSE_REDUCE:
+        wait_for_previous_only(PDL)
+    else:
+        wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,6 +200,7 @@ def _decode_partition_kernel(
             arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
             num_used = (seq_len + partition - 1) // partition
             if arrived == num_used - 1:   # the last of this (sequence, KV head): combine, then reset
+                let_next_launch(PDL)
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
                 _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq,
                                     kv_head * num_queries_per_kv, num_queries_per_kv, num_used, head_dim,
