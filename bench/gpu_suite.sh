@@ -517,6 +517,12 @@ case "${1:-A}" in
     timeout ${DR_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_DECODE_REDUCE --settings fused,kernel \
       --formats ${FORMATS:-bf16,int4} --rounds ${ROUNDS:-3} --out "$OUT/decode_reduce" 2>&1 | grep -v "^ " | tail -12
     ;;
+  LP)
+    # stop 40: the decode attention's idle split-K programs ask L2 for o_proj's weights (MINIVLLM_L2_PREFETCH_O)
+    mkdir -p "$OUT/l2_prefetch_o"
+    timeout ${LP_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_L2_PREFETCH_O --settings 1,0 \
+      --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-2} --out "$OUT/l2_prefetch_o" 2>&1 | grep -v "^ " | tail -12
+    ;;
   TS)
     timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" --write-configs "$OUT" \
       > "$OUT/step_tile_search.log" 2>&1; grep -v "^  pass" "$OUT/step_tile_search.log" | tail -30

@@ -33,10 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import launch_options, let_next_launch, wait_for_previous, wait_for_previous_only
+from minivllm.kernels.pdl import (launch_options, let_next_launch, prefetch_l2, wait_for_previous,
+                                  wait_for_previous_only)
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
+PREFETCH_CHUNK = 4096     # bytes a bulk L2 prefetch asks for
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
 
 
@@ -103,11 +105,25 @@ def _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_p
              out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
 
 
+@triton.jit
+def _prefetch_share(ptr, nbytes, index, count, PDL: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    """Program `index` of `count` asks L2 for its share of the `nbytes` at `ptr`: chunks of CHUNK bytes dealt
+    out LANES at a time, one bulk prefetch per thread."""
+    base = ptr.to(tl.pointer_type(tl.int8))
+    chunks = tl.cdiv(nbytes, CHUNK)
+    lanes = tl.arange(0, LANES)
+    for first in range(index * LANES, chunks, count * LANES):
+        chunk = first + lanes
+        start = chunk.to(tl.int64) * CHUNK
+        prefetch_l2(base + start, tl.minimum(nbytes - start, CHUNK), chunk < chunks, PDL)
+
+
 # The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
+        prefetch0_ptr, prefetch0_bytes, prefetch1_ptr, prefetch1_bytes, prefetch2_ptr, prefetch2_bytes,
         qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
@@ -116,7 +132,8 @@ def _decode_partition_kernel(
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FUSE_REDUCE: tl.constexpr,
-        BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PREFETCHES: tl.constexpr, PREFETCH_CHUNK: tl.constexpr,
+        PDL: tl.constexpr):
     # before the early return below too (see kernels/pdl.py). Fused, the next kernel (o_proj) launches only
     # once each KV head's last partition starts combining, as it did at the reduce kernel's start: resident
     # earlier, its weight prefetch slows the attention (int4 batch 1 383 against 392 tok/s, cb5e6fb).
@@ -132,6 +149,16 @@ def _decode_partition_kernel(
         partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
         start = split * partition
         if start >= seq_len:  # this partition lies past the context: no work, nothing written
+            if PREFETCHES > 0:   # (one sequence) while the others attend, ask L2 for what o_proj will read
+                num_used = (seq_len + partition - 1) // partition
+                idle = tl.num_programs(2) - num_used
+                index = kv_head * idle + split - num_used
+                count = tl.num_programs(1) * idle
+                _prefetch_share(prefetch0_ptr, prefetch0_bytes, index, count, PDL, PREFETCH_CHUNK, 128)
+                if PREFETCHES > 1:
+                    _prefetch_share(prefetch1_ptr, prefetch1_bytes, index, count, PDL, PREFETCH_CHUNK, 128)
+                if PREFETCHES > 2:
+                    _prefetch_share(prefetch2_ptr, prefetch2_bytes, index, count, PDL, PREFETCH_CHUNK, 128)
             if FUSE_REDUCE:
                 if split == 0:   # an empty context, where no partition arrives: this one writes the zeros
                     _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq,
@@ -262,8 +289,8 @@ def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_
 
 
 def fused_reduce_default() -> bool:
-    """MINIVLLM_DECODE_REDUCE: 'fused' (the default; the last partition combines) or 'kernel' (a second kernel)."""
-    setting = os.environ.get("MINIVLLM_DECODE_REDUCE", "fused")
+    """MINIVLLM_DECODE_REDUCE: 'kernel' (the default; a second kernel) or 'fused' (the last partition combines)."""
+    setting = os.environ.get("MINIVLLM_DECODE_REDUCE", "kernel")
     if setting not in ("fused", "kernel"):
         raise ValueError(f"MINIVLLM_DECODE_REDUCE must be 'fused' or 'kernel', not {setting!r}")
     return setting == "fused"
@@ -317,14 +344,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            partition_size: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None,
-                           fuse_reduce: bool | None = None) -> torch.Tensor:
+                           fuse_reduce: bool | None = None,
+                           l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
     `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
     read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
     its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off).
-    `fuse_reduce`: split-K partitions combine in the partition kernel (None: `fused_reduce_default()`)."""
+    `fuse_reduce`: split-K partitions combine in the partition kernel (None: `fused_reduce_default()`).
+    `l2_prefetch`: up to three contiguous tensors (16-byte multiples) that the split-K programs with no
+    partition of a single sequence ask L2 for (with PDL on Hopper; elsewhere ignored)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -364,11 +394,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if split and (fused_reduce_default() if fuse_reduce is None else fuse_reduce):
         arrivals = _arrival_counters(query.device, batch * num_kv_heads)
     block_h = triton.next_power_of_2(num_queries_per_kv)
+    prefetch = [t for t in l2_prefetch if t.is_contiguous() and t.numel() * t.element_size() % 16 == 0
+                and t.data_ptr() % 16 == 0][:3] if split and batch == 1 else []
+    prefetch_args = []
+    for t in prefetch + [out] * (3 - len(prefetch)):
+        prefetch_args += [t, t.numel() * t.element_size() if t is not out else 0]
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     pdl = launch_options(query.device)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_max, partial_sum, out if arrivals is None else arrivals,
+        out, partial_out, partial_max, partial_sum, out if arrivals is None else arrivals, *prefetch_args,
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -379,7 +414,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         FUSE_REDUCE=arrivals is not None, BLOCK_H=block_h,
         # chunks of at most 64 (head, partition) rows keep the combine's registers like the loop's
-        CHUNK=min(triton.next_power_of_2(num_splits), max(1, 64 // block_h)), **pdl,
+        CHUNK=min(triton.next_power_of_2(num_splits), max(1, 64 // block_h)), PREFETCHES=len(prefetch),
+        PREFETCH_CHUNK=PREFETCH_CHUNK, **pdl,
         num_warps=num_warps, num_stages=num_stages)
     if split and arrivals is None:
         _decode_reduce_kernel[(batch, num_heads)](
