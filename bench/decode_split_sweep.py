@@ -5,8 +5,6 @@ for the partition the old rule chose (256-token floor, just enough programs to f
 rule (per-sequence partitions: `choose_decode_splits`, `sequence_partition_size`), fixed sizes, and no split.
 
     python bench/decode_split_sweep.py --out DIR      # -> decode_split_<gpu>.json
-    python bench/decode_split_sweep.py --reduce --out DIR   # the current rule, partitions combined by the
-                                                            # last one (fused) or by the reduce kernel
 """
 from __future__ import annotations
 
@@ -47,40 +45,24 @@ def make_case(batch: int, context: int, max_context: int):
     return caches, tables, seq_lens, query
 
 
-def time_case(case, partition: int | str | None, fuse_reduce: bool | None = None) -> float:
+def time_case(case, partition: int | str | None) -> float:
     """partition: tokens, "auto" (the current rule) or None (no split)."""
     caches, tables, seq_lens, query = case
     size = None if partition == "auto" else partition if partition is not None else 1 << 30
 
     def step():
         for k, v in caches:
-            paged_decode_attention(query, k, v, tables, seq_lens, HEAD_DIM ** -0.5, partition_size=size,
-                                   fuse_reduce=fuse_reduce)
+            paged_decode_attention(query, k, v, tables, seq_lens, HEAD_DIM ** -0.5, partition_size=size)
     return device_seconds(step, calls=2, repeats=20) / LAYERS
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--reduce", action="store_true", help="fused combine against the reduce kernel only")
     args = parser.parse_args(argv)
     meta = run_metadata(torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    if args.reduce:
-        for batch, context, max_context in ((1, 600, 8192), (1, 2000, 8192), (4, 600, 8192), (16, 600, 8192)):
-            case = make_case(batch, context, max_context)
-            times = {label: 1e6 * time_case(case, "auto", label == "fused") for label in ("fused", "kernel") * 2}
-            rows += [{"batch": batch, "context": context, "max_context": max_context, "label": label,
-                      "us_per_layer": us} for label, us in times.items()]
-            print(f"batch {batch:>3} context {context:>5} / {max_context:>6}: "
-                  + ", ".join(f"{k} {v:.2f} us" for k, v in times.items()), flush=True)
-            del case
-            torch.cuda.empty_cache()
-        result = {**meta, "layers": LAYERS, "heads": [HEADS, KV_HEADS, HEAD_DIM], "rows": rows}
-        if args.out:
-            write_json(args.out / f"decode_reduce_{device_slug(meta['device'])}.json", result)
-        return result
     for batch in (1, 4, 16, 32):
         for context, max_context in ((600, 768), (600, 8192), (4000, 4096), (4000, 32768)):
             if batch * max_context * LAYERS * KV_HEADS * HEAD_DIM * 4 > 40e9:

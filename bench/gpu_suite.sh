@@ -506,23 +506,6 @@ case "${1:-A}" in
     timeout ${TC_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_TUNED_CONFIGS --settings 1,0 --retune \
       --formats ${FORMATS:-int4} --rounds ${ROUNDS:-3} --out "$OUT/tuned_configs" 2>&1 | grep -v "^ " | tail -12
     ;;
-  DR)
-    # stop 40: split-K decode partitions combined by the last one to finish (fused) against the reduce kernel:
-    # the GPU tests first, then both settings alternating in one process
-    [ -z "$SKIP_TESTS" ] && python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_quant_kernels.py tests/test_quant_formats.py \
-      -k "decode or rotary or epilogues or norm_and_residual or int4_bf16_engine or tma_gemv" 2>&1 \
-      | tee "$OUT/gpu_tests_DR.log" | tail -3
-    mkdir -p "$OUT/decode_reduce"
-    [ -n "$SKIP_TESTS" ] && timeout 120 python3 bench/decode_split_sweep.py --reduce --out "$OUT/decode_reduce" 2>&1 | tail -5
-    timeout ${DR_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_DECODE_REDUCE --settings fused,kernel \
-      --formats ${FORMATS:-bf16,int4} --rounds ${ROUNDS:-3} --out "$OUT/decode_reduce" 2>&1 | grep -v "^ " | tail -12
-    ;;
-  LP)
-    # stop 40: the decode attention's idle split-K programs ask L2 for o_proj's weights (MINIVLLM_L2_PREFETCH_O)
-    mkdir -p "$OUT/l2_prefetch_o"
-    timeout ${LP_TIMEOUT:-400} python3 bench/pdl_bench.py --variable MINIVLLM_L2_PREFETCH_O --settings 1,0 \
-      --formats ${FORMATS:-int4,bf16} --rounds ${ROUNDS:-2} --out "$OUT/l2_prefetch_o" 2>&1 | grep -v "^ " | tail -12
-    ;;
   TS)
     timeout ${TS_TIMEOUT:-420} python3 bench/step_tile_search.py --passes ${PASSES:-1} --out "$OUT" --write-configs "$OUT" \
       > "$OUT/step_tile_search.log" 2>&1; grep -v "^  pass" "$OUT/step_tile_search.log" | tail -30

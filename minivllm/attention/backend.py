@@ -23,7 +23,7 @@ class AttentionBackend(abc.ABC):
                metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0, sliding_window: int | None = None,
                logits_soft_cap: float | None = None, key: torch.Tensor | None = None,
-               value: torch.Tensor | None = None, l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+               value: torch.Tensor | None = None) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim] -> output of the same shape, causal over the
         sequence's cached context plus its own query tokens. Query heads map to KV heads in groups
         (head h uses KV head h // (num_heads // num_kv_heads)). An fp8 cache's entries are read as
@@ -31,8 +31,7 @@ class AttentionBackend(abc.ABC):
         limits the query at position p to keys at p - W < k <= p; `logits_soft_cap` c replaces each
         scaled score s by c * tanh(s / c) before masking and softmax (None: off). `key`/`value`,
         when given, are this step's K/V exactly as just passed to `write_kv`: a backend may read
-        the query chunk's own keys from them rather than from the cache (same values). `l2_prefetch`:
-        tensors the next kernel reads (o_proj's weights), which a backend may ask L2 for while it attends."""
+        the query chunk's own keys from them rather than from the cache (same values)."""
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:

@@ -104,7 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0,
-               sliding_window=None, logits_soft_cap=None, key=None, value=None, l2_prefetch=()):
+               sliding_window=None, logits_soft_cap=None, key=None, value=None):
         # key/value equal what write_kv just stored: the oracle reads everything from the cache.
         query_start_loc = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()

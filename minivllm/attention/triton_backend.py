@@ -36,14 +36,14 @@ class TritonAttentionBackend(AttentionBackend):
                metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0, sliding_window: int | None = None,
                logits_soft_cap: float | None = None, key: torch.Tensor | None = None,
-               value: torch.Tensor | None = None, l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+               value: torch.Tensor | None = None) -> torch.Tensor:
         # Decode-only with one row per sequence: row i is sequence i's query (query_start_loc = arange).
         if metadata.is_decode_only and query.shape[0] == metadata.num_seqs:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables,
                                           metadata.seq_lens, scale,
                                           partition_size=self.decode_partition_size,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, l2_prefetch=l2_prefetch)
+                                          logits_soft_cap=logits_soft_cap)
         return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                        metadata.seq_lens, metadata.block_tables, scale,
                                        max_query_len=metadata.max_query_len,

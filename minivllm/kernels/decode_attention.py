@@ -7,10 +7,8 @@ Design:
 - GQA-aware: one program serves all query heads of one KV head, so each K/V tile is loaded once per
   group and the group's heads form the M dimension of a small matrix product.
 - Split-K ("flash-decoding"): the context is cut into partitions handled by separate programs, each
-  writing its running max, softmax sum and normalised partial output. This keeps the GPU busy when
-  batch x kv_heads is small. The last partition of a (sequence, KV head) to finish combines them: each
-  counts itself in on an arrival counter (`_arrival_counters`, reset by that last one), so no second
-  kernel runs between attention and o_proj (MINIVLLM_DECODE_REDUCE=kernel: the separate reduce kernel). Each sequence's partition size follows its
+  writing its running max, softmax sum and normalised partial output; a second kernel combines them.
+  This keeps the GPU busy when batch x kv_heads is small. Each sequence's partition size follows its
   own length (`sequence_partition_size`), so a short context in a graph captured for long ones is still
   cut finely (a 600-token context at batch 1: 8.5 instead of 12.5 us a layer on an H100,
   bench/results/decode_split_h100.json).
@@ -33,12 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import (launch_options, let_next_launch, prefetch_l2, wait_for_previous,
-                                  wait_for_previous_only)
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
-PREFETCH_CHUNK = 4096     # bytes a bulk L2 prefetch asks for
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
 
 
@@ -67,63 +63,11 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
-def _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq, first_head, num_heads,
-                        num_used, head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head,
-                        BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The outputs of heads first_head .. first_head + num_heads - 1 of `seq` from their first `num_used`
-    partitions: each normalised partial weighted by exp2(max - M) * sum, over chunks of CHUNK partitions
-    with a running M. No partition (an empty context) gives zeros."""
-    group = tl.arange(0, BLOCK_H)
-    heads = first_head + group
-    head_mask = group < num_heads
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    base = seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head
-    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for chunk in range(0, num_used, CHUNK):
-        splits = chunk + tl.arange(0, CHUNK)
-        used = head_mask[:, None] & (splits < num_used)[None, :]
-        offsets = base[:, None] + splits[None, :]
-        # .cg: other programs wrote these (L2), this one never cached them in L1
-        maxes = tl.load(partial_max_ptr + offsets, mask=used, other=float("-inf"), cache_modifier=".cg")
-        sums = tl.load(partial_sum_ptr + offsets, mask=used, other=0.0, cache_modifier=".cg")
-        # All the chunk's rows in one load (a loop over them was a chain of dependent loads)
-        partials = tl.load(partial_out_ptr + offsets[:, :, None] * head_dim + dims[None, None, :],
-                           mask=used[:, :, None] & dim_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(maxes, 1))
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)   # no -inf - -inf while all seen are empty
-        weights = tl.where(used, tl.math.exp2(maxes - m_ref[:, None]) * sums, 0.0)
-        alpha = tl.math.exp2(m_run - m_ref)
-        total = total * alpha + tl.sum(weights, 1)
-        acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * partials, 1)
-        m_run = m_new
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
-
-
-@triton.jit
-def _prefetch_share(ptr, nbytes, index, count, PDL: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """Program `index` of `count` asks L2 for its share of the `nbytes` at `ptr`: chunks of CHUNK bytes dealt
-    out LANES at a time, one bulk prefetch per thread."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    chunks = tl.cdiv(nbytes, CHUNK)
-    lanes = tl.arange(0, LANES)
-    for first in range(index * LANES, chunks, count * LANES):
-        chunk = first + lanes
-        start = chunk.to(tl.int64) * CHUNK
-        prefetch_l2(base + start, tl.minimum(nbytes - start, CHUNK), chunk < chunks, PDL)
-
-
 # The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
-        prefetch0_ptr, prefetch0_bytes, prefetch1_ptr, prefetch1_bytes, prefetch2_ptr, prefetch2_bytes,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
         qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
@@ -131,16 +75,8 @@ def _decode_partition_kernel(
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FUSE_REDUCE: tl.constexpr,
-        BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PREFETCHES: tl.constexpr, PREFETCH_CHUNK: tl.constexpr,
-        PDL: tl.constexpr):
-    # before the early return below too (see kernels/pdl.py). Fused, the next kernel (o_proj) launches only
-    # once each KV head's last partition starts combining, as it did at the reduce kernel's start: resident
-    # earlier, its weight prefetch slows the attention (int4 batch 1 383 against 392 tok/s, cb5e6fb).
-    if FUSE_REDUCE:
-        wait_for_previous_only(PDL)
-    else:
-        wait_for_previous(PDL)
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,22 +85,6 @@ def _decode_partition_kernel(
         partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
         start = split * partition
         if start >= seq_len:  # this partition lies past the context: no work, nothing written
-            if PREFETCHES > 0:   # (one sequence) while the others attend, ask L2 for what o_proj will read
-                num_used = (seq_len + partition - 1) // partition
-                idle = tl.num_programs(2) - num_used
-                index = kv_head * idle + split - num_used
-                count = tl.num_programs(1) * idle
-                _prefetch_share(prefetch0_ptr, prefetch0_bytes, index, count, PDL, PREFETCH_CHUNK, 128)
-                if PREFETCHES > 1:
-                    _prefetch_share(prefetch1_ptr, prefetch1_bytes, index, count, PDL, PREFETCH_CHUNK, 128)
-                if PREFETCHES > 2:
-                    _prefetch_share(prefetch2_ptr, prefetch2_bytes, index, count, PDL, PREFETCH_CHUNK, 128)
-            if FUSE_REDUCE:
-                if split == 0:   # an empty context, where no partition arrives: this one writes the zeros
-                    _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq,
-                                        kv_head * num_queries_per_kv, num_queries_per_kv, 0, head_dim,
-                                        out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head,
-                                        BLOCK_H, CHUNK, BLOCK_D)
             return
         end = tl.minimum(start + partition, seq_len)
     else:
@@ -221,18 +141,6 @@ def _decode_partition_kernel(
             l_i_safe = l_i
         tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :],
                  acc / l_i_safe[:, None], mask=out_mask)
-        if FUSE_REDUCE:
-            tl.debug_barrier()   # every thread's stores happen before the arrival that publishes them
-            arrivals = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-            num_used = (seq_len + partition - 1) // partition
-            if arrived == num_used - 1:   # the last of this (sequence, KV head): combine, then reset
-                let_next_launch(PDL)
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq,
-                                    kv_head * num_queries_per_kv, num_queries_per_kv, num_used, head_dim,
-                                    out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head,
-                                    BLOCK_H, CHUNK, BLOCK_D)
     else:
         # An empty context (padding row) yields zeros, as the reference does.
         denominator = tl.where(l_i > 0, l_i, 1.0)
@@ -252,9 +160,22 @@ def _decode_reduce_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     partition = _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION)
     num_used = (seq_len + partition - 1) // partition   # only these were written
-    _combine_partitions(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq, head, 1, num_used,
-                        head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head,
-                        1, MAX_SPLITS, BLOCK_D)
+    base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
+    split_ids = tl.arange(0, MAX_SPLITS)
+    used = split_ids < num_used
+    maxes = tl.load(partial_max_ptr + base + split_ids, mask=used, other=float("-inf"))
+    sums = tl.load(partial_sum_ptr + base + split_ids, mask=used, other=0.0)
+    global_max = tl.where(num_used > 0, tl.max(maxes, 0), 0.0)   # no -inf - -inf when empty
+    weights = tl.where(used, tl.math.exp2(maxes - global_max) * sums, 0.0)
+    total = tl.sum(weights, 0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    # All partitions' rows in one load (a loop over them was a chain of dependent loads)
+    partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
+                       mask=used[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * partials, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 @functools.cache
@@ -288,31 +209,6 @@ def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_
     return partition
 
 
-def fused_reduce_default() -> bool:
-    """MINIVLLM_DECODE_REDUCE: 'kernel' (the default; a second kernel) or 'fused' (the last partition combines)."""
-    setting = os.environ.get("MINIVLLM_DECODE_REDUCE", "kernel")
-    if setting not in ("fused", "kernel"):
-        raise ValueError(f"MINIVLLM_DECODE_REDUCE must be 'fused' or 'kernel', not {setting!r}")
-    return setting == "fused"
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """At least `count` int32 counters of this device, zero between kernels (the last arrival resets its
-    own), shared by every layer and step since those run one after another on the device. None while a
-    CUDA graph is being captured and the counters are too few: allocated then, they would live in the
-    graph's pool (a warm-up outside the capture, as the model runner does, allocates them first)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
-
-
 def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
     """(qk_scale, softcap_scale) for the kernels: without a cap, scores are dot * qk_scale in log2 units
     (softcap_scale unused); with cap c, tanh(dot * softcap_scale) * qk_scale = c * tanh(s / c) * log2(e)."""
@@ -343,18 +239,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            partition_size: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None,
-                           fuse_reduce: bool | None = None,
-                           l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
     `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
     read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
-    its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off).
-    `fuse_reduce`: split-K partitions combine in the partition kernel (None: `fused_reduce_default()`).
-    `l2_prefetch`: up to three contiguous tensors (16-byte multiples) that the split-K programs with no
-    partition of a single sequence ask L2 for (with PDL on Hopper; elsewhere ignored)."""
+    its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -390,20 +281,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_sum = torch.empty_like(partial_max)
     else:  # unused by the kernel; any tensor satisfies the signature
         partial_out = partial_max = partial_sum = out
-    arrivals = None
-    if split and (fused_reduce_default() if fuse_reduce is None else fuse_reduce):
-        arrivals = _arrival_counters(query.device, batch * num_kv_heads)
-    block_h = triton.next_power_of_2(num_queries_per_kv)
-    prefetch = [t for t in l2_prefetch if t.is_contiguous() and t.numel() * t.element_size() % 16 == 0
-                and t.data_ptr() % 16 == 0][:3] if split and batch == 1 else []
-    prefetch_args = []
-    for t in prefetch + [out] * (3 - len(prefetch)):
-        prefetch_args += [t, t.numel() * t.element_size() if t is not out else 0]
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     pdl = launch_options(query.device)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_max, partial_sum, out if arrivals is None else arrivals, *prefetch_args,
+        out, partial_out, partial_max, partial_sum,
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -411,13 +293,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        FUSE_REDUCE=arrivals is not None, BLOCK_H=block_h,
-        # chunks of at most 64 (head, partition) rows keep the combine's registers like the loop's
-        CHUNK=min(triton.next_power_of_2(num_splits), max(1, 64 // block_h)), PREFETCHES=len(prefetch),
-        PREFETCH_CHUNK=PREFETCH_CHUNK, **pdl,
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
         num_warps=num_warps, num_stages=num_stages)
-    if split and arrivals is None:
+    if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,

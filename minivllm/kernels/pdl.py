@@ -67,22 +67,6 @@ def wait_for_previous(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def wait_for_previous_only(PDL: tl.constexpr):
-    """`wait_for_previous` that leaves the successor's launch (PDL 1) to `let_next_launch`, called later by
-    the programs that still have work; a program that exits counts as having let it launch."""
-    if PDL == 2:
-        gdc_launch_dependents()
-    if PDL > 0:
-        gdc_wait()
-
-
-@triton.jit
-def let_next_launch(PDL: tl.constexpr):
-    if PDL == 1:
-        gdc_launch_dependents()
-
-
 _WAIT = tl.constexpr("griddepcontrol.wait; // $0")
 _LAUNCH_DEPENDENTS = tl.constexpr("griddepcontrol.launch_dependents; // $0")
 

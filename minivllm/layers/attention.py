@@ -59,10 +59,9 @@ class Attention(nn.Module):
         slot_mapping = get_forward_context().slot_mapping
         return (self.k_cache, self.v_cache, slot_mapping, self.num_kv_heads) if slot_mapping.numel() == 1 else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False,
-                l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]. `kv_written`: k and v are in the cache already
-        (`kv_write_target`). `l2_prefetch`: what the next kernel reads (`AttentionBackend.attend`)."""
+        (`kv_write_target`)."""
         meta = get_forward_context()
         query = q.view(-1, self.num_heads, self.head_dim)
         key = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -76,7 +75,7 @@ class Attention(nn.Module):
             out = self.backend.attend(query, self.k_cache, self.v_cache, meta, self.scale,
                                       self.k_scale, self.v_scale, sliding_window=self.sliding_window,
                                       logits_soft_cap=self.logits_soft_cap,
-                                      key=key, value=value, l2_prefetch=l2_prefetch)
+                                      key=key, value=value)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _attend_without_cache(self, query, key, value, meta: AttentionMetadata) -> torch.Tensor:

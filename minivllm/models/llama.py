@@ -13,8 +13,6 @@ Parameter names follow HF checkpoints except for packing: q/k/v live in `qkv_pro
 """
 from __future__ import annotations
 
-import os
-
 from collections import defaultdict
 from typing import Iterable
 
@@ -84,9 +82,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = self.rotary_emb(positions, q, k)
-        prefetch = tuple(self.o_proj.parameters()) if os.environ.get("MINIVLLM_L2_PREFETCH_O") == "1" else ()
-        out = self.attn(q.flatten(1), k.flatten(1), v, kv_written=rotated and kv_cache is not None,
-                        l2_prefetch=prefetch)
+        out = self.attn(q.flatten(1), k.flatten(1), v, kv_written=rotated and kv_cache is not None)
         return self.o_proj(out)
 
 
