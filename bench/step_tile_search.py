@@ -37,6 +37,7 @@ from bench.pdl_bench import recapture_graphs  # noqa: E402
 from bench.quant_bench import SINGLE, engine_options  # noqa: E402
 from bench.throughput import random_prompts, timed_generate, warm_up  # noqa: E402
 
+
 def extra_tiles() -> list:
     """Around stop 38's winner (32, 16, 3, 8, columns 4, rows 2, one program an SM, half): ring depth, stage size,
     warps, the thread's share, tile width; and gate_up's (64, 8, 2, 4, columns 8, two an SM) with 8 warps or one an
@@ -46,6 +47,8 @@ def extra_tiles() -> list:
             T(32, 16, 3, 8, 8, 2, 1, True), T(32, 16, 3, 8, 4, 4, 1, True), T(32, 16, 3, 16, 4, 2, 1, True),
             T(32, 16, 3, 4, 4, 2, 1, True), T(16, 16, 3, 8, 4, 2, 1, True), T(64, 16, 2, 8, 4, 2, 1, True),
             T(64, 8, 3, 8, 8, 2, 1, True), T(64, 8, 2, 8, 8, 2, 2, True)]
+
+
 ONE_ROW_KEYS = {"weight_only_rotary": "qkv_proj", "weight_only_silu_and_mul": "gate_up_proj"}
 
 

@@ -242,8 +242,6 @@ def test_stored_choices_are_taken_by_repr_and_only_from_the_candidates(tmp_path,
 def test_shipped_choices_are_current_one_row_candidates():
     """Every choice in kernels/configs/ is the repr of a current Gluon GEMV candidate (or of it with split 1), so
     a change of the candidates cannot silently leave a shipped file unused."""
-    import json
-
     from minivllm.kernels import tuning
     from minivllm.kernels.int4_gemm import tma_gemv_tiles
     files = sorted(tuning.CONFIG_DIR.glob("*.json"))
@@ -251,18 +249,16 @@ def test_shipped_choices_are_current_one_row_candidates():
     tiles = tma_gemv_tiles(1, 128, 4, torch.bfloat16, torch.device("cuda"))
     allowed = {repr(t) for t in tiles} | {repr((t, 1)) for t in tiles}
     for path in files:
-        choices = json.loads(path.read_text())["choices"]
+        choices = tuning._stored_choices(path)
         assert choices and set(choices.values()) <= allowed, path.name
 
 
 # ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------
 def _shipped_tiles() -> list[TmaGemvConfig]:
     """The Gluon tiles that kernels/configs/ hands the engine without timing: the GPU tests run each of them too."""
-    import json
-
     from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES
-    from minivllm.kernels.tuning import CONFIG_DIR
-    shipped = {v for path in CONFIG_DIR.glob("*.json") for v in json.loads(path.read_text())["choices"].values()}
+    from minivllm.kernels.tuning import CONFIG_DIR, _stored_choices
+    shipped = {v for path in CONFIG_DIR.glob("*.json") for v in _stored_choices(path).values()}
     return [t for t in TMA_GEMV_TILES if repr(t) in shipped or repr((t, 1)) in shipped]
 
 
