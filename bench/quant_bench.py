@@ -3,8 +3,10 @@
     python bench/quant_bench.py --out bench/results                  # 8B engine runs + GEMM table
     python bench/quant_bench.py --model llama-3-70b --formats int4,fp8 --skip-gemm --out bench/results
 
-Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128, int4-lmhead = the same
-with the LM head quantized too (GPTQ's `lm_head: true`), and fp8kv = bf16 weights with kv_cache_dtype="fp8"):
+Engine rows (per format: bf16, fp8 W8A8, int8 W8A8, int4 = GPTQ layout, group 128, symmetric (GPTQ's default
+`sym: true`: every zero point 8, which the one-row GEMV does not read), int4-asym = the same with asymmetric zero
+points (read in every group), int4-lmhead = int4 with the LM head quantized too (GPTQ's `lm_head: true`), and
+fp8kv = bf16 weights with kv_cache_dtype="fp8"):
 batch-1 decode tok/s (1 x 512 -> 128, median time per output token) and W1 (64 x 512 -> 256 output tok/s),
 each with its ratio to bf16, and the KV capacity (blocks and tokens at the same gpu_memory_utilization) with
 its ratio to bf16's. GEMM rows: y = x W^T for M in {1, 16, 64, 256, 4096}
@@ -39,7 +41,9 @@ from minivllm.kernels.tuning import cold_copy_count, device_seconds  # noqa: E40
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "gptq"}
 # formats named by a checkpoint's quantization_config (dummy weights of a config.json holding it)
 STORED_CONFIG = {"int4-lmhead": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-                                 "sym": True, "lm_head": True}}
+                                 "sym": True, "lm_head": True},
+                 "int4-asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                               "sym": False}}
 KV_CACHE_DTYPE = {"fp8kv": "fp8"}   # engine-only formats: bf16 weights, another KV cache dtype
 SINGLE, W1 = Workload(1, 512, 128), Workload(64, 512, 256)
 QUICK_SINGLE, QUICK_W1 = Workload(1, 16, 4), Workload(2, 16, 4)

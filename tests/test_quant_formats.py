@@ -162,6 +162,9 @@ def test_loader_reads_format_built_by_reference_packing(fmt, tmp_path):
     for name, weight in expected.items():
         parts = name.split(".")
         torch.testing.assert_close(loaded_weight(model, int(parts[2]), parts[4]), weight, rtol=0, atol=1e-6)
+    # symmetric checkpoints (every zero point 8) are marked so: the one-row GEMV then reads no zeros
+    sym = FORMATS[fmt][1]
+    assert {layer.zero_point for layer in model.modules() if hasattr(layer, "qweight")} == {8 if sym else None}
 
     sequences = [[3, 5, 7, 11, 13, 17], [19, 23, 29]]
     run = PagedRun(model, len(sequences), 8)
@@ -201,6 +204,9 @@ def test_dummy_weights_in_every_format_have_bf16_dummy_scale(quantization):
         w = layer.weight.float() * layer.weight_scale.view(-1, 1)
     assert model.quant_config.name == quantization
     assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 0.005
+    if hasattr(layer, "qweight"):   # dummy asymmetric weights have zero points the GEMVs must read, as real ones do
+        symmetric = quantization != "awq"
+        assert (layer.zero_point == 8) == symmetric and (layer.zeros.unique().numel() == 1) == symmetric
 
 
 def test_cli_quantization_flags():

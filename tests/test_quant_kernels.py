@@ -270,7 +270,8 @@ TMA_TILES += [t for t in _shipped_tiles() if t not in TMA_TILES]
 
 def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False, kv=False):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
-    triton.language patched for the interpreter, and a Gluon compile after it fails)."""
+    triton.language patched for the interpreter, and a Gluon compile after it fails); zero_dtype None: symmetric
+    weights, every zero point 8 (no zeros read)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -294,7 +295,8 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
     signature = dict(x_ptr=pointer, codes_desc=descriptor(torch.zeros(K // 8, N, dtype=torch.int32),
                                                           config.groups * group_rows),
                      scales_desc=descriptor(torch.zeros(K // group_size, N, dtype=dtype), config.groups),
-                     zeros_desc=descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
+                     zeros_desc="constexpr" if zero_dtype is None else
+                     descriptor(torch.zeros(K // group_size, N, dtype=zero_dtype), config.groups),
                      y_ptr=pointer, N="i32", K="i32", num_tiles="i32", tiles_per_row="i32", positions_ptr="*i64",
                      cos_sin_ptr="*fp32", cos_sin_stride="i32", rotated_heads="i32", norm_weight_ptr=pointer,
                      eps="fp32", residual_ptr=pointer, stream_ptr=pointer, k_cache_ptr=pointer, v_cache_ptr=pointer,
@@ -306,8 +308,10 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
                      FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, NORM=norm, ADD_RESIDUAL=add,
                      X_STEPS=triton.next_power_of_2(triton.cdiv(K, config.groups * group_size)) if norm else 1,
-                     WRITE_KV=kv, KV_BLOCK=16, PDL=1)
+                     WRITE_KV=kv, KV_BLOCK=16, SHARED_ZERO=8 if zero_dtype is None else None, PDL=1)
     signature.update({name: "constexpr" for name in constants})
+    if zero_dtype is None:
+        constants["zeros_desc"] = None
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
     return compiled.asm["ptx"], bool(compiled.asm["cubin"])
@@ -317,10 +321,13 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
     (TMA_TILES[0], 128, torch.bfloat16, torch.bfloat16, 0, False, False, False),
     (TMA_TILES[3], 32, torch.float16, torch.float32, 1, True, True, False),
     (TMA_TILES[5], 64, torch.bfloat16, torch.float32, 2, True, False, False),
-    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 2, False, False, True)])
+    (TMA_TILES[4], 128, torch.bfloat16, torch.bfloat16, 2, False, False, True),
+    (TMA_TILES[2], 128, torch.bfloat16, None, 1, True, True, False),
+    (TMA_TILES[4], 128, torch.float16, None, 2, True, False, True)])
 def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, dtype, zero_dtype, epilogue, norm,
                                                             add, kv):
-    """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros), the ring's first STAGES
+    """The kernel is what it claims: three TMA copies a stage (codes, scales, zeros; two for symmetric weights,
+    whose zeros it does not read), the ring's first STAGES
     of them issued before griddepcontrol.wait and the rest inside the K loop after it; x read after the wait,
     the loop's x loads (the next step's) ahead of its stage wait, or, normed, the stream read once before the
     loop (the norm's weights before the wait; the residual after it, their sum stored once) and x from shared
@@ -334,8 +341,9 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     lines = ptx.splitlines()
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.shared::cluster.global" in line]
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    assert len(copies) == 3 * (config.stages + 1)
-    assert sum(i < wait for i in copies) == 3 * config.stages
+    per_stage = 3 if zero_dtype is not None else 2
+    assert len(copies) == per_stage * (config.stages + 1)
+    assert sum(i < wait for i in copies) == per_stage * config.stages
     loads = [i for i, line in enumerate(lines) if "ld.global" in line]
     stage_waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
     assert stage_waits
@@ -462,6 +470,54 @@ def test_tma_gemv_rotary_matches_reference(config, K, head_dim, heads, rotated, 
             expected_k[slot // 16, slot % 16] = heads_out[rotated - kv_heads:rotated]
             expected_v[slot // 16, slot % 16] = heads_out[rotated:]
         assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", TMA_TILES)
+@pytest.mark.parametrize("K,group_size,dtype", [(640, 128, torch.bfloat16), (4096, 128, torch.bfloat16),
+                                                (1056, 32, torch.float16)])
+def test_tma_gemv_shared_zero_point_gives_the_bits_of_reading_zeros(config, K, group_size, dtype):
+    """Symmetric weights (every zero point 8): with zero_point=8 the kernel streams no zeros and gives the same
+    bits as when it reads them, for the plain, the gated (normed, residual added: the same stream) and the rotary
+    (the same KV rows written) epilogues; against the reference too. Unset, the zeros given are what it uses."""
+    from minivllm.kernels.int4_gemv_tma import KVWrite, Rotary, RowNorm, int4_gemv_tma, layout_split
+    from minivllm.layers.rotary import RotaryEmbedding, default_inv_freq
+    if torch.cuda.get_device_capability() != (9, 0) or layout_split(config, group_size // 8) is None:
+        pytest.skip("the Gluon GEMV is Hopper's; the tile must divide the group")
+    N, head_dim = 768, 128
+    qweight, scales, zeros = random_weights(K, N, group_size, 4, dtype, seed=K)
+    eights = torch.full_like(zeros, 8)
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(5)) * 2).to(dtype).to(DEVICE)
+    residual = (torch.randn(1, K, generator=torch.Generator().manual_seed(8)) * 2).to(dtype).to(DEVICE)
+    weight = (1 + 0.3 * torch.randn(K, generator=torch.Generator().manual_seed(6))).to(dtype).to(DEVICE)
+    rope = RotaryEmbedding(head_dim, 2048, default_inv_freq(head_dim, 10000.0)).to(DEVICE)
+    epilogues = ["plain", "gated"]
+    if (head_dim // 2) % (config.block_n // 2) == 0 and dtype == torch.bfloat16:
+        epilogues.append("rotary")
+    for epilogue in epilogues:
+        runs = []
+        for given, zero_point in ((eights, None), (zeros, 8)):   # zeros read / not read (any values there)
+            caches = torch.zeros(2, 8, 16, 1, head_dim, device=DEVICE, dtype=dtype)
+            stream = torch.empty_like(x)
+            options = {"gated": {"gated": True, "norm": RowNorm(weight, 1e-5, residual, stream)},
+                       "rotary": {"rotary": Rotary(torch.tensor([37], device=DEVICE), rope.cos_sin_cache, head_dim,
+                                                   5, KVWrite(caches[0], caches[1],
+                                                              torch.tensor([21], device=DEVICE), 1))}}
+            y = int4_gemv_tma(x, qweight, scales, given, group_size, config, zero_point=zero_point,
+                              **options.get(epilogue, {}))
+            runs.append((y, stream, caches))
+        (y_read, stream_read, caches_read), (y_shared, stream_shared, caches_shared) = runs
+        assert torch.equal(y_shared, y_read)
+        if epilogue == "gated":
+            assert torch.equal(stream_shared, stream_read)
+        if epilogue == "rotary":
+            assert torch.equal(caches_shared, caches_read) and caches_read.abs().sum() > 0
+        if epilogue == "plain":
+            reference = weight_only_gemm_reference(x.float(), qweight, scales, eights, group_size, 4)
+            torch.testing.assert_close(y_shared.float(), reference, rtol=3e-3,
+                                       atol=3e-3 * reference.abs().max().item())
+            assert not torch.equal(int4_gemv_tma(x, qweight, scales, zeros, group_size, config), y_shared)
 
 
 @pytest.mark.gpu

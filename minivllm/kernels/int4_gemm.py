@@ -379,14 +379,14 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
 
 
 def _triton_gemm(x, qweight, scales, zeros, group_size, bits, config: GemmConfig | GemvConfig | TmaGemvConfig,
-                 split_k: int) -> torch.Tensor:
+                 split_k: int, zero_point: int | None = None) -> torch.Tensor:
     M, K = x.shape
     N = qweight.shape[1]
     if isinstance(config, TmaGemvConfig):
         if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size):
             raise ValueError(f"{config} needs 4-bit codes, one row of 16-bit x on an sm_90 GPU, a group size in "
                              f"{TMA_GEMV_GROUP_SIZES} and 16-byte aligned weight rows")
-        return int4_gemv_tma(x, qweight, scales, zeros, group_size, config)
+        return int4_gemv_tma(x, qweight, scales, zeros, group_size, config, zero_point=zero_point)
     if isinstance(config, GemvConfig):
         return _gemv(x, qweight, scales, zeros, group_size, bits, config, split_k)
     block_m, block_n, block_k, warps, stages, fast = config
@@ -443,7 +443,7 @@ def _gemv(x, qweight, scales, zeros, group_size, bits, config: GemvConfig, split
 
 
 def _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, **epilogue) -> torch.Tensor | None:
-    """The Gluon GEMV with `epilogue` (int4_gemv_tma's gated / rotary / norm), on `config` or on the
+    """The Gluon GEMV with `epilogue` (int4_gemv_tma's gated / rotary / norm / zero_point), on `config` or on the
     fastest of `tiles` for the tuning key `key` (timed once, cold); None where no tile serves it."""
     if config is None and not tiles:
         return None
@@ -460,41 +460,46 @@ def _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, ke
 
 def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                                   group_size: int, bits: int = 4, config: TmaGemvConfig | None = None,
-                                  norm: RowNorm | None = None) -> torch.Tensor | None:
+                                  norm: RowNorm | None = None, zero_point: int | None = None) -> torch.Tensor | None:
     """silu(x @ W_gate) * (x @ W_up) [1, N / 2] for W = [gate | up] (gate_up_proj's columns) from one kernel: the
     Gluon GEMV with the activation in its epilogue, which saves the activation's launch and round trip; with
     `norm`, RMSNorm(x [+ residual]) is what multiplies W (the norm's kernel saved too, int4_gemv_tma.RowNorm). None
     where that kernel does not serve the call (not one row of 16-bit x on an sm_90 GPU, 4-bit codes, aligned
-    halves); the caller then runs the norm, the GEMM and the activation."""
+    halves); the caller then runs the norm, the GEMM and the activation. zero_point: see `weight_only_gemm`."""
     if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size, gated=True, norm=norm):
         return None
     tiles = tma_gemv_tiles(x.shape[0], group_size, bits, x.dtype, x.device)
     key = ("weight_only_silu_and_mul", x.dtype, group_size, qweight.shape[1], x.shape[1])
-    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, gated=True, norm=norm)
+    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, gated=True, norm=norm,
+                               zero_point=zero_point)
 
 
 def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             group_size: int, bits: int, rotary: Rotary, config: TmaGemvConfig | None = None,
-                            norm: RowNorm | None = None) -> torch.Tensor | None:
+                            norm: RowNorm | None = None, zero_point: int | None = None) -> torch.Tensor | None:
     """x @ W [1, N] for qkv_proj's W (heads of rotary.head_dim columns) with the first rotary.rotated_heads
     heads (q and k) rotated at rotary.positions, from one kernel (the Gluon GEMV with the rotation in its
     epilogue: the rotary kernel's launch and round trip saved); with `norm`, of RMSNorm(x [+ residual])
     (int4_gemv_tma.RowNorm). None where that kernel does not serve the call; the caller then runs the norm, the
-    GEMM and the rotary kernel."""
+    GEMM and the rotary kernel. zero_point: see `weight_only_gemm`."""
     if (bits != 4 or qweight.shape[1] % rotary.head_dim
             or not tma_gemv_supported(x, qweight, scales, zeros, group_size, norm=norm)):
         return None
     tiles = [t for t in tma_gemv_tiles(x.shape[0], group_size, bits, x.dtype, x.device)
              if (rotary.head_dim // 2) % (t.block_n // 2) == 0]
     key = ("weight_only_rotary", x.dtype, group_size, qweight.shape[1], x.shape[1], rotary.head_dim)
-    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, rotary=rotary, norm=norm)
+    return _gemv_with_epilogue(x, qweight, scales, zeros, group_size, tiles, config, key, rotary=rotary, norm=norm,
+                               zero_point=zero_point)
 
 
 def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int = 4, split_k: int | None = None,
-                     config: GemmConfig | GemvConfig | TmaGemvConfig | None = None) -> torch.Tensor:
+                     config: GemmConfig | GemvConfig | TmaGemvConfig | None = None,
+                     zero_point: int | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) -> [M, N] in x's dtype. `config` / `split_k` fix the tile (tests, sweeps);
-    otherwise it is timed per shape on the GPU (kernels/tuning.py)."""
+    otherwise it is timed per shape on the GPU (kernels/tuning.py). zero_point: the value of every entry of
+    `zeros` where they are all one (symmetric weights); the Gluon GEMV then does not read them, the other
+    kernels do."""
     M, K = x.shape
     N = qweight.shape[1]
     x = x.contiguous()
@@ -507,12 +512,12 @@ def weight_only_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         if split_k is None:
             split_k = 1 if isinstance(config, TmaGemvConfig) else \
                 choose_split_k(M, N, K, config.block_m, config.block_n, config.block_k, num_sms(x.device))
-        return _triton_gemm(*args, config, split_k)
+        return _triton_gemm(*args, config, split_k, zero_point)
 
     def run(choice, qweight=qweight, scales=scales, zeros=zeros):
         if choice is None:
             return x @ dequantize_triton(qweight, scales, zeros, group_size, bits, K, x.dtype)
-        return _triton_gemm(x, qweight, scales, zeros, group_size, bits, *choice)
+        return _triton_gemm(x, qweight, scales, zeros, group_size, bits, *choice, zero_point)
     bucket = 1 << max(0, M - 1).bit_length()
     default = (default_config(M), choose_split_k(M, N, K, *default_config(M)[:3], num_sms(x.device)))
     choice = tuning.pick(("weight_only", x.dtype, bits, group_size, bucket, N, K),

@@ -129,10 +129,11 @@ def _tile_origin(tile, tiles_per_row, WIDTH: gl.constexpr):
 
 @gluon.jit
 def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, first_tile, num_programs,
-           k_steps, tiles_per_row, STAGES: gl.constexpr):
-    """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES. The
-    descriptors view the weights as [rows, heads, halves, columns]: a tile is the same WIDTH columns of each
-    half of one head, so paired columns (gate and up; a head's rotary pairs d and d + D / 2) share a tile."""
+           k_steps, tiles_per_row, STAGES: gl.constexpr, READ_ZEROS: gl.constexpr):
+    """TMA copies of step `step` (this program's tiles in order, K fastest) into stage step % STAGES; the
+    zeros' only where READ_ZEROS. The descriptors view the weights as [rows, heads, halves, columns]: a tile is
+    the same WIDTH columns of each half of one head, so paired columns (gate and up; a head's rotary pairs d and
+    d + D / 2) share a tile."""
     ROWS: gl.constexpr = codes_desc.block_type.shape[0]
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
@@ -140,11 +141,15 @@ def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full
     head, n0 = _tile_origin(first_tile + (step // k_steps) * num_programs, tiles_per_row, WIDTH)
     k_step = step % k_steps
     bar = full.index(stage)
-    mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
-                    + zeros_desc.block_type.nbytes)
+    if READ_ZEROS:
+        mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
+                        + zeros_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, head, 0, n0], bar, codes.index(stage))
     tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, head, 0, n0], bar, scales.index(stage))
-    tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, head, 0, n0], bar, zeros.index(stage))
+    if READ_ZEROS:
+        tma.async_copy_global_to_shared(zeros_desc, [k_step * GROUPS, head, 0, n0], bar, zeros.index(stage))
 
 
 @gluon.jit
@@ -368,7 +373,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
                           FRACTIONAL_ZEROS: gl.constexpr, EPILOGUE: gl.constexpr, NORM: gl.constexpr,
                           ADD_RESIDUAL: gl.constexpr, X_STEPS: gl.constexpr, WRITE_KV: gl.constexpr,
-                          KV_BLOCK: gl.constexpr, PDL: gl.constexpr):
+                          KV_BLOCK: gl.constexpr, SHARED_ZERO: gl.constexpr, PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     HALVES: gl.constexpr = codes_desc.block_type.shape[2]
     WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
@@ -389,7 +394,11 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
 
     codes = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS * GROUP_ROWS, 1, HALVES, WIDTH], codes_desc.layout)
     scales = gl.allocate_shared_memory(scales_desc.dtype, [STAGES, GROUPS, 1, HALVES, WIDTH], scales_desc.layout)
-    zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, 1, HALVES, WIDTH], zeros_desc.layout)
+    READ_ZEROS: gl.constexpr = SHARED_ZERO is None
+    if READ_ZEROS:
+        zeros = gl.allocate_shared_memory(zeros_desc.dtype, [STAGES, GROUPS, 1, HALVES, WIDTH], zeros_desc.layout)
+    else:   # symmetric weights: every group's zero point is SHARED_ZERO, and their bytes stay in HBM
+        zeros = scales
     y_buffer = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -399,7 +408,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
     for s in gl.static_range(STAGES):   # weights only: before the wait, while the previous kernel runs
         if s < total:
             _issue(s, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid, num_programs, k_steps,
-                   tiles_per_row, STAGES)
+                   tiles_per_row, STAGES, READ_ZEROS)
     if NORM:   # RMSNorm(x [+ residual]) * weight, staged once (the norm's weights read before the wait)
         RPS: gl.constexpr = GROUPS * GROUP_ROWS
         NUM_WARPS: gl.constexpr = WARPS_G * WARPS_N
@@ -436,11 +445,14 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         mbarrier.wait(full.index(stage), (step // STAGES) & 1)
         words = codes.index(stage).reshape([GROUPS, CHUNKS, ROWS, BLOCK_N]).load(layout)
         scale = scales.index(stage).reshape([GROUPS, BLOCK_N]).load(group_layout).to(gl.float32)
-        zero = zeros.index(stage).reshape([GROUPS, BLOCK_N]).load(group_layout).to(gl.float32)
+        if READ_ZEROS:
+            zero = zeros.index(stage).reshape([GROUPS, BLOCK_N]).load(group_layout).to(gl.float32)
+        else:
+            zero = gl.full([GROUPS, BLOCK_N], SHARED_ZERO, gl.float32, group_layout)
         gl.thread_barrier()   # every warp holds the stage: it may be refilled
         if step + STAGES < total:
             _issue(step + STAGES, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full, pid,
-                   num_programs, k_steps, tiles_per_row, STAGES)
+                   num_programs, k_steps, tiles_per_row, STAGES, READ_ZEROS)
         if HALF:
             acc += _half_step(words, xa, xb, xc, xd, scale, zero, IS_BF16, FRACTIONAL_ZEROS)
         else:
@@ -542,12 +554,14 @@ def kv_write_supported(x: torch.Tensor, kv: KVWrite, head_dim: int) -> bool:
 
 def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, config: TmaGemvConfig, gated: bool = False, rotary: Rotary | None = None,
-                  norm: RowNorm | None = None) -> torch.Tensor:
+                  norm: RowNorm | None = None, zero_point: int | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W in x's dtype (`supported` must hold). gated: W's columns are two halves (gate_up:
     gate, then up) and y [1, N / 2] = silu(x @ W_gate) * (x @ W_up), each tile BLOCK_N / 2 columns of both.
     rotary: W's columns are heads of `rotary.head_dim` (qkv_proj) and y has the first `rotary.rotated_heads`
     rotated at the position (neox pairs d, d + head_dim / 2 in one tile). norm: the product is RMSNorm(x) @ W,
-    or RMSNorm(x + norm.residual) @ W with x + norm.residual written to norm.stream (any epilogue)."""
+    or RMSNorm(x + norm.residual) @ W with x + norm.residual written to norm.stream (any epilogue). zero_point:
+    the zero point every group has (symmetric weights: `zeros` is all of it), which the kernel then takes as a
+    constant instead of streaming `zeros` (1/34 of an int4 group's bytes at group 128)."""
     K = x.shape[1]
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
@@ -588,16 +602,18 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     kv_args = (kv.k_cache, kv.v_cache, kv.slot_mapping, *kv.k_cache.stride()[:3], rotary.rotated_heads - kv.kv_heads,
                kv.kv_heads) if kv is not None else (y, y, y, 0, 0, 0, 0, 0)
     _int4_gemv_tma_kernel[grid](
-        x, descriptor(qweight, rows), descriptor(scales, config.groups), descriptor(zeros, config.groups), y, N, K,
+        x, descriptor(qweight, rows), descriptor(scales, config.groups),
+        descriptor(zeros, config.groups) if zero_point is None else None, y, N, K,
         num_tiles, tiles_per_row, positions, cos_sin, cos_sin.stride(0), rotary.rotated_heads if rotary else 0,
         x if norm is None else norm.weight, norm.eps if norm else 0.0,
         *((x, x) if norm is None or norm.residual is None else (norm.residual, norm.stream)), *kv_args,
         STAGES=config.stages, GROUP_ROWS=group_rows, COLUMNS=config.columns, ROWS=config.rows,
         THREADS_G=threads_g, THREADS_R=threads_r, THREADS_N=threads_n, WARPS_G=warps_g, WARPS_N=warps_n,
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
-        FRACTIONAL_ZEROS=zeros.dtype == torch.float32, EPILOGUE=epilogue, NORM=norm is not None,
+        FRACTIONAL_ZEROS=zero_point is None and zeros.dtype == torch.float32, EPILOGUE=epilogue, NORM=norm is not None,
         ADD_RESIDUAL=norm is not None and norm.residual is not None,
         X_STEPS=triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 1,
-        WRITE_KV=kv is not None, KV_BLOCK=kv.k_cache.shape[1] if kv is not None else 1, PDL=pdl,
+        WRITE_KV=kv is not None, KV_BLOCK=kv.k_cache.shape[1] if kv is not None else 1,
+        SHARED_ZERO=None if zero_point is None else int(zero_point), PDL=pdl,
         num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
     return y

@@ -49,6 +49,7 @@ class GPTQLinearMethod(WeightOnlyLinearMethod):
         super().__init__(config.bits, config.group_size)
         self.config = config
         self.zero_offset = config.zero_offset
+        self.symmetric = config.sym
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         pf = pack_factor(self.bits)

@@ -15,6 +15,7 @@ from minivllm.quantization.packing import weight_only_gemm_reference
 
 class WeightOnlyLinearMethod:
     zero_offset = 0   # what the checkpoint's stored zero points lack (GPTQ v1 stores zero - 1)
+    symmetric = False   # the format's zero points are 2^(bits - 1) (dummy weights then have no others)
 
     def __init__(self, bits: int, group_size: int):
         self.bits = bits
@@ -22,14 +23,21 @@ class WeightOnlyLinearMethod:
 
     @torch.no_grad()
     def init_dummy_weights(self, layer: nn.Module) -> None:
-        """Codes uniform over every field, zero points at mid-range, scales giving weights of std ~0.02."""
+        """Codes uniform over every field, zero points at mid-range (asymmetric formats: each field one of the four
+        codes around it, so that the GEMVs read zeros as they would a real asymmetric checkpoint's), scales giving
+        weights of std ~0.02."""
         mid = (1 << (self.bits - 1)) - self.zero_offset
         word = sum(mid << (i * self.bits) for i in range(32 // self.bits))
         for name, param in layer.named_parameters(recurse=False):
             if name in ("qweight", "weight_packed"):
                 param.random_(-(1 << 31), (1 << 31) - 1)
             elif "zero" in name and not param.is_floating_point():
-                param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+                if self.symmetric:
+                    param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+                else:
+                    fields = torch.randint(mid - 2, mid + 2, (*param.shape, 32 // self.bits), device=param.device)
+                    words = (fields << torch.arange(0, 32, self.bits, device=param.device)).sum(-1)
+                    param.copy_(torch.where(words >= 1 << 31, words - (1 << 32), words))
             elif "scale" in name:
                 param.fill_(0.02 / (1 << (self.bits - 1)) * 1.7)
 
@@ -47,6 +55,10 @@ class WeightOnlyLinearMethod:
         layer.scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
         layer.register_buffer("perm", perm, persistent=False)
+        # every group's zero point the symmetric one (GPTQ `sym`, compressed-tensors): the one-row GEMV takes it as a
+        # constant and streams codes and scales only, as vLLM's GPTQ-Marlin does for `sym` checkpoints
+        mid = 1 << (self.bits - 1)
+        layer.zero_point = mid if bool((layer.zeros == mid).all()) else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
@@ -56,7 +68,8 @@ class WeightOnlyLinearMethod:
         group_size, _ = self.groups(layer.input_size)
         if x.is_cuda:
             from minivllm.kernels.int4_gemm import weight_only_gemm
-            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
+            out = weight_only_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
+                                   zero_point=layer.zero_point)
         else:
             out = weight_only_gemm_reference(x, layer.qweight, layer.scales, layer.zeros, group_size, self.bits)
         if bias is not None:
@@ -104,7 +117,7 @@ class WeightOnlyLinearMethod:
         from minivllm.kernels.int4_gemm import weight_only_gemv_silu_and_mul
         group_size, _ = self.groups(layer.input_size)
         out = weight_only_gemv_silu_and_mul(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
-                                            norm=self._row_norm(norm))
+                                            norm=self._row_norm(norm), zero_point=layer.zero_point)
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def apply_rotary(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -125,5 +138,5 @@ class WeightOnlyLinearMethod:
         group_size, _ = self.groups(layer.input_size)
         out = weight_only_gemv_rotary(row, layer.qweight, layer.scales, layer.zeros, group_size, self.bits,
                                       Rotary(positions, cos_sin_cache, head_dim, rotated_heads, kv),
-                                      norm=self._row_norm(norm))
+                                      norm=self._row_norm(norm), zero_point=layer.zero_point)
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
