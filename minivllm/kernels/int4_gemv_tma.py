@@ -50,6 +50,7 @@ No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -563,6 +564,8 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     the zero point every group has (symmetric weights: `zeros` is all of it), which the kernel then takes as a
     constant instead of streaming `zeros` (1/34 of an int4 group's bytes at group 128)."""
     K = x.shape[1]
+    if os.environ.get("MINIVLLM_SHARED_ZERO") == "0":   # A/B switch (temporary)
+        zero_point = None
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
