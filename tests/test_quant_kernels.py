@@ -268,7 +268,8 @@ TMA_TILES = [TmaGemvConfig(32, 8, 3, 8), TmaGemvConfig(16, 8, 2, 4, rows=2, per_
 TMA_TILES += [t for t in _shipped_tiles() if t not in TMA_TILES]
 
 
-def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False, kv=False):
+def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False, kv=False,
+                               reserve=0):
     """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
     triton.language patched for the interpreter, and a Gluon compile after it fails); zero_dtype None: symmetric
     weights, every zero point 8 (no zeros read)."""
@@ -308,7 +309,8 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
                      IS_BF16=dtype == torch.bfloat16, EVEN_K=False, HALF=config.half,
                      FRACTIONAL_ZEROS=zero_dtype == torch.float32, EPILOGUE=epilogue, NORM=norm, ADD_RESIDUAL=add,
                      X_STEPS=triton.next_power_of_2(triton.cdiv(K, config.groups * group_size)) if norm else 1,
-                     WRITE_KV=kv, KV_BLOCK=16, SHARED_ZERO=8 if zero_dtype is None else None, PDL=1)
+                     WRITE_KV=kv, KV_BLOCK=16, SHARED_ZERO=8 if zero_dtype is None else None, RESERVE=reserve,
+                     PDL=1)
     signature.update({name: "constexpr" for name in constants})
     if zero_dtype is None:
         constants["zeros_desc"] = None

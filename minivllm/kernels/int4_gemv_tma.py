@@ -374,7 +374,8 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
                           IS_BF16: gl.constexpr, EVEN_K: gl.constexpr, HALF: gl.constexpr,
                           FRACTIONAL_ZEROS: gl.constexpr, EPILOGUE: gl.constexpr, NORM: gl.constexpr,
                           ADD_RESIDUAL: gl.constexpr, X_STEPS: gl.constexpr, WRITE_KV: gl.constexpr,
-                          KV_BLOCK: gl.constexpr, SHARED_ZERO: gl.constexpr, PDL: gl.constexpr):
+                          KV_BLOCK: gl.constexpr, SHARED_ZERO: gl.constexpr, RESERVE: gl.constexpr,
+                          PDL: gl.constexpr):
     GROUPS: gl.constexpr = scales_desc.block_type.shape[0]
     HALVES: gl.constexpr = codes_desc.block_type.shape[2]
     WIDTH: gl.constexpr = codes_desc.block_type.shape[3]
@@ -402,6 +403,8 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         zeros = scales
     y_buffer = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if RESERVE > 0:   # shared memory held only to keep other GEMVs' programs off this SM (`reserve_bytes`)
+        reserve = gl.allocate_shared_memory(gl.int32, [RESERVE // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
     fence_async_shared()
@@ -466,6 +469,8 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
             _store_tile(y_ptr, acc, y_buffer, head, n0, N, positions_ptr, cos_sin_ptr, cos_sin_stride, rotated_heads,
                         kv, out_layout, EPILOGUE, BLOCK_N, WARPS_G * WARPS_N, WRITE_KV, KV_BLOCK)
             acc = gl.zeros([GROUPS, CHUNKS, BLOCK_N], gl.float32, chunk_layout)
+    if RESERVE > 0:   # a use at the end: the buffer is live all along, so nothing else is placed in it
+        reserve.slice(0, 32).store(gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [WARPS_G * WARPS_N], [0])))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
 
@@ -564,8 +569,10 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     the zero point every group has (symmetric weights: `zeros` is all of it), which the kernel then takes as a
     constant instead of streaming `zeros` (1/34 of an int4 group's bytes at group 128)."""
     K = x.shape[1]
-    if os.environ.get("MINIVLLM_SHARED_ZERO") == "0":   # A/B switch (temporary)
+    ab = os.environ.get("MINIVLLM_GEMV_AB", "shared")   # A/B switch (temporary)
+    if ab == "read":
         zero_point = None
+    reserve = int(os.environ.get("MINIVLLM_GEMV_RESERVE", "32768")) if ab == "reserve" else 0
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
@@ -617,6 +624,6 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         ADD_RESIDUAL=norm is not None and norm.residual is not None,
         X_STEPS=triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 1,
         WRITE_KV=kv is not None, KV_BLOCK=kv.k_cache.shape[1] if kv is not None else 1,
-        SHARED_ZERO=None if zero_point is None else int(zero_point), PDL=pdl,
+        SHARED_ZERO=None if zero_point is None else int(zero_point), RESERVE=reserve, PDL=pdl,
         num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
     return y
