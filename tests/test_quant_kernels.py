@@ -1,6 +1,7 @@
 """The Triton weight-only GEMM against its dequantize + matmul reference, on odd shapes (K not a
 multiple of the tile, a ragged last group, N not a multiple of the tile), with and without split-K.
 Under TRITON_INTERPRET=1 without CUDA; the `gpu` test uses 8B layer shapes in bf16."""
+import itertools
 import os
 
 import torch
@@ -316,7 +317,7 @@ def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0
         constants["zeros_desc"] = None
     compiled = triton.compile(GluonASTSource(tma._int4_gemv_tma_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
-    return compiled.asm["ptx"], bool(compiled.asm["cubin"])
+    return compiled.asm["ptx"], bool(compiled.asm["cubin"]), compiled.metadata.shared
 
 
 @pytest.mark.parametrize("config,group_size,dtype,zero_dtype,epilogue,norm,add,kv", [
@@ -337,8 +338,8 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     cache after y's); one LOP3 per weight."""
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        ptx, has_cubin = pool.apply(_compile_tma_gemv_for_sm90,
-                                    (config, group_size, dtype, zero_dtype, epilogue, norm, add, kv))
+        ptx, has_cubin, _ = pool.apply(_compile_tma_gemv_for_sm90,
+                                       (config, group_size, dtype, zero_dtype, epilogue, norm, add, kv))
     assert has_cubin
     lines = ptx.splitlines()
     copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.shared::cluster.global" in line]
@@ -371,6 +372,47 @@ def test_tma_gemv_compiles_to_tma_loads_before_the_pdl_wait(config, group_size, 
     else:
         assert sum("lop3.b32" in line and ("0x41800000" in line or "0x3F800000" in line) for line in lines) \
             == weights_per_thread
+
+
+def _shared_memory_of_variants(variants):
+    return [_compile_tma_gemv_for_sm90(*variant)[2] for variant in variants]
+
+
+def test_tma_gemv_shared_memory_and_what_it_reserves():
+    """`shared_bytes` is the compiled kernel's shared memory less under 2 KB of the compiler's scratch (zeros read
+    or not, normed or not), the reserved buffer adds its whole size, and with `reserved_bytes` on an H100 (228 KB
+    an SM, 1 KB more a CTA) the shipped tiles' programs fit `per_sm` to an SM, and an SM holding that many has no
+    room for a program of another (each shipped tile, normed or not)."""
+    import multiprocessing
+
+    import triton
+    from minivllm.kernels.int4_gemv_tma import CTA_RESERVED_BYTES, reserved_bytes, shared_bytes
+    tiles = _shipped_tiles()
+    K = 1024
+    variants, estimates = [], []
+    for config, zero_dtype, norm in itertools.product(tiles[:2] + TMA_TILES[:2], (torch.bfloat16, None),
+                                                      (False, True)):
+        variants.append((config, 128, torch.bfloat16, zero_dtype, 1 if config.block_n % 16 == 0 else 0, norm,
+                         norm, False))
+        x_steps = triton.next_power_of_2(triton.cdiv(K, config.groups * 16 * 8)) if norm else 0
+        estimates.append(shared_bytes(config, 16, 2, 0 if zero_dtype is None else 2, x_steps))
+    variants.append(variants[0][:-1] + (False, 32768))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        compiled = pool.apply(_shared_memory_of_variants, (variants,))
+    for estimate, actual in zip(estimates, compiled):
+        assert estimate <= actual < estimate + 2048
+    assert compiled[-1] == compiled[0] + 32768
+
+    sm = 228 * 1024
+    held = []   # the least a program holds: its buffers, no scratch, the reservation and the CTA's 1 KB
+    for tile in tiles:
+        for normed in (False, True):
+            x_steps = triton.next_power_of_2(triton.cdiv(4096, tile.groups * 16 * 8)) if normed else 0
+            used = shared_bytes(tile, 16, 2, 0, x_steps)   # symmetric zeros
+            held.append((tile.per_sm, used + reserved_bytes(tile, used, sm) + CTA_RESERVED_BYTES))
+            assert tile.per_sm * (held[-1][1] + 2048) <= sm   # with the most scratch
+    for (per_sm, a), (_, b) in itertools.permutations(held, 2):
+        assert per_sm * a + b > sm
 
 
 def test_tma_gemv_layout_split_and_refusals():

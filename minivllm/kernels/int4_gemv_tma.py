@@ -403,7 +403,7 @@ def _int4_gemv_tma_kernel(x_ptr, codes_desc, scales_desc, zeros_desc, y_ptr, N, 
         zeros = scales
     y_buffer = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if RESERVE > 0:   # shared memory held only to keep other GEMVs' programs off this SM (`reserve_bytes`)
+    if RESERVE > 0:   # shared memory held only to keep other GEMVs' programs off this SM (`reserved_bytes`)
         reserve = gl.allocate_shared_memory(gl.int32, [RESERVE // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
@@ -523,6 +523,35 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
                for t in (qweight, scales, zeros))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_shared_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor
+
+
+CTA_RESERVED_BYTES = 1024   # the shared memory the hardware sets aside for each resident CTA (sm_80 on)
+
+
+def shared_bytes(config: TmaGemvConfig, group_rows: int, scale_bytes: int, zero_bytes: int, x_steps: int) -> int:
+    """What the kernel's buffers take in shared memory: the ring (codes, scales, zeros where read, a barrier a
+    stage), y's tile and, normed (x_steps > 0), the staged row; the compiler adds under 2 KB of scratch."""
+    rows = config.groups * group_rows
+    stage = rows * config.block_n * 4 + config.groups * config.block_n * (scale_bytes + zero_bytes) + 8
+    return config.stages * stage + config.block_n * 4 + x_steps * 4 * rows * 4
+
+
+def reserved_bytes(config: TmaGemvConfig, used: int, sm_bytes: int) -> int:
+    """Shared memory a program holds beyond `used`, so that an SM holding `per_sm` of them has no room for a
+    program of the next GEMV: the largest power of two (the allocation's granule) that leaves room for `per_sm`
+    programs and 2 KB of scratch.
+    Under PDL the next kernel launches once this one is past its wait, and each of its programs that finds room
+    starts its ring's copies at once: the stream this kernel is finishing then shares HBM with bytes not needed
+    yet. Register use kept them apart by chance (a symmetric GEMV's fewer registers let them in: 4% slower
+    batch-1 steps on the H100); this keeps them apart by design, and the next GEMV's program starts on an SM as
+    this one's leaves it."""
+    room = sm_bytes // config.per_sm - CTA_RESERVED_BYTES - used - 2048
+    return 1 << (room.bit_length() - 1) if room >= 4096 else 0
+
+
 def programs(num_tiles: int, sms: int) -> int:
     """Programs for `num_tiles` whole-K tiles: as many waves as needed, each program with the same count."""
     waves = triton.cdiv(num_tiles, sms)
@@ -569,10 +598,9 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     the zero point every group has (symmetric weights: `zeros` is all of it), which the kernel then takes as a
     constant instead of streaming `zeros` (1/34 of an int4 group's bytes at group 128)."""
     K = x.shape[1]
-    ab = os.environ.get("MINIVLLM_GEMV_AB", "shared")   # A/B switch (temporary)
+    ab = os.environ.get("MINIVLLM_GEMV_AB", "fit")   # A/B switch (temporary)
     if ab == "read":
         zero_point = None
-    reserve = int(os.environ.get("MINIVLLM_GEMV_RESERVE", "32768")) if ab == "reserve" else 0
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
@@ -602,6 +630,14 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
     tiles_per_row = triton.cdiv(N, width)
     num_tiles = heads * tiles_per_row
+    x_steps = triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 0
+    used = shared_bytes(config, group_rows, scales.element_size(), 0 if zero_point is not None else zeros.element_size(),
+                        x_steps)
+    reserve = reserved_bytes(config, used, _sm_shared_bytes(x.device.index or 0))
+    if ab == "reserve32":
+        reserve = 32768
+    elif ab in ("read", "shared"):
+        reserve = 0
     pdl = pdl_mode(x.device)
     grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
     positions, cos_sin = (rotary.positions, rotary.cos_sin_cache) if rotary is not None else (y, y)
@@ -622,7 +658,7 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         IS_BF16=x.dtype == torch.bfloat16, EVEN_K=K % (rows * 8) == 0, HALF=config.half,
         FRACTIONAL_ZEROS=zero_point is None and zeros.dtype == torch.float32, EPILOGUE=epilogue, NORM=norm is not None,
         ADD_RESIDUAL=norm is not None and norm.residual is not None,
-        X_STEPS=triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 1,
+        X_STEPS=max(x_steps, 1),
         WRITE_KV=kv is not None, KV_BLOCK=kv.k_cache.shape[1] if kv is not None else 1,
         SHARED_ZERO=None if zero_point is None else int(zero_point), RESERVE=reserve, PDL=pdl,
         num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
