@@ -6,7 +6,7 @@ decode step (o_proj 10.4 us for 8.4 MB in the H100 profile at 0834498): the firs
 after the wait, the split-K partials are summed after the last slice, and the loads in flight per SM are few.
 Here persistent programs (one or two an SM) own whole column tiles (all of K, no split-K and no partials) and stream
 their packed words, scales and zeros through a ring of STAGES shared-memory stages, each filled by three TMA
-copies and guarded by an mbarrier. The ring is filled before `griddepcontrol.wait`: the weights depend on no
+copies (two for symmetric weights, below) and guarded by an mbarrier. The ring is filled before `griddepcontrol.wait`: the weights depend on no
 earlier kernel, so under PDL they cross HBM while the previous kernel (a norm, the attention reduce, SiLU)
 still runs, and only x is read after the wait. All warps consume every stage; a CTA barrier after a stage's
 words reach registers frees it for the copy STAGES steps ahead.
@@ -43,6 +43,14 @@ KV write (stop 38): with a `KVWrite`, the rotary tile of a k or v head also stor
 token's slot (kernels/kv_write.py's layout), and the attention layer skips its KV write kernel: int4 batch 1
 375.7 -> 381.6 tok/s on the H100 (bench/results/history/kv_in_qkv_a131c8b).
 
+Symmetric weights and the SM to itself (stop 41): where every zero point is 8 (GPTQ `sym`, compressed-tensors),
+the kernel takes it as a constant and streams codes and scales only (1/34 fewer bytes at group 128). That alone
+ran batch 1 4% slower: with fewer registers a program left room on its SM, and the next GEMV's programs, launched
+early under PDL, moved in and started their copies while this one still streamed. Each program now holds enough
+shared memory (`reserved_bytes`) that an SM full of one GEMV's programs has no room for another's. int4 batch 1 on
+the H100, alternating in one process: zeros read 391.9, constant zeros 375.2, constant zeros with the
+reservation 409.2 tok/s (bench/results/history/stop41_shared_zero/).
+
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
 `int4_gemm.weight_only_gemm_reference`.
@@ -50,7 +58,6 @@ No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -540,16 +547,21 @@ def shared_bytes(config: TmaGemvConfig, group_rows: int, scale_bytes: int, zero_
 
 
 def reserved_bytes(config: TmaGemvConfig, used: int, sm_bytes: int) -> int:
-    """Shared memory a program holds beyond `used`, so that an SM holding `per_sm` of them has no room for a
-    program of the next GEMV: the largest power of two (the allocation's granule) that leaves room for `per_sm`
-    programs and 2 KB of scratch.
+    """Shared memory a program holds beyond `used` (a power of two: the allocation's granule) so that an SM holding
+    `per_sm` of them has no room for a program of another GEMV. Two or more an SM: the most that leaves room for
+    them and 2 KB of scratch each (over 100 KB a program at the H100's candidates). One an SM: the least that takes
+    it 16 KB past half the SM, so that neither such a program nor one of those fits beside it, while the attention
+    kernels' small programs still do (holding all the SM instead read 0.6% slower).
     Under PDL the next kernel launches once this one is past its wait, and each of its programs that finds room
     starts its ring's copies at once: the stream this kernel is finishing then shares HBM with bytes not needed
     yet. Register use kept them apart by chance (a symmetric GEMV's fewer registers let them in: 4% slower
     batch-1 steps on the H100); this keeps them apart by design, and the next GEMV's program starts on an SM as
     this one's leaves it."""
-    room = sm_bytes // config.per_sm - CTA_RESERVED_BYTES - used - 2048
-    return 1 << (room.bit_length() - 1) if room >= 4096 else 0
+    if config.per_sm > 1:
+        room = sm_bytes // config.per_sm - CTA_RESERVED_BYTES - used - 2048
+        return 1 << (room.bit_length() - 1) if room >= 4096 else 0
+    short = sm_bytes // 2 + (16 << 10) - used
+    return 1 << (short - 1).bit_length() if short > 0 else 0
 
 
 def programs(num_tiles: int, sms: int) -> int:
@@ -598,9 +610,6 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     the zero point every group has (symmetric weights: `zeros` is all of it), which the kernel then takes as a
     constant instead of streaming `zeros` (1/34 of an int4 group's bytes at group 128)."""
     K = x.shape[1]
-    ab = os.environ.get("MINIVLLM_GEMV_AB", "fit")   # A/B switch (temporary)
-    if ab == "read":
-        zero_point = None
     group_rows = group_size // 8
     split = layout_split(config, group_rows)
     if split is None:
@@ -631,13 +640,9 @@ def int4_gemv_tma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     tiles_per_row = triton.cdiv(N, width)
     num_tiles = heads * tiles_per_row
     x_steps = triton.next_power_of_2(triton.cdiv(K, rows * 8)) if norm is not None else 0
-    used = shared_bytes(config, group_rows, scales.element_size(), 0 if zero_point is not None else zeros.element_size(),
-                        x_steps)
+    zero_bytes = 0 if zero_point is not None else zeros.element_size()
+    used = shared_bytes(config, group_rows, scales.element_size(), zero_bytes, x_steps)
     reserve = reserved_bytes(config, used, _sm_shared_bytes(x.device.index or 0))
-    if ab == "reserve32":
-        reserve = 32768
-    elif ab in ("read", "shared"):
-        reserve = 0
     pdl = pdl_mode(x.device)
     grid = (programs(num_tiles, config.per_sm * num_sms(x.device)),)
     positions, cos_sin = (rotary.positions, rotary.cos_sin_cache) if rotary is not None else (y, y)
