@@ -6,9 +6,9 @@ decode step (o_proj 10.4 us for 8.4 MB in the H100 profile at 0834498): the firs
 after the wait, the split-K partials are summed after the last slice, and the loads in flight per SM are few.
 Here persistent programs (one or two an SM) own whole column tiles (all of K, no split-K and no partials) and stream
 their packed words, scales and zeros through a ring of STAGES shared-memory stages, each filled by three TMA
-copies (two for symmetric weights, below) and guarded by an mbarrier. The ring is filled before `griddepcontrol.wait`: the weights depend on no
-earlier kernel, so under PDL they cross HBM while the previous kernel (a norm, the attention reduce, SiLU)
-still runs, and only x is read after the wait. All warps consume every stage; a CTA barrier after a stage's
+copies (two for symmetric weights, below) and guarded by an mbarrier. The ring is filled before
+`griddepcontrol.wait`: the weights depend on no earlier kernel, so under PDL they cross HBM while the previous
+kernel (a norm, the attention reduce, SiLU) still runs, and only x is read after the wait. All warps consume every stage; a CTA barrier after a stage's
 words reach registers frees it for the copy STAGES steps ahead.
 
 Arithmetic is the fp32 GEMV's (`int4_gemm._nibble_pair`: a code read as a float through a mantissa, a shift per
