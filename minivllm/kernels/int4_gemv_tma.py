@@ -149,11 +149,11 @@ def _issue(step, codes_desc, scales_desc, zeros_desc, codes, scales, zeros, full
     head, n0 = _tile_origin(first_tile + (step // k_steps) * num_programs, tiles_per_row, WIDTH)
     k_step = step % k_steps
     bar = full.index(stage)
+    nbytes: gl.constexpr = codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
     if READ_ZEROS:
-        mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes
-                        + zeros_desc.block_type.nbytes)
+        mbarrier.expect(bar, nbytes + zeros_desc.block_type.nbytes)
     else:
-        mbarrier.expect(bar, codes_desc.block_type.nbytes + scales_desc.block_type.nbytes)
+        mbarrier.expect(bar, nbytes)
     tma.async_copy_global_to_shared(codes_desc, [k_step * ROWS, head, 0, n0], bar, codes.index(stage))
     tma.async_copy_global_to_shared(scales_desc, [k_step * GROUPS, head, 0, n0], bar, scales.index(stage))
     if READ_ZEROS:

@@ -95,6 +95,7 @@ def _shape_checker(input_size: int):
 
 class CompressedTensorsLinearMethod(WeightOnlyLinearMethod):
     symmetric = True
+
     def __init__(self, config: CompressedTensorsConfig):
         super().__init__(config.bits, config.group_size)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.quantization.packing import weight_only_gemm_reference
+from minivllm.quantization.packing import pack_cols, weight_only_gemm_reference
 
 
 class WeightOnlyLinearMethod:
@@ -27,17 +27,13 @@ class WeightOnlyLinearMethod:
         codes around it, so that the GEMVs read zeros as they would a real asymmetric checkpoint's), scales giving
         weights of std ~0.02."""
         mid = (1 << (self.bits - 1)) - self.zero_offset
-        word = sum(mid << (i * self.bits) for i in range(32 // self.bits))
         for name, param in layer.named_parameters(recurse=False):
             if name in ("qweight", "weight_packed"):
                 param.random_(-(1 << 31), (1 << 31) - 1)
-            elif "zero" in name and not param.is_floating_point():
-                if self.symmetric:
-                    param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
-                else:
-                    fields = torch.randint(mid - 2, mid + 2, (*param.shape, 32 // self.bits), device=param.device)
-                    words = (fields << torch.arange(0, 32, self.bits, device=param.device)).sum(-1)
-                    param.copy_(torch.where(words >= 1 << 31, words - (1 << 32), words))
+            elif "zero" in name and not param.is_floating_point():   # packed along the outputs
+                shape = (param.shape[0], param.shape[1] * (32 // self.bits))
+                codes = torch.full(shape, mid) if self.symmetric else torch.randint(mid - 2, mid + 2, shape)
+                param.copy_(pack_cols(codes.to(param.device), self.bits))
             elif "scale" in name:
                 param.fill_(0.02 / (1 << (self.bits - 1)) * 1.7)
 
