@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks in bench/: run metadata, the device's two ceilings, model arithmetic,
+"""Shared code for the benchmarks in bench/: run metadata, the device's two ceilings, model arithmetic,
 percentiles and result files.
 
 What lives here is what every benchmark needs to relate its numbers to the hardware (METHOD: measure the
@@ -14,6 +14,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,11 +66,16 @@ def git_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
+def run_command() -> str:
+    """The command line that produced a result: the interpreter's name and the script's arguments as given."""
+    return " ".join(["python", *sys.argv])
+
+
 def run_metadata(device: torch.device) -> dict:
     """The keys every result file starts with."""
     return {"device": device_name(device), "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "command": run_command()}
 
 
 # ---- timing and the two ceilings ---------------------------------------------------------------------------

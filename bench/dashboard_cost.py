@@ -25,15 +25,15 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
-from bench.common import git_commit  # noqa: E402
+from bench.common import git_commit, run_command  # noqa: E402
 from bench.serve import (device_name, device_tag, free_port, run_level, start_server, stop_server,  # noqa: E402
                          wait_healthy)
 from minivllm.core.block_manager import BlockManager  # noqa: E402
 
 
 async def subscriber(url: str, stop: asyncio.Event, counts: dict) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        async with session.get(url + "/dashboard/events") as response:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        async with http.get(url + "/dashboard/events") as response:
             async for line in response.content:
                 if line.startswith(b"data: "):
                     counts["events"] += 1
@@ -42,10 +42,10 @@ async def subscriber(url: str, stop: asyncio.Event, counts: dict) -> None:
 
 
 async def measure(args, url: str) -> dict:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url + "/v1/models") as response:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
-        async with session.get(url + "/dashboard/snapshot") as response:
+        async with http.get(url + "/dashboard/snapshot") as response:
             num_blocks = (await response.json())["snapshot"]["kv"]["num_blocks"]
     rng = random.Random(args.seed)
 
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
         stop_server(process)
     device = device_name()
     record = {"benchmark": "dashboard_cost", "device": device, "commit": git_commit(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": run_command(),
               "config": {k: v for k, v in vars(args).items() if k != "out"}, **result}
     tag = args.tag or device_tag(device)
     path = out / f"dashboard_cost_{tag}.json"

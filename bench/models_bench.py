@@ -5,7 +5,7 @@ each against its roofline floor, and the fused MoE kernel against a looped-exper
     python bench/models_bench.py --device cpu --quick --models A,B --out DIR   # smoke test (config paths)
 
 W1 is bench/throughput.py's workload (64 x 512 -> 256, greedy, ignore_eos) and single stream 1 x 512 -> 128,
-run through the same helpers. The floor is throughput.py's (each phase bounded below by the larger of FLOPs
+run through the same functions. The floor is throughput.py's (each phase bounded below by the larger of FLOPs
 over the measured matmul rate and bytes over the measured copy bandwidth), except that for an MoE model a
 step reads only the experts it touches: with B tokens each routed to top_k of E experts, uniformly at
 random, E * (1 - (1 - top_k / E) ** B) distinct experts per MoE layer are expected. The byte and FLOP

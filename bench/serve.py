@@ -41,7 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
-from bench.common import git_commit  # noqa: E402
+from bench.common import git_commit, run_command  # noqa: E402
 PERCENTILES = (50, 95, 99)
 TOKEN_ID_RANGE = (1000, 20000)  # inside every supported vocabulary; random ids avoid prefix-cache hits
 
@@ -82,7 +82,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
-async def send_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+async def send_request(http: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
                        output_len: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -90,7 +90,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, pro
     start = time.perf_counter()
     last = None
     try:
-        async with session.post(url + "/v1/completions", json=body) as response:
+        async with http.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
@@ -128,12 +128,12 @@ async def run_level(url: str, model: str, workload: list[tuple[list[int], int]],
                     request_rate: float | None, headers: dict, timeout: float, seed: int) -> dict:
     """Send `workload` with at most `concurrency` in flight, or with Poisson arrivals at `request_rate`."""
     limit = asyncio.Semaphore(concurrency or len(workload))
-    session_timeout = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=session_timeout, headers=headers,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    http_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=http_timeout, headers=headers,
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:
         async def one(prompt, output_len):
             async with limit:
-                return await send_request(session, url, model, prompt, output_len)
+                return await send_request(http, url, model, prompt, output_len)
 
         rng = random.Random(seed)
         start = time.perf_counter()
@@ -194,13 +194,13 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
 
 async def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float, log_path: Path | None) -> None:
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while True:
             if process is not None and process.poll() is not None:
                 tail = log_path.read_text()[-3000:] if log_path else ""
                 raise RuntimeError(f"the server exited with code {process.returncode}:\n{tail}")
             try:
-                async with session.get(url + "/health") as response:
+                async with http.get(url + "/health") as response:
                     if response.status == 200:
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -320,8 +320,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def benchmark(args, url: str) -> tuple[str, dict]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with aiohttp.ClientSession(headers=headers) as session:
-        async with session.get(url + "/v1/models") as response:
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.get(url + "/v1/models") as response:
             response.raise_for_status()
             model = (await response.json())["data"][0]["id"]
     rng = np.random.default_rng(args.seed)
@@ -380,7 +380,7 @@ def main(argv=None) -> None:
             stop_server(process)
 
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    report = {"device": device, "commit": git_commit(), "date": date, "model": result["model"], "config": config,
+    report = {"device": device, "commit": git_commit(), "date": date, "command": run_command(), "model": result["model"], "config": config,
               sweep_key: result["levels"]}
     json_path = out / f"serve_{tag}.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")

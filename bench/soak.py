@@ -35,7 +35,7 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
-from bench.common import git_commit  # noqa: E402
+from bench.common import git_commit, run_command  # noqa: E402
 from bench.serve import device_name, free_port, start_server, stop_server, wait_healthy  # noqa: E402
 
 PROBES = ["The capital of France is", "Water boils at", "The three primary colors are",
@@ -83,14 +83,14 @@ class Soak:
     def more(self) -> bool:
         return time.monotonic() < self.deadline and self.num_started < self.args.max_requests
 
-    async def client(self, session: aiohttp.ClientSession, k: int) -> None:
+    async def client(self, http: aiohttp.ClientSession, k: int) -> None:
         rng = random.Random(self.args.seed * 100003 + k)
         while self.more():
             self.num_started += 1
             path, body = random_request(rng, self.args.max_tokens, self.args.token_id_prompts)
             hang_up_after = rng.randint(1, 4) if rng.random() < self.args.disconnect_fraction else None
             try:
-                async with session.post(self.url + path, json=body) as response:
+                async with http.post(self.url + path, json=body) as response:
                     self.statuses[response.status] += 1
                     if response.status != 200:
                         await response.read()
@@ -113,19 +113,19 @@ class Soak:
             return [1000 + 37 * i + 11 * j for j in range(8 + 4 * i)]
         return PROBES[i]
 
-    async def greedy(self, session: aiohttp.ClientSession, i: int) -> str:
+    async def greedy(self, http: aiohttp.ClientSession, i: int) -> str:
         body = {"prompt": self.probe_prompt(i), "max_tokens": self.args.probe_tokens, "temperature": 0.0}
-        async with session.post(self.url + "/v1/completions", json=body) as response:
+        async with http.post(self.url + "/v1/completions", json=body) as response:
             self.statuses[response.status] += 1
             return (await response.json())["choices"][0]["text"]
 
-    async def prober(self, session: aiohttp.ClientSession, reference: list[str]) -> None:
+    async def prober(self, http: aiohttp.ClientSession, reference: list[str]) -> None:
         i = 0
         while self.more():
             prompt = i % len(PROBES)
             i += 1
             try:
-                text = await self.greedy(session, prompt)
+                text = await self.greedy(http, prompt)
             except (aiohttp.ClientError, asyncio.TimeoutError, KeyError):
                 self.probe_results["error"] += 1
                 continue
@@ -137,15 +137,15 @@ class Soak:
             await asyncio.sleep(1.0)
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
-    async with session.get(url) as response:
+async def get_json(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(url) as response:
         return await response.json()
 
 
-async def wait_idle(session: aiohttp.ClientSession, url: str, timeout: float = 120) -> dict:
+async def wait_idle(http: aiohttp.ClientSession, url: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        snapshot = (await get_json(session, url + "/dashboard/snapshot"))["snapshot"]
+        snapshot = (await get_json(http, url + "/dashboard/snapshot"))["snapshot"]
         scheduler = snapshot["scheduler"]
         idle = scheduler["num_running"] + scheduler["num_waiting"] + scheduler["num_preempted"] == 0
         if idle or time.monotonic() > deadline:
@@ -156,18 +156,18 @@ async def wait_idle(session: aiohttp.ClientSession, url: str, timeout: float = 1
 async def soak(args, url: str, pid: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     connector = aiohttp.TCPConnector(limit=args.clients + 8)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         run = Soak(args, url)
-        reference = [await run.greedy(session, i) for i in range(len(PROBES))]  # unloaded
+        reference = [await run.greedy(http, i) for i in range(len(PROBES))]  # unloaded
         rss_start = rss_bytes(pid)
         started = time.monotonic()
         run.deadline = started + args.duration_s
-        await asyncio.gather(run.prober(session, reference), *(run.client(session, k) for k in range(args.clients)))
+        await asyncio.gather(run.prober(http, reference), *(run.client(http, k) for k in range(args.clients)))
         elapsed = time.monotonic() - started
-        snapshot = await wait_idle(session, url)
+        snapshot = await wait_idle(http, url)
         rss_end = rss_bytes(pid)
-        healthy = (await session.get(url + "/health")).status == 200
-        after = await run.greedy(session, 0)  # one more answer, unloaded again
+        healthy = (await http.get(url + "/health")).status == 200
+        after = await run.greedy(http, 0)  # one more answer, unloaded again
         kv = snapshot["kv"]
     served = run.outcomes["finished"] + run.outcomes["disconnected"]
     return {
@@ -228,7 +228,7 @@ def main(argv=None) -> None:
         stop_server(process)
     result["server_exit_code"] = process.returncode
     record = {"benchmark": "soak", "device": device_name(), "commit": git_commit(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": run_command(),
               "config": {k: v for k, v in vars(args).items() if k != "out"}, "cpu_count": os.cpu_count(),
               "server_command_args": shlex.split(server_args), **result}
     path = out / f"soak_{args.tag}.json"

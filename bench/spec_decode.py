@@ -169,7 +169,7 @@ def run_real(args) -> dict:
     for layers in args.draft_layers:
         configs[f"draft_layers_{layers}"] = {"method": "draft_model", "draft_layers": layers,
                                              "num_speculative_tokens": 3}
-    # Untimed rounds first: first rounds often ran slowest (3978b08, 187ae6b), as if some first use (a compile,
+    # Untimed rounds first: a first round can run slowest, as if some first use (a compile,
     # a pool's growth) came after one engine's warm-up and before the next engine's.
     rounds = [{name: _run_real_config(args, name, config, chats, params, decode_rows)
                for name, config in configs.items()} for _ in range(args.warmup_rounds + args.rounds)]

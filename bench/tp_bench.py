@@ -6,8 +6,9 @@
 Every configuration runs in fresh processes (a process holds one tensor-parallel group): a child
 `--child engine` builds one engine (dummy weights) and times W1 (64 x 512 -> 256) and a single stream
 (1 x 512 -> 128) like bench/throughput.py; DP = 2 is two such children, one per GPU
-(CUDA_VISIBLE_DEVICES), each with half the requests, started together behind a file barrier and
-timed from the first start to the last finish. `--child allreduce` times NCCL all-reduce on 2 GPUs
+(CUDA_VISIBLE_DEVICES), each serving a whole W1 (twice the traffic in all: data parallelism scales
+traffic, not one batch), started together behind a file barrier and timed from the first start to the
+last finish. `--child allreduce` times the engine's all-reduce (NCCL) on 2 GPUs, as CUDA graph replays,
 for the tensor shapes tensor parallelism sends (2 per layer: after o_proj and after down_proj, each
 [tokens, hidden]) and the bus bandwidth of a large one (busbw = bytes / time * 2 (n - 1) / n, NCCL's
 definition). All-reduce time per layer and its share of a step are those times against the measured
@@ -42,7 +43,7 @@ QUICK = dict(model_8b="tiny-llama", model_70b="tiny-llama", w1=(4, 32, 8), singl
 
 # ---- children ----------------------------------------------------------------------------------------------------
 def child_engine(args) -> dict:
-    """One engine: roofline (TP = 1 only), W1 (or this replica's share of it) and single stream."""
+    """One engine: roofline (TP = 1 only), W1 and single stream (W1 alone for a data-parallel replica)."""
     from bench.throughput import Workload, build_llm, measure_roofline, random_prompts, timed_generate, warm_up
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -62,14 +63,14 @@ def child_engine(args) -> dict:
     result["engine_build_s"] = time.perf_counter() - started
     vocab = llm.llm_engine.vocab_size
     warm_up(llm, w1, vocab)
-    share = Workload(len(range(args.replica, w1.num_requests, args.replicas)), w1.prompt_len, w1.output_len)
-    prompts = random_prompts(w1, vocab, seed=0)[args.replica::args.replicas]
+    # Data parallelism scales traffic: each replica serves a whole W1 (its own prompts).
+    prompts = random_prompts(w1, vocab, seed=args.replica)
     if args.barrier:   # data parallel: all replicas start together
         Path(args.barrier, f"ready{args.replica}").touch()
         while len(list(Path(args.barrier).glob("ready*"))) < args.replicas:
             time.sleep(0.01)
     result["w1_start_wall"] = time.time()
-    result["w1"] = timed_generate(llm, prompts, share.output_len)
+    result["w1"] = timed_generate(llm, prompts, w1.output_len)
     result["w1_end_wall"] = time.time()
     if not args.barrier:
         result["single"] = timed_generate(llm, random_prompts(single, vocab, seed=1), single.output_len)
@@ -120,35 +121,53 @@ def profile_collectives(llm, workload, vocab: int, device: torch.device, seed: i
 
 
 def _allreduce_worker(rank: int, world: int, port: int, device_type: str, shapes: list, queue) -> None:
+    """Per shape: the engine's all-reduce (`tensor_model_parallel_all_reduce`, NCCL on CUDA) timed as 20
+    calls replayed from a CUDA graph, as decode steps replay it (device time, no launch cost; host-timed
+    loops on a CPU)."""
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+
+    from minivllm.distributed import destroy_distributed, init_distributed, tensor_model_parallel_all_reduce
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    cuda = device_type == "cuda"
+    init_distributed(rank, world, "nccl" if cuda else "gloo", 300)
+    device = torch.device(device_type, rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    def time_calls(fn, x, calls=20) -> float:
+        if not cuda:
+            started = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            return (time.perf_counter() - started) / calls
+        for _ in range(3):
+            fn(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        return sorted(times)[len(times) // 2]
+
     rows = []
     for name, numel in shapes:
-        x = torch.ones(numel, dtype=dtype, device=device)
-        for _ in range(5):
-            dist.all_reduce(x)
-        repeats = 50 if numel < 1 << 24 else 10
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(x)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - started) / repeats
+        x = torch.randn(numel, device=device).to(dtype)
+        seconds = time_calls(tensor_model_parallel_all_reduce, x)
         nbytes = numel * x.element_size()
         rows.append({"shape": name, "bytes": nbytes, "time_us": seconds * 1e6,
                      "bus_bandwidth_GBps": nbytes / seconds * 2 * (world - 1) / world / 1e9})
     if rank == 0:
         queue.put(rows)
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 def child_allreduce(args) -> dict:
@@ -180,8 +199,7 @@ def _child(args, kind: str, out: Path, name: str, extra: list[str], env: dict | 
            "--dtype", args.dtype, "--result", str(out / f"{name}.json"), "--model-8b", args.model_8b,
            "--model-70b", args.model_70b, "--w1", *map(str, args.sizes["w1"])] + extra
     print(f"\n== {name}: {' '.join(cmd[2:])}", flush=True)
-    # A hung collective raises after MINIVLLM_TP_TIMEOUT_S instead of eating the stage's time.
-    proc = subprocess.Popen(cmd, env={**os.environ, "MINIVLLM_TP_TIMEOUT_S": "150", **(env or {})})
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     if not wait:
         return proc
     try:
@@ -301,7 +319,32 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
                                "layers": cfg.num_hidden_layers, "step_ms": ms,
                                "allreduce_share_of_step": per_layer_us * cfg.num_hidden_layers / (ms * 1e3)})
         result["allreduce_share"] = shares
+    headline(result, sizes)
     return result
+
+
+def headline(result: dict, sizes: dict) -> None:
+    """The figures people look for first, as top-level keys (None where a run is missing)."""
+    tp1, tp2, big = result.get("tp1_8b") or {}, result.get("tp2_8b") or {}, result.get("tp2_70b") or {}
+    result.update(tp1_w1_out_tok_s=tp1.get("w1_output_tokens_per_s"), tp2_w1_out_tok_s=tp2.get("w1_output_tokens_per_s"),
+                  dp2_w1_out_tok_s=(result.get("dp2_8b") or {}).get("w1_output_tokens_per_s"),
+                  tp1_single_tok_s=tp1.get("single_tokens_per_s"), tp2_single_tok_s=tp2.get("single_tokens_per_s"))
+    result.setdefault("tp2_over_tp1_w1", None)
+    result.setdefault("tp2_over_tp1_single", None)
+    result.setdefault("dp2_over_tp1_w1", None)
+    share = [row for row in result.get("allreduce_share", []) if row["model"] == "8b" and row["decode_batch"] == 1]
+    result["allreduce_us_per_layer_batch1"] = share[0]["allreduce_per_layer_us"] if share else None
+    if big:
+        result.update(llama70b_tp2_w1_out_tok_s=big.get("w1_output_tokens_per_s"),
+                      llama70b_tp2_w1_over_floor=big.get("w1_over_floor"),
+                      llama70b_tp2_single_tok_s=big.get("single_tokens_per_s"),
+                      llama70b_tp2_single_over_floor=big.get("single_over_floor"))
+
+
+def gpu_tag() -> str:
+    """h100 / h200 / ... from the first GPU's name."""
+    name = torch.cuda.get_device_name(0).lower()
+    return next((t for t in ("h200", "h100", "a100", "l40s") if t in name), name.split()[-1])
 
 
 def parse_args(argv):
@@ -356,7 +399,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                          cuda_graph_max_tokens=512, **flags)
     result = summarize(args, sizes, tp1, tp2, dp2, big, ar)
     result["bench_wall_s"] = time.perf_counter() - started
-    tag = args.tag or ("h200x2" if args.device == "cuda" else "cpu")
+    result["command"] = " ".join(["python", "bench/tp_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    tag = args.tag or (f"{gpu_tag()}x2" if args.device == "cuda" else "cpu")
     path = args.out / f"tp_{tag}.json"
     write_json(path, result)
     rows = [{"config": k, **{c: v for c, v in (result.get(k) or {}).items() if not isinstance(v, (list, dict))}}
