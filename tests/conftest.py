@@ -1,5 +1,6 @@
 """Shared test fixtures: the default model's GGUF path, and tiny random HF checkpoints of each
-supported architecture (the reference the model tests compare against)."""
+supported architecture (the reference the model tests compare against); and how a CPU-only run spreads
+test files over worker processes (pytest-xdist, `-n auto --dist loadfile` in pyproject.toml)."""
 from __future__ import annotations
 
 import os
@@ -10,11 +11,41 @@ import torch
 
 if not torch.cuda.is_available():
     # Before any kernel module is imported: Triton decides at decoration time whether a function is
-    # interpreted, and a kernel calling a helper decorated the other way fails.
+    # interpreted, and a kernel calling a @triton.jit function decorated the other way fails.
     os.environ["TRITON_INTERPRET"] = "1"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per worker: two workers with a thread per core each would oversubscribe the
+    # cores, and OpenMP threads spinning at barriers then slow every matmul by an order of magnitude.
+    # Subprocesses (servers, benchmark scripts, TP workers) inherit the setting.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
 from minivllm.layers.attention import Attention
+
+MAX_CPU_WORKERS = 2   # fills a 2-core CI runner; each worker holds a few copies of the default model
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: test files run in up to two processes without a GPU (most of a CPU test is one
+    interpreter thread), serially with one (the `gpu` tests share the device and its memory)."""
+    cpus = os.cpu_count() or 1
+    if torch.cuda.is_available() or cpus < 2:
+        return 0
+    return min(MAX_CPU_WORKERS, cpus)
+
+
+def pytest_configure(config):
+    """Before workers start, convert the default model's GGUF into the cache once, so that parallel
+    workers find the finished folder instead of converting it side by side."""
+    if getattr(config.option, "numprocesses", 0) and not hasattr(config, "workerinput"):
+        from minivllm.models import loader
+        from minivllm.models.gguf_loader import convert_gguf
+        try:
+            convert_gguf(loader.default_model_path())
+        except FileNotFoundError:
+            pass   # the tests that need the default model fail on their own, naming the package
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +54,11 @@ def default_model_path() -> str:
     return loader.default_model_path()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_model(default_model_path):
-    """transformers loading the default model's GGUF on its own, in fp32: the reference."""
+    """transformers loading the default model's GGUF on its own, in fp32: the reference. Loaded once per
+    run (dequantizing the GGUF takes seconds) and only read: every test calls it under no_grad/inference
+    mode and none changes its weights or configuration."""
     import os
 
     from transformers import AutoModelForCausalLM

@@ -110,9 +110,9 @@ def test_percentiles_and_slug():
 
 
 def test_layer_marginals_cut_layers_and_charge_each_kernel_what_it_adds():
-    """bench/layer_marginals.py: a kernel's marginal is its end minus the latest end before it (PDL overlaps
+    """bench/kernels/layer_marginals.py: a kernel's marginal is its end minus the latest end before it (PDL overlaps
     starts), layers are cut at the KV write, and a layer of another shape (the last, cut short) is left out."""
-    from bench.layer_marginals import layer_marginals
+    from bench.kernels.layer_marginals import layer_marginals
     timeline = [("embed", 0.0, 2.0)]
     start = 2.0
     for layer in range(4):   # write_kv 1 us; the GEMV launched early (0.5 us in) ends 3 us after it; the norm 0.5
@@ -128,9 +128,9 @@ def test_layer_marginals_cut_layers_and_charge_each_kernel_what_it_adds():
 
 
 def test_step_tile_search_names_the_one_row_gemv_keys():
-    """bench/step_tile_search.py finds a Llama-3-8B layer's four one-row GEMVs among the tuner's keys (as
+    """bench/kernels/step_tile_search.py finds a Llama-3-8B layer's four one-row GEMVs among the tuner's keys (as
     int4_gemm builds them: plain (N, K) after the M bucket; the fused ones by name, with the norm's suffix)."""
-    from bench.step_tile_search import as_choice, layer_of
+    from bench.kernels.step_tile_search import as_choice, layer_of
     assert layer_of(("weight_only", "bf16", 4, 128, 1, 4096, 4096)) == "o_proj"
     assert layer_of(("weight_only", "bf16", 4, 128, 1, 4096, 14336)) == "down_proj"
     assert layer_of(("weight_only", "bf16", 4, 128, 64, 4096, 4096)) is None   # W1's batch, not one row

@@ -23,9 +23,9 @@ CUDA_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == 
 
 def _compile_for_sm90(head_dim, dtype, block_n, stages):
     """(PTX, shared bytes, whether a cubin came out) of the kernel compiled for sm_90; run in a fresh
-    process, since an interpreted Triton helper (tl.sum and the like, in every CPU kernel test) leaves
-    triton.language patched for the interpreter in the process it ran in, and a Gluon kernel compiled
-    there afterwards fails (a warm Triton cache hid that: it skips the compile)."""
+    process, since an interpreted Triton library function (tl.sum and the like, in every CPU kernel
+    test) leaves triton.language patched for the interpreter in the process it ran in, and a Gluon kernel
+    compiled there afterwards fails (a warm Triton cache hid that: it skips the compile)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

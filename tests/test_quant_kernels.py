@@ -271,8 +271,8 @@ TMA_TILES += [t for t in _shipped_tiles() if t not in TMA_TILES]
 
 def _compile_tma_gemv_for_sm90(config, group_size, dtype, zero_dtype, epilogue=0, norm=False, add=False, kv=False,
                                reserve=0):
-    """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted helper earlier in the process leaves
-    triton.language patched for the interpreter, and a Gluon compile after it fails); zero_dtype None: symmetric
+    """PTX of the Gluon GEMV for sm_90 (in a fresh process: an interpreted Triton function earlier in the process
+    leaves triton.language patched for the interpreter, and a Gluon compile after it fails); zero_dtype None: symmetric
     weights, every zero point 8 (no zeros read)."""
     import triton
     from triton.backends.compiler import GPUTarget
