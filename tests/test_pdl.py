@@ -61,7 +61,7 @@ def _layers(hidden, intermediate, count, device):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("fused_sum", [False, True])
-@pytest.mark.parametrize("setting", ["1", "2"])
+@pytest.mark.parametrize("setting", ["1"])
 @pytest.mark.parametrize("half", [False, True])
 def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum, setting, half):
     device = torch.device("cuda")

@@ -285,12 +285,9 @@ def test_int4_layer_norms_in_gemvs_fall_back_to_the_norm_kernels(tmp_path, monke
     expected = torch.cat([plain.step([[t]])[0] for t in tokens])
     monkeypatch.setattr(WeightOnlyLinearMethod, "norms_input", lambda self, layer, x: True)
     assert layer.norms_in_gemvs(one) == (True, True) and layer.norms_in_gemvs(two) == (False, False)
-    for which in ("input,post", "post", "input"):
-        monkeypatch.setenv("MINIVLLM_NORMS_IN_GEMVS", which)
-        assert layer.norms_in_gemvs(one) == ("input" in which, "post" in which)
-        pending = PagedRun(model, 1, 8)
-        ours = torch.cat([pending.step([[t]])[0] for t in tokens])
-        assert torch.equal(ours, expected)
+    pending = PagedRun(model, 1, 8)
+    ours = torch.cat([pending.step([[t]])[0] for t in tokens])
+    assert torch.equal(ours, expected)
     with torch.no_grad():
         assert_logits_close(ours, reference(torch.tensor([tokens])).logits[0])
     (tmp_path / "plain").mkdir()

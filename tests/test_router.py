@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 
+from minivllm.cli import serve_specs
 from minivllm.router.app import BACKEND_HEADER, build_router_app
-from minivllm.router.launcher import replica_argv, serve_specs, start_servers, stop_replicas
+from minivllm.router.launcher import replica_argv, start_servers, stop_replicas
 from minivllm.router.policy import PrefixAffinityPolicy, Replica
 from minivllm.server.api_server import ServerThread
 

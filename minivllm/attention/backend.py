@@ -33,15 +33,3 @@ class AttentionBackend(abc.ABC):
         when given, are this step's K/V exactly as just passed to `write_kv`: a backend may read
         the query chunk's own keys from them rather than from the cache (same values)."""
 
-
-def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """'torch' (reference, any device) or 'triton' (CUDA); None picks triton on CUDA."""
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from minivllm.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
-    if name == "triton":
-        from minivllm.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'triton')")

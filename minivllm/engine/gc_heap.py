@@ -2,8 +2,8 @@
 
 A full (generation-2) collection walks every tracked object of the process: with torch, transformers
 and an engine loaded, that took 210-340 ms on the H100 machine's host, and one fell into most timed runs
-of 256 x 512 -> 256 (`spec_decode.py --parts load --trace`, history/spec_61f6cac_trace: every run with
-speculation on, one of three without), while the device idled. `gc.freeze()` moves every object that
+of 256 x 512 -> 256 (`bench/spec_decode.py --parts load --trace`: every run with speculation on, one of three
+without), while the device idled. `gc.freeze()` moves every object that
 exists now into a permanent generation that collections skip, so a full collection during generation walks
 only what generation allocates; `gc.unfreeze()` hands them back when the last user leaves, so an engine
 dropped later (even in a reference cycle) is still collected. Both are constant-time list moves.

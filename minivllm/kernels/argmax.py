@@ -1,7 +1,7 @@
 """Row-wise argmax over a vocabulary-sized row, for greedy sampling.
 
 torch.argmax reduces each row in a single thread block: one 128k-entry row of Llama-3 logits took 30 us
-of an H100 batch-1 decode step (bench/results/history/profile_batch1_h100_4d017b7/). Here each row is cut
+of an H100 batch-1 decode step (bench/profile_step.py). Here each row is cut
 into chunks that separate programs reduce, then one program per row picks the best chunk, in about a tenth
 of that. As torch.argmax, ties go to the lowest index; a NaN counts as +inf (torch ranks NaN above +inf,
 a difference only a row holding both would show).

@@ -170,7 +170,7 @@ def _decode_reduce_kernel(
     total = tl.sum(weights, 0)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    # All partitions' rows in one load (a loop over them was a chain of dependent loads)
+    # All partitions' rows in one load (a loop over them would be a chain of dependent loads)
     partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
                        mask=used[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(weights[:, None] * partials, 0) / tl.where(total > 0, total, 1.0)
@@ -200,9 +200,9 @@ def choose_decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sm
 
 def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_PARTITION_SIZE) -> int:
     """Tokens per partition of one sequence: the smallest power of two (at least `min_partition`, one key
-    tile) that cuts its context into at most `splits` partitions. The earlier rule sized partitions for
-    the graph's longest context and never below 256 tokens; at batch 1 a 600-token context then took
-    three programs of four tiles each, a chain of dependent loads (12.5 us a layer on an H100; now 8.5)."""
+    tile) that cuts its context into at most `splits` partitions. Sized for the graph's longest context
+    and never below 256 tokens, partitions would give a 600-token context at batch 1 three programs of four
+    tiles each, a chain of dependent loads (12.5 us a layer on an H100, against 8.5 with this rule)."""
     partition = min_partition
     while partition * splits < seq_len:
         partition *= 2

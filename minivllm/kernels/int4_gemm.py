@@ -12,13 +12,13 @@ per step cost more than the loads it waited on). For small M the tile grid alone
 the GPU, so a split-K variant gives each program a K slice and writes fp32 partials [SPLIT_K, M, N] that
 are summed after in one kernel (kernels/split_k.py; deterministic). For 4-bit codes and 16-bit x the MMA
 tiles form the weights two at a time in 16 bits (`fast_dequant`, kernels/half_dequant.py) instead of per
-weight in fp32: the conversions, not the bytes, bounded those tiles (H100, 8B shapes, M = 64: 19-24% of the
-copy bandwidth, 22-32% after). Swapping the operands (y^T = W^T x^T, the weights as the MMA's register
-operand, no shared-memory round trip) was slower at every 8B shape and dropped (bench/results/
-int4_w1_sweep_h100_9a4aa32.json). The tile and split are timed per shape (kernels/tuning.py).
+weight in fp32: the conversions, not the bytes, bound tiles that form them in fp32 (H100, 8B shapes, M = 64:
+19-24% of the copy bandwidth, against 22-32% in 16 bits). Swapping the operands (y^T = W^T x^T, the weights as the MMA's register
+operand, no shared-memory round trip) is slower at every 8B shape on the H100. The tile and split are timed per
+shape (kernels/tuning.py).
 For 4-bit codes and M <= 4, `_int4_gemv_kernel` is a candidate too, and the one chosen on the H100 at
 M = 1: the per-weight int-to-float conversion (a quarter-rate instruction) and the per-weight zero and
-scale bounded the tile above at 0.65-1.09 TB/s; it reads a code as a float through the mantissa of 1.0
+scale bound the tile above to 0.65-1.09 TB/s; it reads a code as a float through the mantissa of 1.0
 (a shift per two codes, one LOP3, one FMA per weight) and applies zero and scale once per group, and may
 sum its split-K partials in the tile's last program instead of a second kernel. Its packed-half twin
 (kernels/int4_gemv_half.py, two weights an instruction) is timed beside it for 16-bit x, and at one row on
@@ -299,7 +299,7 @@ def default_config(M: int) -> GemmConfig:
         else GemmConfig(64, 32, 128, 4, 4)
 
 
-# the best tiles of the pipelined kernel on the 8B shapes at M = 1 (H100, bench/int4_gemv_sweep.py, bf8a973), each
+# the best tiles of the pipelined kernel on the 8B shapes at M = 1 (H100, bench/kernels/int4_gemv_sweep.py), each
 # with the split-K sum fused, and three with it in a second kernel
 _BEST_GEMV = ((256, 64, 2, 4), (1024, 64, 4, 3), (512, 64, 2, 3), (512, 128, 4, 2), (512, 32, 2, 4), (256, 128, 2, 3))
 GEMV_TILES = tuple(GemvConfig(*t, fused_sum=True) for t in _BEST_GEMV) + tuple(GemvConfig(*t) for t in _BEST_GEMV[:3])
@@ -318,10 +318,10 @@ def gemv_tiles(M: int, group_size: int, bits: int, dtype: torch.dtype = torch.bf
 
 
 def tma_gemv_tiles(M: int, group_size: int, bits: int, dtype: torch.dtype, device: torch.device) -> list[TmaGemvConfig]:
-    """The Gluon GEMV's candidates (one row of 16-bit x on CUDA; for A/B runs MINIVLLM_TMA_GEMV=0 leaves them out
-    and =only leaves only them); whether the GPU is an sm_90 one is checked at the call."""
+    """The Gluon GEMV's candidates (one row of 16-bit x on CUDA); whether the GPU is an sm_90 one is checked at
+    the call."""
     if (bits != 4 or M != 1 or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda"
-            or group_size not in TMA_GEMV_GROUP_SIZES or os.environ.get("MINIVLLM_TMA_GEMV", "1") == "0"):
+            or group_size not in TMA_GEMV_GROUP_SIZES):
         return []
     return [t for t in TMA_GEMV_TILES if layout_split(t, group_size // 8) is not None]
 
@@ -336,7 +336,7 @@ FAST_MEDIUM = (GemmConfig(64, 128, 128, 4, 3, True), GemmConfig(64, 256, 64, 4, 
 def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 128, bits: int = 4,
                dtype: torch.dtype = torch.bfloat16) -> list[tuple[GemmConfig | GemvConfig, int] | None]:
     """(tile, split) pairs to time for M rows of `dtype` (None: dequantize + cuBLAS); tiles from the H100
-    sweeps (bench/int4_gemv_sweep.py, bench/int4_w1_sweep.py)."""
+    sweeps (bench/kernels/int4_gemv_sweep.py, bench/kernels/int4_w1_sweep.py)."""
     one_row = [GemmConfig(1, 128, 64, 4, 4), GemmConfig(1, 128, 64, 4, 2), GemmConfig(1, 64, 128, 4, 4),
                GemmConfig(1, 256, 64, 8, 4), GemmConfig(1, 128, 128, 8, 3)]
     small = [GemmConfig(16, 128, 64, 4, 4), GemmConfig(16, 128, 64, 4, 2), GemmConfig(16, 64, 128, 4, 4),
@@ -345,7 +345,7 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
               GemmConfig(32, 64, 128, 4, 4)]
     if bits == 4 and dtype in (torch.bfloat16, torch.float16):
         # 16-bit weights formed two at a time beat the fp32 ones on every 8B shape at M = 16 and 64 (H100,
-        # bench/int4_w1_sweep.py: one layer 115.9 / 145.2 us against 144.8 / 196.8): the best of 48 tiles
+        # bench/kernels/int4_w1_sweep.py: one layer 115.9 / 145.2 us against 144.8 / 196.8): the best of 48 tiles
         small_fast = [t for t in FAST_SMALL if group_size % t.block_k == 0]
         medium_fast = [t for t in FAST_MEDIUM if group_size % t.block_k == 0]
         small, medium = small_fast or small, medium_fast or medium
@@ -359,8 +359,6 @@ def candidates(M: int, N: int, K: int, device: torch.device, group_size: int = 1
         for fill in (2, 4, 8):
             out.append((tile, choose_split_k(M, N, K, 1, tile.block_n, tile.block_k, num_sms(device), fill)))
     tma = [(tile, 1) for tile in tma_gemv_tiles(M, group_size, bits, dtype, device)]
-    if tma and os.environ.get("MINIVLLM_TMA_GEMV") == "only":
-        return tma
     return list(dict.fromkeys(out + tma))
 
 

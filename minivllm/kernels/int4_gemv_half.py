@@ -11,7 +11,7 @@ compiled loop runs about 4.1 instructions per weight. Here two weights share eac
   f16x2 sum per word; a K step's words are summed in f16x2 (a step lies inside one group: BLOCK_K weights a
   column, 64 in the tiles the H100 sweep chose), then the two halves in fp32, and y += 256 s * sum.
 The compiled loop runs 2.3-2.5 instructions per weight (sm_90). fp16 sums over one step stay within bf16's
-rounding of y on random data with outliers (bench/half_gemv_study.py, 4,096 x 256: 0.9e-3 of max |y|
+rounding of y on random data with outliers (4,096 x 256: 0.9e-3 of max |y|
 against bf16's 1.6e-3; uncentred, 0.17). Zero points that are not integers (GGUF's -m / d, kept in fp32) round c to fp16;
 with FRACTIONAL_ZEROS the step's x sums correct that. Range: x beyond fp16's 65,504, or a step's sum
 beyond it (|x| above about 17,000 with 4-bit zero points), would overflow; decode activations stay far below.

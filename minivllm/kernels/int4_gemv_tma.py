@@ -1,15 +1,17 @@
 """The batch-1 int4 GEMV on Hopper (sm_90), in Gluon: weights streamed by TMA, the first ones before the PDL wait.
 
-The Triton GEMVs (`int4_gemm._int4_gemv_kernel`, `int4_gemv_half.py`) load their words with per-thread copies a
-few K steps ahead and split K to fill the GPU, and each one still costs about 6 us more than its bytes in a
-decode step (o_proj 10.4 us for 8.4 MB in the H100 profile at 0834498): the first bytes arrive one DRAM latency
-after the wait, the split-K partials are summed after the last slice, and the loads in flight per SM are few.
-Here persistent programs (one or two an SM) own whole column tiles (all of K, no split-K and no partials) and stream
-their packed words, scales and zeros through a ring of STAGES shared-memory stages, each filled by three TMA
-copies (two for symmetric weights, below) and guarded by an mbarrier. The ring is filled before
+Why a second GEMV beside the Triton ones (`int4_gemm._int4_gemv_kernel`, `int4_gemv_half.py`): those load their
+words with per-thread copies a few K steps ahead and split K to fill the GPU, so the first bytes arrive one DRAM
+latency after the PDL wait, the split-K partials are summed after the last slice, and the loads in flight per SM
+are few; each costs about 6 us more than its bytes in a decode step (o_proj: 10.4 us for 8.4 MB on the H100).
+Here persistent programs (one or two an SM) own whole column tiles (all of K, no split-K and no partials) and
+stream their packed words, scales and zeros through a ring of STAGES shared-memory stages, each filled by three
+TMA copies (two for symmetric weights, below) and guarded by an mbarrier. The ring is filled before
 `griddepcontrol.wait`: the weights depend on no earlier kernel, so under PDL they cross HBM while the previous
-kernel (a norm, the attention reduce, SiLU) still runs, and only x is read after the wait. All warps consume every stage; a CTA barrier after a stage's
-words reach registers frees it for the copy STAGES steps ahead.
+kernel (a norm, the attention reduce, SiLU) still runs, and only x is read after the wait, one step ahead of the
+arithmetic that uses it. All warps consume every stage; a CTA barrier after a stage's words reach registers frees
+it for the copy STAGES steps ahead. Timed cold at M = 1 on the H100, o_proj takes 5.4 us and qkv_proj 7.6 us
+against 8.6 and 10.4 for the best Triton GEMV (WRITEUP.md, section 8).
 
 Arithmetic is the fp32 GEMV's (`int4_gemm._nibble_pair`: a code read as a float through a mantissa, a shift per
 two codes, one LOP3 and one FMA per weight) or the packed-half GEMV's (`int4_gemv_half.WORD_ASM`, two weights an
@@ -17,39 +19,28 @@ instruction). A thread holds `rows` word rows of a group for `columns` columns a
 group's zero point and scale then apply once per column, and the thread keeps that partial over all of K. The
 tile's partials are reduced across threads once, at its end.
 
-Measured on the H100 (WRITEUP 8, stops 34-35), timed cold at M = 1: o_proj 8.6 -> 6.2 us and qkv 10.4 -> 8.3 us
-against the Triton GEMVs (stop 34). x was then read in each step's arithmetic, one L2 round trip a step; requested
-a step ahead (stop 35) the layer's four GEMVs went from 59.7 to 53.7 us (down 17.8 -> 15.2, o 6.2 -> 5.4, qkv
-8.3 -> 7.6, gate_up 27.4 -> 25.6).
+Epilogues: the descriptors view the weights as [rows, heads, halves, columns], so a tile can hold paired columns
+and finish them itself: gate_up's gate and up columns (silu(gate) * up, in place of the activation kernel) and
+qkv_proj's rotary pairs d, d + head_dim / 2 of a head (in place of the rotary kernel); layers/fusion.py picks both
+at one row. The stream is the limit: without the arithmetic the GEMVs take as long, and deeper rings are slower.
 
-Epilogues (stop 36): the descriptors view the weights as [rows, heads, halves, columns], so a tile can hold paired
-columns and finish them itself. gate_up's gate and up columns (silu(gate) * up: the activation kernel goes) and
-qkv_proj's rotary pairs d, d + head_dim / 2 of a head (the rotary kernel goes; layers/fusion.py picks both at one
-row). On the H100 the int4 layer went from 74.7 to 69.3 us (the down GEMV, now straight after gate_up's, from
-14.5 to 11 us) and batch 1 from 2.23x to 2.30-2.36x bf16. Measured and dropped: each tile's K steps made one
-contiguous run (`tile_columns`, 0bb3a16), the arithmetic left out (the GEMVs took as long: the stream is the
-limit), deeper rings (slower): bench/results/history/gemv_layout_ab_0bb3a16.
-
-Norms (stop 37): with `norm` (a RowNorm) x is a decoder layer's un-normed input, and each program stages
+Norms: with `norm` (a RowNorm) x is a decoder layer's un-normed input, and each program stages
 RMSNorm(x [+ residual]) * weight in shared memory before its loop, rounded as kernels/rmsnorm.py rounds; program
 0 writes x + residual, the residual stream's next value. The norm's weights are read before the PDL wait; the
 whole row is read by every program (a tile owns all of K), 8-16 KB from L2. qkv_proj and gate_up_proj take their
-layer's norms this way at one row (layers/fusion.norms_in_gemvs), and the two norm kernels go: the int4 layer went
-from 69.3 to 67.5 us in the H100 profile (qkv 12.2 -> 9.1 us with its norm, gate_up 28.6 -> 26.1), less than
-the two kernels' 3.2 us because down_proj, after the normed gate_up, read 11.7 -> 12.3-14.8 us. Adding the
-residual in o_proj's and down_proj's epilogues instead (7e271e9) ran those two 1.5 and 5.0 us slower.
+layer's norms this way at one row (layers/fusion.norms_in_gemvs), so a layer runs no norm kernel. The residual is
+added here rather than in o_proj's and down_proj's epilogues, which ran those two 1.5 and 5.0 us slower.
 
-KV write (stop 38): with a `KVWrite`, the rotary tile of a k or v head also stores it in the paged KV cache at the
-token's slot (kernels/kv_write.py's layout), and the attention layer skips its KV write kernel: int4 batch 1
-375.7 -> 381.6 tok/s on the H100 (bench/results/history/kv_in_qkv_a131c8b).
+KV write: with a `KVWrite`, the rotary tile of a k or v head also stores it in the paged KV cache at the token's
+slot (kernels/kv_write.py's layout), and the attention layer runs no KV write kernel (int4 batch 1 on the H100:
+381.6 tok/s against 375.7 with the separate kernel).
 
-Symmetric weights and the SM to itself (stop 41): where every zero point is 8 (GPTQ `sym`, compressed-tensors),
-the kernel takes it as a constant and streams codes and scales only (1/34 fewer bytes at group 128). That alone
-ran batch 1 4% slower: with fewer registers a program left room on its SM, and the next GEMV's programs, launched
-early under PDL, moved in and started their copies while this one still streamed. Each program now holds enough
-shared memory (`reserved_bytes`) that an SM full of one GEMV's programs has no room for another's. int4 batch 1 on
-the H100, alternating in one process: zeros read 391.9, constant zeros 375.2, constant zeros with the
-reservation 409.2 tok/s (bench/results/history/stop41_shared_zero/).
+Symmetric weights and the SM to itself: where every zero point is 8 (GPTQ `sym`, compressed-tensors), the kernel
+takes it as a constant and streams codes and scales only (1/34 fewer bytes at group 128). With fewer registers a
+program would leave room on its SM, and the next GEMV's programs, launched early under PDL, would move in and
+start their copies while this one still streams; so each program holds enough shared memory (`reserved_bytes`)
+that an SM full of one GEMV's programs has no room for another's. int4 batch 1 on the H100: 409.2 tok/s, against
+391.9 reading the zeros and 375.2 with constant zeros but no reservation.
 
 Layout (quantization/packing.py): qweight [K / 8, N] int32 packed along K, scales and zeros [K / group, N].
 No interpreter exists for Gluon: CI compiles the kernel for sm_90 and the `gpu` tests compare it with
@@ -89,9 +80,8 @@ class TmaGemvConfig(NamedTuple):
     half: bool = False
 
 
-# H100 candidates: the best tiles per 8B layer of bench/gemv_cold_sweep.py --tma-sweep (fp32 at 68963fa, packed
-# half at feee628 and, with x requested a step ahead, 7bcdf8c: qkv, o, gate_up, down), and two that divide groups
-# of 32 and 64
+# H100 candidates: the best tiles per 8B layer (qkv, o, gate_up, down) of bench/kernels/gemv_cold_sweep.py
+# --tma-sweep, fp32 and packed half, and two that divide groups of 32 and 64
 TMA_GEMV_TILES = (TmaGemvConfig(32, 16, 2, 4, columns=8, rows=2, per_sm=2, half=True),
                   TmaGemvConfig(64, 8, 2, 4, columns=8, rows=2, per_sm=2, half=True),
                   TmaGemvConfig(32, 16, 3, 8, rows=2, half=True), TmaGemvConfig(16, 8, 3, 4, rows=2, per_sm=2),
@@ -117,7 +107,7 @@ def layout_split(config: TmaGemvConfig, group_rows: int) -> tuple[int, int, int,
     return threads_g, threads_r, threads_n, warps_g, warps_n
 
 
-# Gluon's sum and cdiv wrap triton.jit helpers, which become interpreter objects under TRITON_INTERPRET=1 (set
+# Gluon's sum and cdiv wrap triton.jit functions, which become interpreter objects under TRITON_INTERPRET=1 (set
 # for the CPU tests, which compile this kernel for sm_90); these do not.
 @gluon.jit
 def _add(a, b):

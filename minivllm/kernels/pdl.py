@@ -1,17 +1,15 @@
 """Programmatic dependent launch (PDL) for the decode path's Triton kernels, on Hopper and later.
 
-At batch 1 a Llama-3-8B decode step is about 500 kernels of a few microseconds each, and each one's launch,
-first loads and tail were paid one after another. A kernel launched with PDL may start while the one before
-it still runs: its programs issue what depends on no earlier kernel (a GEMM's first weight bytes, as L2
+At batch 1 a Llama-3-8B decode step is about 500 kernels of a few microseconds each, and with ordinary launches
+each one's launch, first loads and tail are paid one after another. A kernel launched with PDL may start while
+the one before it still runs: its programs issue what depends on no earlier kernel (a GEMM's first weight bytes, as L2
 prefetches), then `wait_for_previous` blocks until the previous kernel has finished and its writes are
 visible. The rule that keeps this correct: a kernel launched with `launch_options` calls `wait_for_previous`
 before it reads or writes anything another kernel touches, on every path (also before an early return), so
 each kernel's completion still implies that of all kernels before it. Right after the wait it lets its own
-successor launch, so the overlap is one kernel deep (MINIVLLM_PDL=2: before the wait, so a chain of kernels
-may be resident at once, each waiting on the one before). CUDA graphs keep these launches as programmatic
-edges.
+successor launch, so the overlap is one kernel deep. CUDA graphs keep these launches as programmatic edges.
 
-Off (PDL=0, an ordinary launch) on CPU, under the interpreter, before sm_90, and with MINIVLLM_PDL=0.
+Off (PDL=0, an ordinary launch) on CPU, under the interpreter, before sm_90, and with MINIVLLM_PDL=0 (envs.py).
 """
 from __future__ import annotations
 
@@ -25,6 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from minivllm import envs
+
 
 @functools.lru_cache(maxsize=None)
 def _hopper_or_later(index: int) -> bool:
@@ -32,14 +32,11 @@ def _hopper_or_later(index: int) -> bool:
 
 
 def mode(device: torch.device) -> int:
-    """0: ordinary launches; 1: the next kernel launches once this one is past its wait; 2: at its start."""
-    setting = os.environ.get("MINIVLLM_PDL", "1")
-    if setting not in ("0", "1", "2"):
-        raise ValueError(f"MINIVLLM_PDL must be 0, 1 or 2, not {setting!r}")
-    if (setting == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    """0: ordinary launches; 1: the next kernel launches once this one is past its wait."""
+    if (not envs.MINIVLLM_PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
         return 0
-    return int(setting)
+    return 1
 
 
 def rows_prefetchable(t: torch.Tensor) -> bool:
@@ -57,13 +54,9 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """Blocks until the previous kernel's writes are visible; the next kernel may launch after (PDL 1) or
-    before (PDL 2) that."""
-    if PDL == 2:
-        gdc_launch_dependents()
+    """Blocks until the previous kernel's writes are visible, then lets the next kernel launch."""
     if PDL > 0:
         gdc_wait()
-    if PDL == 1:
         gdc_launch_dependents()
 
 
@@ -74,11 +67,8 @@ _LAUNCH_DEPENDENTS = tl.constexpr("griddepcontrol.launch_dependents; // $0")
 @gluon.jit
 def gluon_wait_for_previous(PDL: gl.constexpr):
     """`wait_for_previous` for Gluon kernels, which call only Gluon functions."""
-    if PDL == 2:
-        gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if PDL > 0:
         gl.inline_asm_elementwise(_WAIT, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    if PDL == 1:
         gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 

@@ -289,7 +289,7 @@ class PrefillConfig(NamedTuple):
 
 def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -> PrefillConfig:
     """Measured on an H100 in bf16, 32 query / 8 KV heads, head_dim 128, 16-token pages, against
-    cuDNN's SDPA (bench/prefill_attention_sweep.py). Long prompts (1 x 4096): four warpgroups on
+    cuDNN's SDPA (bench/kernels/prefill_attention_sweep.py). Long prompts (1 x 4096): four warpgroups on
     256 rows (64 tokens x 4 heads), 64-key tiles, 3 stages, this step's keys through TMA
     descriptors: 0.321 ms (81% of SDPA's 0.259) against 0.401 for the former 64 x 64 tiles through
     the pages; the same tiles through the pages 0.362, 128 rows on 8 warps 0.336-0.344 (either
@@ -299,13 +299,13 @@ def _tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None) -
     per sequence (k + 1 verification, 64 x 4,096 context x 6): 32-row tiles with 128 keys and 3
     stages stream K/V at 2.9 TB/s through the pages (0.372 ms; reading the 6 own keys from the
     contiguous K/V adds a tile: 0.435). Heaviest-first ordering gained 12-21% on the long prompt.
-    Tried and dropped (sweeps of branch commits 1327ab1 and a59207e in bench/results/history):
+    Measured and not used:
     one query head per program, as Triton's fused-attention tutorial lays it out (GQA not folded,
     K/V re-read from L2 per head): 8 x 512 at best 0.097 ms (64 x 64, 3 stages), 128 x 64 or
     128 x 128 on 8 warps 0.109-0.119; 1 x 4096 at best 0.342 (128 x 64) against 0.320 folded.
     Triton 3.6's warp-specialized key loop compiles for 8- and 16-warp tiles (4-warp ones trip an
     assertion in its pass) and gains nothing (256 x 64: 0.321; per-head 128 x 128: 0.346). The
-    rescaled output as the P.V dot's accumulator: unchanged (0.089 / 0.320). Also dropped: narrow
+    rescaled output as the P.V dot's accumulator: unchanged (0.089 / 0.320). Also not used: narrow
     tiles at the diagonal (one 16- or 32-key masked tile per query tile under 64/128-key tiles):
     8 x 512 at best 0.092 ms (64 x 64, 16-key diagonal), 1 x 4096 128 x 128
     with a 32-key diagonal 0.337; 256 x 64 with 4 stages 0.325; 256 x 128 does not fit shared

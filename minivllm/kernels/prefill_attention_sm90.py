@@ -53,7 +53,7 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24   # registers per thread of the two parti
 MIN_QUERY_LEN = 64
 
 
-# Gluon's own sum/max/cdiv wrap triton.jit helpers, which turn into interpreter objects under
+# Gluon's own sum/max/cdiv wrap triton.jit functions, which turn into interpreter objects under
 # TRITON_INTERPRET=1 (set for the CPU tests, which compile this kernel for sm_90); these do not.
 @gluon.jit
 def _add(a, b):

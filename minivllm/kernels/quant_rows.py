@@ -3,8 +3,8 @@ below 16 rows one per 1,024 columns (each reads the whole row for its scale: one
 single program bounded the batch-1 W8A8 step).
 
 codes[r] = round(clamp(x[r] / s[r], -QMAX, QMAX)), s[r] = max|x[r]| / QMAX, in fp32, into float8_e4m3fn
-(QMAX 448) or int8 (QMAX 127, round half to even). The unfused reference, `quantize_rows_reference`, took
-nine kernels per linear layer; at batch 1 that was about 2.5 ms of a 7 ms Llama-3-8B decode step.
+(QMAX 448) or int8 (QMAX 127, round half to even). The unfused reference, `quantize_rows_reference`, takes
+nine kernels per linear layer: at batch 1 about 2.5 ms of a 7 ms Llama-3-8B decode step.
 `store_quantized_row` is the same rounding for kernels that produce a whole row anyway (RMSNorm,
 SiLU-and-mul): they hand the W8A8 GEMM a `QuantizedRows` instead of a 16-bit row, saving this kernel.
 """

@@ -8,16 +8,15 @@ batch size before its graph is captured, so capture finds the choice made; a sha
 graph is being captured takes the default without timing.
 
 Weights are timed cold: in a decode step every other layer's weights pass through L2 between two calls of
-one layer, so the timed calls rotate through copies of the weights that together exceed L2
-(MINIVLLM_TUNE_COLD=0: the same copy every call, as before, for comparison). Timing one
-copy over and over measured L2 reads for any layer under 50 MB: on the H100 the int4 GEMV's o_proj took
-8.4 us there and 10.4 us in the engine, down_proj 14.5 against 19.3.
+one layer, so the timed calls rotate through copies of the weights that together exceed L2. Timing one
+copy over and over would measure L2 reads for any layer under 50 MB: on the H100 the int4 GEMV's o_proj takes
+8.4 us that way and 10.4 us in the engine, down_proj 14.5 against 19.3.
 
 Timed alone, back to back, a tile is not timed where it runs: in a decode step, behind other kernels, beside the
-next one's early start. Choices measured in the whole step (bench/step_tile_search.py --write-configs) ship per
-device in configs/<device name>.json, as vLLM ships its tuned kernel configs; a key found there takes the stored
-candidate without timing (MINIVLLM_TUNED_CONFIGS=0: time every key, as before). A stored choice that is no
-longer among a key's candidates is ignored.
+next one's early start. Choices measured in the whole step (bench/kernels/step_tile_search.py --write-configs)
+ship per device in configs/<device name>.json, as vLLM ships its tuned kernel configs; a key found there takes the
+stored candidate without timing (MINIVLLM_TUNED_CONFIGS=0 in envs.py: time every key). A stored choice that is
+not among a key's candidates is ignored.
 """
 from __future__ import annotations
 
@@ -25,12 +24,13 @@ import functools
 import itertools
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Callable, Hashable, Sequence, TypeVar
 
 import torch
+
+from minivllm import envs
 
 logger = logging.getLogger(__name__)
 Config = TypeVar("Config")
@@ -96,7 +96,7 @@ def _stored_choices(path: Path) -> dict[str, str]:
 
 def stored_choice(key: Hashable, candidates: Sequence[Config], device_name: str) -> Config | None:
     """The candidate stored for `key` on this device (matched by repr, as --write-configs writes both), or None."""
-    if os.environ.get("MINIVLLM_TUNED_CONFIGS", "1") == "0":
+    if not envs.MINIVLLM_TUNED_CONFIGS:
         return None
     wanted = _stored_choices(config_file(device_name)).get(repr(key))
     return next((c for c in candidates if repr(c) == wanted), None) if wanted is not None else None
@@ -117,7 +117,7 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
         return stored
     if torch.cuda.is_current_stream_capturing():
         return default
-    copies = cold_copies(weights) if os.environ.get("MINIVLLM_TUNE_COLD", "1") != "0" else [tuple(weights)]
+    copies = cold_copies(weights)
     turn = itertools.count()
     timings = []
     for candidate in candidates:

@@ -113,15 +113,15 @@ def split_tiles(M: int, N: int, K: int, device: torch.device, tiles, fills) -> l
 
 def candidates(M: int, N: int, K: int, device: torch.device) -> list[W8A8Tile | None]:
     """Tiles for M rows (None: the library GEMM), each with split-K filling the GPU about 1x, 2x and 4x."""
-    # the last two: best on o / down and on gate_up at M = 1 of 17 tiles (H100, bench/w8a8_tile_sweep.py, bf8a973)
+    # the last two: best on o / down and on gate_up at M = 1 of 17 tiles (H100, bench/kernels/w8a8_tile_sweep.py)
     tiles = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (128, 256, 8, 3), (128, 256, 4, 4),
              (64, 256, 4, 5)]
     # 1x: o_proj's best tile at M = 1 in two sweeps (128 x 256, split 5: 6.4 / 6.5 us against 7.0 / 7.2 for the
-    # 2x and 4x splits; bf8a973, c38a821)
+    # 2x and 4x splits)
     fills = (1, 2, 4)
     if M > 16:
         # W1's decode steps (M = 64) read the weights at 0.53-0.83 of the copy bandwidth with the tiles
-        # above (788e695, 8909c14); deeper pipelines and longer K steps keep more loads in flight.
+        # above; deeper pipelines and longer K steps keep more loads in flight.
         tiles += [(128, 128, 4, 6), (64, 512, 4, 3), (256, 128, 8, 3), (128, 256, 8, 4)]
         fills = (1, 2, 4)
     return list(dict.fromkeys([None, *split_tiles(M, N, K, device, tiles, fills)]))

@@ -13,8 +13,6 @@ the scores). Both default to None: plain causal attention.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,10 +49,8 @@ class Attention(nn.Module):
     def kv_write_target(self, dtype: torch.dtype) -> tuple | None:
         """(k_cache, v_cache, slot_mapping, kv_heads) for a kernel that stores this step's one token's k and v
         itself (layers/fusion.qkv_rotary), then `forward(kv_written=True)`; None where the cache is absent, not in
-        `dtype` (an fp8 cache's scales are this layer's) or the step has more than one token, and with
-        MINIVLLM_KV_IN_QKV=0 (a switch for A/B runs)."""
-        if (self.k_cache.numel() == 0 or self.k_cache.dtype != dtype
-                or os.environ.get("MINIVLLM_KV_IN_QKV") == "0"):
+        `dtype` (an fp8 cache's scales are this layer's) or the step has more than one token."""
+        if self.k_cache.numel() == 0 or self.k_cache.dtype != dtype:
             return None
         slot_mapping = get_forward_context().slot_mapping
         return (self.k_cache, self.v_cache, slot_mapping, self.num_kv_heads) if slot_mapping.numel() == 1 else None

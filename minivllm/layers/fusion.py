@@ -3,24 +3,21 @@ fusions that span two layers: quantizing a W8A8 layer's input in the kernel that
 MLP's activation or attention's rotary embedding in the kernel of the projection before it; and a decoder
 layer's RMSNorms, with the residual adds before them, in the kernel of the projection after them.
 
-Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` turns it off (read when a layer
-is built) so benchmarks can measure what the fusions buy.
+Only tensors on CUDA take the Triton path; `MINIVLLM_DISABLE_FUSIONS=1` (envs.py) turns it off, read when a
+layer is built, to debug a fused path or measure what the fusions buy.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-
-def _disabled_by_env() -> bool:
-    return os.environ.get("MINIVLLM_DISABLE_FUSIONS", "0") == "1"
+from minivllm import envs
 
 
 def fusions_enabled() -> bool:
-    if _disabled_by_env():
+    if envs.MINIVLLM_DISABLE_FUSIONS:
         return False
     try:
         import triton  # noqa: F401
@@ -34,7 +31,7 @@ def fuse_input_quantization(model: nn.Module) -> int:
     RMSNorm or activation whose output goes to that linear layer and nowhere else), let the producer hand
     its output already quantized when the consumer's method quantizes its input per row (W8A8). At batch 1
     this removes three of the four activation-quantization kernels of a Llama layer. Returns the pairs fused."""
-    if _disabled_by_env():
+    if envs.MINIVLLM_DISABLE_FUSIONS:
         return 0
     fused = 0
     for module in model.modules():
@@ -65,25 +62,23 @@ def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
     """x, or a PendingNorm's norm computed by the norm layer as the plain layer does (its stream filled)."""
     if not isinstance(x, PendingNorm):
         return x
-    from minivllm.layers.layernorm import norm_layer_input   # layernorm imports this module
-    normed, stream = norm_layer_input(x.norm, x.x, x.residual)
-    if stream is not x.stream:
-        x.stream.copy_(stream)
+    if x.residual is None:
+        return x.norm(x.x)   # the stream is x itself
+    normed, stream = x.norm(x.x, x.residual)
+    x.stream.copy_(stream)
     return normed
 
 
 def norms_in_gemvs(pairs, x: torch.Tensor) -> list[bool]:
-    """For each (name, norm, projection) of a decoder layer at input x, whether the projection may take the norm
-    as a PendingNorm: x is one token, the norm a plain RMSNorm on its Triton path (`fusable_into_gemv`, no
-    quantized output), the projection's quant method able to norm its input in its GEMV (`norms_input`: int4 at
-    one row on Hopper), and the name listed in MINIVLLM_NORMS_IN_GEMVS (default "input,post"; a benchmark's
-    switch). Each norm so taken runs no kernel of its own; its residual add happens in the same GEMV."""
-    if _disabled_by_env() or x.shape[0] != 1:
+    """For each (norm, projection) of a decoder layer at input x, whether the projection may take the norm as a
+    PendingNorm: x is one token, the norm a plain RMSNorm on its Triton path (`fusable_into_gemv`, no quantized
+    output) and the projection's quant method able to norm its input in its GEMV (`norms_input`: int4 at one row
+    on Hopper). Each norm so taken runs no kernel of its own; its residual add happens in the same GEMV."""
+    if envs.MINIVLLM_DISABLE_FUSIONS or x.shape[0] != 1:
         return [False] * len(pairs)
-    allowed = os.environ.get("MINIVLLM_NORMS_IN_GEMVS", "input,post").split(",")
-    return [name in allowed and getattr(norm, "fusable_into_gemv", False) and norm.use_triton
-            and norm.quantize_output is None and getattr(proj.quant_method, "norms_input", lambda *_: False)(proj, x)
-            for name, norm, proj in pairs]
+    return [getattr(norm, "fusable_into_gemv", False) and norm.use_triton and norm.quantize_output is None
+            and getattr(proj.quant_method, "norms_input", lambda *_: False)(proj, x)
+            for norm, proj in pairs]
 
 
 def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args, **kwargs):

@@ -362,7 +362,7 @@ def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-# ---- helpers ------------------------------------------------------------------------------------------------
+# ---- seeds and rows --------------------------------------------------------------------------------------
 
 def _row_seed(seed: int, sample_index: int, position: int) -> int:
     """A 63-bit generator seed mixing a request's seed, sample index and position (splitmix64 finaliser),

@@ -7,7 +7,8 @@ temporary folder and renamed into place, so an interrupted or concurrent convers
 half-written folder behind, and a second start only hashes the file.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k so that RoPE rotates interleaved pairs;
-`unpermute_rows` restores HF's rotate-half layout. Only this module reads GGUF files.
+`unpermute_rows` restores HF's rotate-half layout. Only this module reads GGUF files, each opened through
+model_files.open_gguf (a truncated or corrupt file raises a ModelFileError naming it).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from minivllm import envs
+from minivllm.models.model_files import open_gguf, open_safetensors
 
 CONVERTER_VERSION = 1
 MARKER_FILE = "minivllm_gguf.json"
@@ -53,7 +57,7 @@ _GPT2_BLOCK_NAMES = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_outpu
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
+    return envs.MINIVLLM_CACHE
 
 
 def file_sha256(path: Path) -> str:
@@ -207,7 +211,6 @@ def _is_complete(folder: Path) -> bool:
 
 def convert_gguf(path: str) -> str:
     """Return the HF-style folder for the GGUF file at `path`, converting it on first use."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
     gguf_path = Path(path).expanduser().resolve()
@@ -222,7 +225,7 @@ def convert_gguf(path: str) -> str:
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=root))
     tmp_dir.chmod(0o755)   # mkdtemp makes it private; the finished cache folder is ordinary
     try:
-        reader = GGUFReader(str(gguf_path))
+        reader = open_gguf(gguf_path)
         has_output = any(t.name == "output.weight" for t in reader.tensors)
         config = hf_config_from_gguf(reader, has_output)
         save_file(hf_tensors(reader, config), str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -232,6 +235,8 @@ def convert_gguf(path: str) -> str:
             _save_tokenizer(gguf_path, reader, tmp_dir)
         (tmp_dir / MARKER_FILE).write_text(json.dumps(
             {"converter_version": CONVERTER_VERSION, "source": str(gguf_path)}))
+        if _is_complete(out_dir):   # a concurrent conversion finished first: keep the folder it may be reading
+            return str(out_dir)
         if out_dir.exists():        # left by an older converter version
             shutil.rmtree(out_dir, ignore_errors=True)
         try:
@@ -255,9 +260,8 @@ def _linear_tensors(reader) -> list:
 
 def gguf_quant_config(path: str):
     """The GGUFConfig for the file's linear weights, which must all share one kept type."""
-    from gguf import GGUFReader
     from minivllm.quantization.gguf import GGUFConfig
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     if _metadata(reader).get("general.architecture") != "llama":
         raise ValueError("quantization='gguf' supports llama-architecture GGUF files")
     types = sorted({t.tensor_type.name for t in _linear_tensors(reader)})
@@ -270,10 +274,8 @@ def gguf_quant_config(path: str):
 def gguf_quantized_weights(path: str, weights_dir: str, config: dict):
     """HF-named tensors for a model with kept-quantized linears: those linears' qweight / scales
     (/ mins) straight from the GGUF blocks, everything else from the dequantized conversion."""
-    from gguf import GGUFReader
-    from safetensors import safe_open
     from minivllm.quantization.gguf import held_tensors, unpack_blocks
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     held = set()
     for tensor in _linear_tensors(reader):
         match = _BLOCK_RE.fullmatch(tensor.name)
@@ -286,7 +288,7 @@ def gguf_quantized_weights(path: str, weights_dir: str, config: dict):
         for suffix, value in held_tensors(codes, scales, mins, tensor.tensor_type.name).items():
             yield f"{prefix}.{suffix}", value
         held.add(f"{prefix}.weight")
-    with safe_open(str(Path(weights_dir) / "model.safetensors"), framework="pt", device="cpu") as f:
+    with open_safetensors(Path(weights_dir) / "model.safetensors") as f:
         for name in f.keys():
             if name not in held:
                 yield name, f.get_tensor(name)

@@ -127,8 +127,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if type(mlp) is not LlamaMLP or attn.q_norm is not None:
             return False, False
-        return tuple(norms_in_gemvs((("input", self.input_layernorm, attn.qkv_proj),
-                                     ("post", self.post_attention_layernorm, mlp.gate_up_proj)), hidden_states))
+        return tuple(norms_in_gemvs(((self.input_layernorm, attn.qkv_proj),
+                                     (self.post_attention_layernorm, mlp.gate_up_proj)), hidden_states))
 
     def forward(self, positions, hidden_states, residual):
         """Returns (this layer's output, residual stream before it); the next norm adds the two."""

@@ -21,6 +21,7 @@ from torch import nn
 from minivllm.layers.fusion import fuse_input_quantization
 from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
 from minivllm.models.kv_cache_scales import extract_kv_cache_scales, set_kv_cache_scales
+from minivllm.models.model_files import open_safetensors
 from minivllm.models.registry import get_model_class
 from minivllm.quantization import (get_quantization_config, init_dummy_quantized_weights,
                                    process_weights_after_loading, quantization_context)
@@ -155,9 +156,8 @@ def safetensors_files(weights_dir: str) -> list[Path]:
 
 
 def iterate_safetensors(weights_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
     for file in safetensors_files(weights_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 

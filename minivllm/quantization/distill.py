@@ -8,7 +8,7 @@ position on its grid (a latent weight rounded in the forward, straight-through i
 changes when its latent crosses half a step), the grid's scales (one log-ratio per scale, starting at 0)
 and the RMSNorm weights, which the folder stores unquantized. For W8A8 folders the linears' inputs are
 rounded per token in the forward as the served path rounds them. The result is written in the same
-on-disk format as before (quantization-aware training by distillation, as in LLM-QAT / EfficientQAT,
+on-disk format as without distillation (quantization-aware training by distillation, as in LLM-QAT / EfficientQAT,
 restricted to the calibration text).
 
 The quantizer owns the grids' first values and the writing; this module owns only the training. It runs

@@ -9,7 +9,7 @@ groups of 32 inputs) with the block's own fp16 `scales` [G, N] (and `mins` [G, N
 which in fp32 is bit-identical to gguf's own dequantization. 0.5625 / 0.625 / 1.0625 bytes per weight
 instead of 4 (fp32) or 2 (bf16). On CUDA the layer is converted once to the Triton GEMM's
 (code - zero) * scale form (Q4_1: zero = -m / d). Only linear layers: embeddings, norms and the LM
-head are dequantized by the GGUF converter as before.
+head are dequantized by the GGUF converter (models/gguf_loader.py).
 """
 from __future__ import annotations
 

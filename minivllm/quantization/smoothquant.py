@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.quantization.calibration import calibration_windows, collect_input_stats, fold_input_scales
+
 
 def smoothquant_scale(weights: list[torch.Tensor], x_amax: torch.Tensor, alpha: float) -> torch.Tensor:
     """s [K] for linears [N_i, K] sharing one input whose per-channel max |x| is `x_amax` [K]."""
@@ -24,7 +26,6 @@ def smoothquant_scale(weights: list[torch.Tensor], x_amax: torch.Tensor, alpha: 
 def smooth_layers(hf_model, stats: dict, alpha: float) -> None:
     """Apply SmoothQuant in place to every decoder layer of a transformers Llama-family model, from
     `collect_input_stats`' per-input max |x|."""
-    from minivllm.quantization.quantizer import fold_input_scales
     for index, layer in enumerate(hf_model.model.layers):
         fold_input_scales(layer, stats, index, lambda weights, stat: smoothquant_scale(weights, stat[2], alpha))
 
@@ -36,7 +37,6 @@ def smooth_model(model: str | None, out: str, calib: str, alpha: float = 0.5, nu
     import transformers
 
     from minivllm.models.loader import resolve_model
-    from minivllm.quantization.quantizer import calibration_windows, collect_input_stats
 
     if not calib:
         raise ValueError("smoothquant needs calibration text (--calib FILE)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -106,18 +105,6 @@ def start_servers(specs: list[tuple[list[str], int]], startup_timeout_s: float =
     return urls, procs
 
 
-def serve_specs(texts: list[str]) -> list[tuple[list[str], int]]:
-    """`minivllm router --serve "MODEL --served-model-name a -tp 2" ...`: each text is the arguments of
-    one `minivllm serve`; its --data-parallel-size becomes that many replicas."""
-    from minivllm.cli import build_parser
-    specs = []
-    for text in texts:
-        argv = ["serve"] + shlex.split(text)
-        args = build_parser().parse_args(argv)
-        specs += [(argv, args.tensor_parallel_size)] * args.data_parallel_size
-    return specs
-
-
 def stop_replicas(procs: list[subprocess.Popen], timeout_s: float = 30) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -140,10 +127,10 @@ def serve_data_parallel(argv: list[str], data_parallel_size: int, tensor_paralle
         stop_replicas(procs)
 
 
-def route_and_serve(backends: list[str], serve: list[str], host: str, port: int, health_interval: float,
-                    api_key: str | None) -> None:
-    """`minivllm router`: the given backends plus the servers of each --serve spec, behind one port."""
-    urls, procs = start_servers(serve_specs(serve)) if serve else ([], [])
+def route_and_serve(backends: list[str], serve: list[tuple[list[str], int]], host: str, port: int,
+                    health_interval: float, api_key: str | None) -> None:
+    """`minivllm router`: the given backends plus a server per (serve argv, GPUs it takes), behind one port."""
+    urls, procs = start_servers(serve) if serve else ([], [])
     try:
         run_router(list(backends) + urls, host, port, health_interval, api_key)
     finally:

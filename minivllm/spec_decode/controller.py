@@ -11,9 +11,9 @@ tries in which the proposer had anything to propose (n-gram lookups often find n
 prior from all sequences. A step's cost is the time from its start on the device to the next step's start
 (the engine measures it with the runner's `StepStart`): its device time plus any time the device then
 idled for the host, so a verify step that is waited for (no async overlap) carries the host work that
-waited for its result. (Launch-to-launch host intervals were charged to the wrong step: under async
+waited for its result. (Launch-to-launch host intervals would charge the wrong step: under async
 scheduling the one from launch j to launch j + 1 holds the wait for step j - 1, so at 256 sequences a
-4,096-token bucket read 4.3 ms against 199 ms for the 8,192-token one.) Plain costs are the median of the
+4,096-token bucket would read 4.3 ms against 199 ms for the 8,192-token one.) Plain costs are the median of the
 last few steps in each power-of-two bucket of scheduled tokens; a verify step is priced as a plain step
 of its size plus the median extra that recent verify steps of about as many sequences cost over the plain
 estimate. A plain step of a size never measured is estimated by linear interpolation in the token count

@@ -8,7 +8,7 @@ Two families, sharing one memory pool and one set of buffers:
   padded to `max_num_seqs`; attention runs the varlen kernel.
 
 Without graphs a forward pass costs the host about 25 ms of Python and launch overhead (measured on an
-H100 for Llama-3-8B), twice the GPU time of a 512-token prefill: time to first token was host-bound.
+H100 for Llama-3-8B), twice the GPU time of a 512-token prefill: time to first token would be host-bound.
 A replay costs the host well under a millisecond. Padding rows write no KV (slot -1) and padding
 sequences have no query tokens and no context, so the kernels skip them; their hidden rows are
 never read.
@@ -21,7 +21,7 @@ step took 2.0 ms of device time through the 64-token mixed graph against 1.1 ms 
 Decode graphs of up to `LOGITS_IN_GRAPH_MAX_ROWS` rows also compute the logits (without tensor
 parallelism, whose LM head gathers to one rank). Such steps are bound by the host's launches: at batch 1
 on SmolLM2 the logits' own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host
-(`spec_decode.py --parts steps --trace`, cc5262b). Larger batches are bound by the device, where copying
+(`spec_decode.py --parts steps --trace`). Larger batches are bound by the device, where copying
 their logits out of the graph would cost time instead.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 def mixed_capture_sizes(max_tokens: int) -> list[int]:
     """Padded token counts of the mixed graphs: every 64 tokens up to 2,048, then every 256. Padding
     rows cost GEMM work like real ones, and prefill is compute-bound: with a ladder 256 apart above
-    1,024, a 1,026-token step was padded to 1,280 rows, a quarter more work than needed."""
+    1,024, a 1,026-token step would be padded to 1,280 rows, a quarter more work than needed."""
     sizes = list(range(64, min(max_tokens, 2048) + 1, 64)) + list(range(2304, max_tokens + 1, 256))
     return sorted(set(sizes) | ({max_tokens} if max_tokens > 0 else set()))
 

@@ -107,7 +107,7 @@ class StagingBuffer:
     aligned, so an array landing at an odd offset in one step would recompile the kernels reading it
     mid-run (a fresh compile costs a step ~200 ms). One copy per step rather than one per dtype: at batch 1
     every host-side torch call (a copy, an event, a view) is a visible share of a step (spec_decode.py
-    --profile, 907e600), so the device tensors come from one dtype view and one split per group.
+    --profile), so the device tensors come from one dtype view and one split per group.
 
     The copy is asynchronous; before the buffer is overwritten by the next step we wait on the event
     recorded after the previous copy, so a copy still in flight never reads half-new data.
@@ -165,8 +165,8 @@ class StagingBuffer:
 
 class PinnedBufferPool:
     """Pinned host buffers for the device-to-host copies of each step's sampled ids and logprobs,
-    reused across steps. Pinning fresh memory for every step's (differently sized) outputs cost 1 to
-    20 ms of host time per new size on the H100 host, while the GPU was busy."""
+    reused across steps. Pinning fresh memory for every step's (differently sized) outputs costs 1 to
+    20 ms of host time per new size on the H100 host, while the GPU waits."""
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []  # uint8 base buffers
