@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
+import shlex
 import sys
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import SchedulerConfig
 from minivllm.server.tool_parsers import TOOL_PARSERS
@@ -63,6 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         "one step more TTFT for new requests (default: on with CUDA, off on CPU)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="tensor parallelism: a rank that has not finished a step after this long fails the "
+                        "engine with an error naming it")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' or '
                         '\'{"method": "draft_model", "draft_layers": 8}\'')
@@ -89,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout,
         speculative_config=args.speculative_config, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype)
 
@@ -135,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "when omitted)")
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
+    serve.add_argument("--api-key", default=envs.MINIVLLM_API_KEY,
                        help="require 'Authorization: Bearer KEY' (default: $MINIVLLM_API_KEY)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use (default: the model's name)")
@@ -159,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--host", default="0.0.0.0")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
-    router.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
-                        help="key the router uses for the backends' /v1/models (clients' keys are forwarded)")
+    router.add_argument("--api-key", default=envs.MINIVLLM_API_KEY,
+                        help="key the router uses for the backends' /v1/models (clients' keys are forwarded; "
+                             "default: $MINIVLLM_API_KEY)")
 
     for name, help_text in (("generate", "complete one prompt and print the text"),
                             ("chat", "send one user message through the chat template and print the reply")):
@@ -175,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(one)
     add_quantization_commands(sub)
     return parser
+
+
+def serve_specs(texts: list[str]) -> list[tuple[list[str], int]]:
+    """`minivllm router --serve "MODEL --served-model-name a -tp 2" ...`: each text is the arguments of
+    one `minivllm serve`; its --data-parallel-size becomes that many (serve argv, GPUs it takes) entries."""
+    specs = []
+    for text in texts:
+        argv = ["serve"] + shlex.split(text)
+        args = build_parser().parse_args(argv)
+        specs += [(argv, args.tensor_parallel_size)] * args.data_parallel_size
+    return specs
 
 
 def add_quantization_commands(sub) -> None:
@@ -278,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
             if not args.backend and not args.serve:
                 raise ValueError("the router needs --backend URL or --serve ARGS (at least one)")
             from minivllm.router.launcher import route_and_serve
-            route_and_serve(args.backend, args.serve, args.host, args.port, args.health_interval, args.api_key)
+            route_and_serve(args.backend, serve_specs(args.serve), args.host, args.port, args.health_interval,
+                            args.api_key)
         elif args.command == "serve" and args.data_parallel_size != 1:
             from minivllm.router.launcher import serve_data_parallel
             serve_data_parallel(argv, args.data_parallel_size, args.tensor_parallel_size, args.host, args.port,

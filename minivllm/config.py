@@ -40,6 +40,9 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "triton"; None picks by device
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
+    # Tensor parallelism: a step (or any driver <-> worker exchange) that a rank has not finished after this
+    # many seconds fails the engine with an error naming the rank, instead of waiting for it.
+    distributed_timeout_s: float = 60.0
     # vLLM's speculative_config dict (spec_decode/config.py): {"method": "ngram" | "draft_model", ...}
     speculative_config: dict | None = None
     # "fp8" | "int8" | "gptq" | "awq" | "compressed-tensors"; None: from config.json's quantization_config
@@ -74,6 +77,8 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' does not support tensor_parallel_size > 1 yet")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.speculative_config is not None:
             from minivllm.spec_decode.config import SpeculativeConfig
             spec = SpeculativeConfig.from_dict(self.speculative_config)  # validate early, with the reason

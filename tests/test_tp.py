@@ -1,11 +1,17 @@
-"""Tensor parallelism on CPU: two gloo ranks (the driver and one worker process) against one process.
+"""Tensor parallelism: two ranks (the driver and one worker process) against one process, on the CPU
+(gloo) and, with the `gpu` marker, on GPUs (NCCL, CUDA graphs).
 
 The reference is the same engine with tensor_parallel_size=1: greedy tokens must be identical on the
-real default model in fp32, with batching and preemption (a KV pool too small for the batch). A worker
-that raises during a step must put the server into a clear error state, not hang it.
+real default model in fp32, with batching and preemption (a KV pool too small for the batch), a
+structured-output request and a prompt-logprobs request in the batch. A rank that raises, dies or
+stalls must end in a clear error naming it within the deadline, never a hang; an idle group must
+outlive the deadline.
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -14,6 +20,8 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
+from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.worker.executor import WorkerFailedError
 from minivllm.distributed import attention_head_partition, split_evenly
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server.api_server import ServerThread, build_app
@@ -48,24 +56,40 @@ def test_split_evenly_tiles_the_range():
     assert parts == [(0, 3), (3, 3), (6, 2), (8, 2)]
 
 
-def _greedy(tp: int) -> tuple[list[list[int]], int]:
-    llm = LLM(tensor_parallel_size=tp, **SMALL_POOL)
+def _greedy(tp: int, **options) -> tuple[list[list[int]], int, list]:
+    """Greedy tokens of PROMPTS (the second under a choice grammar), preemptions, the third's prompt
+    logprobs."""
+    llm = LLM(tensor_parallel_size=tp, **{**SMALL_POOL, **options})
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [plain] * len(PROMPTS)
+    params[1] = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["wind and waves", "salt and foam"]))
+    params[2] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
     try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                               use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.get_stats().num_preemptions
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outputs], llm.llm_engine.get_stats().num_preemptions,
+                outputs[2].prompt_logprobs)
     finally:
         llm.llm_engine.shutdown()
 
 
+def _assert_same_prompt_logprobs(ours, reference):
+    assert ours[0] is None and reference[0] is None and len(ours) == len(reference) > 4
+    for mine, theirs in zip(ours[1:], reference[1:]):
+        assert list(mine) == list(theirs)   # the prompt token and the top 2, in order
+        assert [v.logprob for v in mine.values()] == pytest.approx([v.logprob for v in theirs.values()], abs=1e-4)
+
+
 def test_tp2_greedy_matches_tp1_under_batching_and_preemption():
-    reference, ref_preemptions = _greedy(1)
-    ours, preemptions = _greedy(2)
+    reference, ref_preemptions, ref_logprobs = _greedy(1)
+    ours, preemptions, logprobs = _greedy(2)
     assert ref_preemptions > 0 and preemptions > 0
     assert ours == reference
+    _assert_same_prompt_logprobs(logprobs, ref_logprobs)
 
 
-def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object]:
+def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object, int]:
+    """Greedy tokens, the runner and how many CUDA graphs it captured (read before shutdown drops them)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
     llm = LLM(model=str(folder), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp,
@@ -73,7 +97,9 @@ def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object]:
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.runner
+        graphs = llm.llm_engine.runner.graph_runner
+        return ([o.outputs[0].token_ids for o in outputs], llm.llm_engine.runner,
+                0 if graphs is None else len(graphs.graphs))
     finally:
         llm.llm_engine.shutdown()
 
@@ -93,8 +119,8 @@ def test_tp2_moe_shards_experts_like_tp1(tmp_path, arch):
     sharded dense MLP): greedy tokens equal TP = 1's, and the stacked expert weights are half as wide."""
     make_tiny_hf_checkpoint(tmp_path, arch)
     options = dict(kv_cache_memory=4 << 20)
-    ours, runner = _tiny_greedy(tmp_path, 2, **options)
-    reference, reference_runner = _tiny_greedy(tmp_path, 1, **options)
+    ours, runner, _ = _tiny_greedy(tmp_path, 2, **options)
+    reference, reference_runner, _ = _tiny_greedy(tmp_path, 1, **options)
     assert ours == reference
     widths = [m.w2_weight.shape[-1] for r in (runner, reference_runner) for m in r.model.modules()
               if type(m).__name__ == "FusedMoE"]
@@ -128,13 +154,57 @@ def test_tp2_on_two_gpus_with_cuda_graphs_and_async_scheduling(tmp_path):
     on (the CUDA default): greedy tokens equal TP = 1's, fp32."""
     make_tiny_hf_checkpoint(tmp_path, "llama3")
     options = dict(gpu_memory_utilization=0.3, max_num_batched_tokens=96, max_num_seqs=8)
-    ours, runner = _tiny_greedy(tmp_path, 2, **options)
-    assert runner.graph_runner is not None and runner.graph_runner.graphs
+    ours, _, num_graphs = _tiny_greedy(tmp_path, 2, **options)
+    assert num_graphs > 0
     assert ours == _tiny_greedy(tmp_path, 1, **options)[0]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fault,expected", [("exit", "rank 1 exited with code 3"),
+                                            ("stall", "stalled: rank 1 (at step 2)")])
+def test_a_dead_or_stalled_rank_fails_the_step_within_the_deadline(tmp_path, monkeypatch, device, fault,
+                                                                    expected):
+    """The worker dies (its process exits) or stops answering (alive, no progress) at its 3rd step: the
+    driver's step raises an error naming rank 1 within the deadline plus the watchdog's tick, and the
+    engine then shuts down without waiting for the lost rank. On GPUs the stalled step is inside a CUDA
+    graph, where NCCL's own timeouts do not reach."""
+    make_tiny_hf_checkpoint(tmp_path, "llama3")
+    monkeypatch.setenv("MINIVLLM_TP_INJECT_FAULT", f"{fault}:3")
+    options = dict(gpu_memory_utilization=0.3) if device == "cuda" else dict(kv_cache_memory=4 << 20)
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2,
+              max_model_len=256, device=device, distributed_timeout_s=10, **options)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailedError, match=re.escape(expected)):
+            llm.generate([{"prompt_token_ids": list(range(3, 40))}],
+                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - started < 10 + 10
+    finally:
+        stopping = time.monotonic()
+        llm.llm_engine.shutdown()
+        assert time.monotonic() - stopping < 15
+
+
+def test_an_idle_group_outlives_the_deadline(tmp_path):
+    """Workers wait for the next step with a deadline; the idle driver's pings keep them waiting."""
+    make_tiny_hf_checkpoint(tmp_path, "llama3")
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2,
+              max_model_len=256, kv_cache_memory=4 << 20, distributed_timeout_s=3)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        first = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        time.sleep(7)
+        again = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_worker_fault_during_a_step_fails_requests_and_health(monkeypatch):
-    monkeypatch.setenv("MINIVLLM_TP_FAIL_AT_STEP", "3")  # read by the worker process at each step
+    monkeypatch.setenv("MINIVLLM_TP_INJECT_FAULT", "raise:3")  # read by the worker process
     engine = AsyncEngine.from_config(EngineConfig(tensor_parallel_size=2, dtype="float32", max_model_len=256,
                                                   kv_cache_memory=16 << 20))
     with ServerThread(build_app(engine, served_model_name="smol")) as url:
@@ -148,3 +218,23 @@ def test_worker_fault_during_a_step_fails_requests_and_health(monkeypatch):
         assert httpx.get(url + "/health").status_code == 503
         again = httpx.post(url + "/v1/completions", timeout=30, json={"model": "smol", "prompt": "Hi", "max_tokens": 1})
         assert again.status_code == 503
+
+
+def test_torchrun_two_nodes_on_localhost_match_one_process():
+    """`torchrun --nnodes 2 --nproc-per-node 1` with c10d rendezvous, both "nodes" on this host (gloo):
+    the rank torchrun made 0 runs the engine and prints the text, the other serves its steps and exits 0;
+    the text equals a single process's."""
+    from minivllm.worker.executor import _free_port
+    command = ["generate", "The capital of France is", "--dtype", "float32", "--max-tokens", "12",
+               "--kv-cache-memory", "64MiB"]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "minivllm-test",
+                               "-m", "minivllm.cli", *command, "--tensor-parallel-size", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0]
+    single = subprocess.run([sys.executable, "-m", "minivllm.cli", *command], capture_output=True, text=True,
+                            timeout=240, check=True).stdout
+    assert single.strip()
+    assert sorted(outputs) == sorted(["", single])

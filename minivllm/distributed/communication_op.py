@@ -3,6 +3,8 @@
 Layers call `tensor_model_parallel_all_reduce` (row-parallel outputs, vocab-parallel embedding) and
 `gather_to_driver` (vocab-parallel logits, only the driver samples). The executor uses the broadcasts
 to ship each step's inputs from the driver, and `min_over_ranks` to agree on the KV cache size.
+
+Every all-reduce goes through NCCL (docs/parallelism.md says why not symmetric memory for small ones).
 """
 from __future__ import annotations
 

@@ -6,7 +6,12 @@ every rank holds one shard of each parallel layer. Until `init_distributed` runs
 single process (rank 0 of 1) and the layers never call torch.distributed, so TP = 1 is unchanged.
 
 Two groups: the device group (NCCL on CUDA, gloo on CPU) for the layers' collectives, and a gloo group
-for the host-side step messages the driver broadcasts (pickled Python objects).
+for the host-side step messages the driver broadcasts (pickled Python objects). The rendezvous store
+carries each worker's progress (`report_progress`), so a stalled rank can be named.
+
+Leaving the group never waits for a peer: NCCL communicators are aborted (a local operation) rather than
+destroyed, because `ncclCommDestroy` synchronises with the other ranks and hangs when one of them is
+already gone or still busy.
 """
 from __future__ import annotations
 
@@ -19,26 +24,65 @@ import torch.distributed as dist
 _RANK, _SIZE = 0, 1
 _TP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
+_BACKEND: str | None = None
+_PROGRESS_KEY = "minivllm/progress/{}"
+
+
+def launched_by_torchrun() -> bool:
+    """This process was started by torchrun (or another launcher that sets torchrun's environment)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init_distributed(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
     """Join the env:// rendezvous (MASTER_ADDR/MASTER_PORT must be set). Collectives that wait longer
     than `timeout_s` raise instead of hanging (a rank that died or is stuck)."""
-    global _RANK, _SIZE, _TP_GROUP, _CPU_GROUP
+    global _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     _TP_GROUP = dist.group.WORLD
     _CPU_GROUP = _TP_GROUP if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    _RANK, _SIZE = rank, world_size
+    _RANK, _SIZE, _BACKEND = rank, world_size, backend
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Deadline of every later collective of both groups (start-up may need a longer one than steps)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in {_TP_GROUP, _CPU_GROUP} - {None}:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def report_progress(steps: int) -> None:
+    """A worker's count of steps launched, read by the driver's watchdog (`progress_of_ranks`)."""
+    dist.distributed_c10d._get_default_store().set(_PROGRESS_KEY.format(_RANK), str(steps))
+
+
+def progress_of_ranks() -> dict[int, int]:
+    """{worker rank: steps it has launched} as last reported (0 before its first step)."""
+    store = dist.distributed_c10d._get_default_store()
+    progress = {}
+    for rank in range(1, _SIZE):
+        key = _PROGRESS_KEY.format(rank)
+        progress[rank] = int(store.get(key)) if store.check([key]) else 0
+    return progress
+
+
+def abort_distributed() -> None:
+    """Make every collective blocked on a peer (queued NCCL kernels included) fail now; local only."""
+    if dist.is_initialized() and _BACKEND == "nccl":
+        dist.distributed_c10d._abort_process_group()
 
 
 def destroy_distributed() -> None:
-    global _RANK, _SIZE, _TP_GROUP, _CPU_GROUP
+    """Leave the group without waiting for any peer (see the module docstring)."""
+    global _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND
     if dist.is_initialized():
-        dist.destroy_process_group()
-    _RANK, _SIZE, _TP_GROUP, _CPU_GROUP = 0, 1, None, None
+        if _BACKEND == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND = 0, 1, None, None, None
 
 
 def get_tp_rank() -> int:

@@ -157,9 +157,6 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            # Worker ranks gather only the sampled rows' logits; prompt rows would need their part too.
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet")
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         self.structured_output.compile(params)
         group = SequenceGroup(request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=params,

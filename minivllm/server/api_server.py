@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
@@ -22,6 +23,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from minivllm.distributed import launched_by_torchrun
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server import dashboard, errors
 from minivllm.server.limits import LimitsMiddleware, QueuedTokens, ServerLimits
@@ -160,6 +162,9 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
                shutdown_timeout: float = 30.0, **tool_options) -> None:
     """Load the engine, then serve until interrupted; SIGTERM drains first and exits 0.
     `tool_options`: tool_call_parser, enable_auto_tool_choice."""
+    if launched_by_torchrun() and int(os.environ["RANK"]) > 0:
+        AsyncEngine.from_config(engine_config)   # serves the driver's steps, then exits (SystemExit)
+        return
     sock = bind_socket(host, port)
     engine = AsyncEngine.from_config(engine_config)
     app = build_app(engine, served_model_name, api_key, limits, **tool_options)

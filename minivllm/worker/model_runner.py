@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from minivllm.attention.backend import get_attention_backend
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.attention.selector import get_attention_backend
 from minivllm.attention.torch_backend import fp8_as_bytes
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
@@ -30,7 +30,7 @@ from minivllm.worker.cuda_graph import CUDAGraphRunner
 from minivllm.worker.inputs import (ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
                                    prepare_inputs)
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
-from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, prompt_logprob_rows
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ class ModelRunner:
         self.host_buffers = PinnedBufferPool()
         self.bitmask_stager = StagingBuffer(self.device)
         self._previous_samples: PreviousSamples | None = None
-        # Tensor parallelism: called with (blocks_to_copy, inputs) to ship each step to the other ranks.
+        # Tensor parallelism: called with (blocks_to_copy, inputs, prompt-logprob rows) to ship each step to
+        # the other ranks.
         self.step_broadcaster = None
 
     def _load_proposer(self, spec_config: SpeculativeConfig | None) -> DraftModelProposer | None:
@@ -222,7 +223,7 @@ class ModelRunner:
         None), which decide the masks of verified positions. `timed`: the result knows when the step began on
         the device (`started`, a `StepStart`)."""
         # One lookup of the stream per step: each event record or copy that looks it up again builds a
-        # Stream object, tens of microseconds a step on the H100's host (spec_decode.py --profile, 907e600).
+        # Stream object, tens of microseconds a step on the H100's host (spec_decode.py --profile).
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         started = StepStart(self.device, stream) if timed else None
         pending = self._launch(scheduler_output, grammar_bitmask, stream)
@@ -236,15 +237,16 @@ class ModelRunner:
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream)
+        prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
         if self.step_broadcaster is not None:
-            self.step_broadcaster(scheduler_output.blocks_to_copy, inputs)
+            self.step_broadcaster(scheduler_output.blocks_to_copy, inputs,
+                                  None if prompt_rows is None else prompt_rows[1])
         draft_ids, draft_probs = self._propose(inputs)
         drafts_on_host = None
         if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
         hidden, all_logits = self._forward(inputs)
-        prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, scheduler_output,
-                                                  inputs.metadata.query_start_loc_cpu)
+        prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         if not inputs.sampling_rows:
             self._previous_samples = None
             host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs, stream)
@@ -398,6 +400,10 @@ class PendingModelOutput:
         self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
         self._output, self._ready, self._host_buffers = output, ready, host_buffers
         self._prompt_logprobs, self._verify_on_host = prompt_logprobs, verify_on_host
+
+    def done(self) -> bool:
+        """Whether `result()` would return without waiting for the device."""
+        return self._ready is None or self._ready.query()
 
     def result(self) -> ModelOutput:
         """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""

@@ -8,7 +8,7 @@ A chunk at positions [start, start + n) yields the entries of prompt positions s
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,10 +54,10 @@ class PromptLogprobs:
         return result
 
 
-def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                            scheduler_output: SchedulerOutput, query_start_loc: list[int]
-                            ) -> PromptLogprobs | None:
-    """Prompt logprobs of this step's chunks, or None when no scheduled sequence asks for them."""
+def prompt_logprob_rows(scheduler_output: SchedulerOutput, query_start_loc: list[int]
+                        ) -> tuple[list[_Span], np.ndarray, list[int]] | None:
+    """(spans, rows of the step's hidden states to score, the prompt tokens they score), or None when no
+    scheduled sequence asks for prompt logprobs. Host work only."""
     spans: list[_Span] = []
     rows: list[np.ndarray] = []
     targets: list[int] = []
@@ -76,14 +76,30 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
         spans.append(_Span(i, start + 1, end - start, num_logprobs))
     if not spans:
         return None
+    return spans, np.concatenate(rows), targets
+
+
+def compute_prompt_logits(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                          rows: np.ndarray) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """(first row, logits) of `rows` of `hidden`, one pass of at most `_ROWS_PER_PASS` rows at a time. Under
+    tensor parallelism every rank makes the same calls (each pass gathers the vocabulary shards to the
+    driver); other ranks get None for each pass."""
+    row_ids = torch.from_numpy(rows).to(hidden.device, non_blocking=True)
+    for begin in range(0, len(rows), _ROWS_PER_PASS):
+        yield begin, compute_logits(hidden[row_ids[begin:begin + _ROWS_PER_PASS]])
+
+
+def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                            selected: tuple[list[_Span], np.ndarray, list[int]] | None) -> PromptLogprobs | None:
+    """Prompt logprobs of this step's chunks (`selected`: `prompt_logprob_rows`' result), or None."""
+    if selected is None:
+        return None
+    spans, rows, targets = selected
     max_logprobs = max(span.num_logprobs for span in spans)
-    device = hidden.device
-    row_ids = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
-    target_ids = torch.tensor(targets, dtype=torch.int64).to(device, non_blocking=True)
+    target_ids = torch.tensor(targets, dtype=torch.int64).to(hidden.device, non_blocking=True)
     parts = []
-    for begin in range(0, len(targets), _ROWS_PER_PASS):
-        index = row_ids[begin:begin + _ROWS_PER_PASS]
-        logprobs = compute_logprobs(compute_logits(hidden[index]))
+    for begin, logits in compute_prompt_logits(compute_logits, hidden, rows):
+        logprobs = compute_logprobs(logits)
         parts.append(gather_logprobs(logprobs, max_logprobs, target_ids[begin:begin + _ROWS_PER_PASS]))
     ids, values, ranks = (torch.cat(tensors) for tensors in zip(*parts))
     return PromptLogprobs(spans, ids, values, ranks)
