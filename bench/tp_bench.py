@@ -341,6 +341,52 @@ def headline(result: dict, sizes: dict) -> None:
                       llama70b_tp2_single_over_floor=big.get("single_over_floor"))
 
 
+def plot(result: dict, path: Path) -> bool:
+    """Left: all-reduce time against message size with the decode messages marked; right: TP = 1 / TP = 2
+    / DP = 2 W1 and single stream against TP = 1."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG", file=sys.stderr)
+        return False
+    rows = sorted(result.get("allreduce", []), key=lambda r: r["bytes"])
+    key = "nccl_us" if rows and "nccl_us" in rows[0] else "time_us"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.plot([r["bytes"] for r in rows], [r[key] for r in rows], "o-")
+    for r in rows:
+        left.annotate(r["shape"], (r["bytes"], r[key]), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("message bytes")
+    left.set_ylabel("all-reduce µs (CUDA graph replay)")
+    left.set_title(f"all-reduce, bus bandwidth at 256 MiB {result.get('allreduce_bus_bandwidth_GBps', 0):.0f} GB/s")
+    left.grid(True, which="both", alpha=0.3)
+    labels, w1, single = [], [], []
+    base_w1, base_single = result.get("tp1_w1_out_tok_s"), result.get("tp1_single_tok_s")
+    for label, w, s in (("TP = 1", base_w1, base_single), ("TP = 2", result.get("tp2_w1_out_tok_s"),
+                                                           result.get("tp2_single_tok_s")),
+                        ("DP = 2", result.get("dp2_w1_out_tok_s"), None)):
+        if w and base_w1:
+            labels.append(label)
+            w1.append(w / base_w1)
+            single.append(s / base_single if s and base_single else 0.0)
+    x = range(len(labels))
+    right.bar([i - 0.2 for i in x], w1, 0.4, label="W1")
+    right.bar([i + 0.2 for i in x], single, 0.4, label="single stream")
+    right.axhline(2.0, color="gray", ls=":", lw=1)
+    right.set_xticks(list(x), labels)
+    right.set_ylabel("× TP = 1")
+    right.set_title("scaling on 2 GPUs")
+    right.legend()
+    fig.suptitle(f"{result.get('device', '')}: dummy Llama-3-8B bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def gpu_tag() -> str:
     """h100 / h200 / ... from the first GPU's name."""
     name = torch.cuda.get_device_name(0).lower()
@@ -355,6 +401,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="tiny-llama and small workloads (CPU smoke run)")
     p.add_argument("--skip-70b", action="store_true")
     p.add_argument("--skip-8b", action="store_true", help="only the 70B run and the all-reduce timings")
+    p.add_argument("--plot", type=Path, default=None, help="only draw the PNG of an existing tp_*.json")
     p.add_argument("--tag", default=None, help="file name tp_<tag>.json (default h200x2 on CUDA, cpu)")
     # children
     p.add_argument("--child", choices=["engine", "allreduce"], default=None)
@@ -378,6 +425,9 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return None
     if args.child:
         result = child_engine(args) if args.child == "engine" else child_allreduce(args)
         write_json(args.result, result)
@@ -403,6 +453,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     tag = args.tag or (f"{gpu_tag()}x2" if args.device == "cuda" else "cpu")
     path = args.out / f"tp_{tag}.json"
     write_json(path, result)
+    plot(result, path.with_suffix(".png"))
     rows = [{"config": k, **{c: v for c, v in (result.get(k) or {}).items() if not isinstance(v, (list, dict))}}
             for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_70b") if result.get(k)]
     print_table(rows, "tensor / data parallel")

@@ -88,6 +88,21 @@ def test_tp2_greedy_matches_tp1_under_batching_and_preemption():
     _assert_same_prompt_logprobs(logprobs, ref_logprobs)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_on_gpus_matches_tp1_on_the_default_model(tp):
+    """NCCL and CUDA graphs: the real default model in fp32 gives TP = 1's greedy tokens (and prompt logprobs)
+    at TP = 2 and 4, with preemption in the batch."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    options = dict(device="cuda", gpu_memory_utilization=0.3)
+    reference, _, ref_logprobs = _greedy(1, **options)
+    ours, preemptions, logprobs = _greedy(tp, **options)
+    assert preemptions > 0
+    assert ours == reference
+    _assert_same_prompt_logprobs(logprobs, ref_logprobs)
+
+
 def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object, int]:
     """Greedy tokens, the runner and how many CUDA graphs it captured (read before shutdown drops them)."""
     g = torch.Generator().manual_seed(0)
