@@ -41,7 +41,7 @@ from minivllm.distributed import (abort_distributed, attention_head_partition, b
                                   destroy_distributed, init_distributed, launched_by_torchrun, progress_of_ranks,
                                   set_collective_timeout)
 from minivllm.models.loader import ModelSource
-from minivllm.worker.executor_worker import STARTUP_TIMEOUT_S, release_cuda_graphs, run_worker, step_tensors
+from minivllm.worker.executor_worker import STARTUP_TIMEOUT_S, run_worker, step_tensors
 from minivllm.worker.inputs import ModelInputs
 from minivllm.worker.model_runner import ModelRunner, resolve_device
 
@@ -135,20 +135,17 @@ class MultiprocTPExecutor:
                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
 
     # ---- messages to the workers ------------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
-        with self._lock:
+    def _send(self, message: tuple, wait: bool = True) -> None:
+        """Broadcast `message`. wait=False skips it while another message is being sent: the watchdog's
+        pings must never wait behind a send blocked on a lost rank (and that message tells the workers the
+        driver is alive anyway)."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             broadcast_object(message)
             self._last_message = time.monotonic()
-
-    def _ping(self) -> None:
-        """Tell idle workers the driver is alive; skipped while a message is being sent (that one tells
-        them), so the watchdog never waits behind a send blocked on a lost rank."""
-        if self._lock.acquire(blocking=False):
-            try:
-                broadcast_object(("ping",))
-                self._last_message = time.monotonic()
-            finally:
-                self._lock.release()
+        finally:
+            self._lock.release()
 
     def _broadcast_step(self, blocks_to_copy: list[tuple[int, int]], inputs: ModelInputs, prompt_rows) -> None:
         """One step: its header, then all input arrays packed in one int64 tensor."""
@@ -178,7 +175,7 @@ class MultiprocTPExecutor:
             elif (oldest is None and not self._shut_down and "driver" in self.__dict__
                   and now - self._last_message > self.timeout_s / 4):
                 try:
-                    self._ping()
+                    self._send(("ping",), wait=False)
                 except Exception as e:   # a worker vanished on another host: gloo noticed first
                     self._fail(f"tensor-parallel workers unreachable: {e!r}")
             time.sleep(0.1)
@@ -236,11 +233,6 @@ class MultiprocTPExecutor:
         except Exception as e:
             self._raise_failure(e)
 
-    def _step_read(self) -> None:
-        self._in_flight.popleft()
-        if self._error is not None:
-            raise self._error
-
     def shutdown(self) -> None:
         """Tell live workers to stop, then leave the group; waits for no peer (idempotent)."""
         if self._shut_down:
@@ -256,7 +248,7 @@ class MultiprocTPExecutor:
                 healthy = False
                 logger.warning("could not tell the tensor-parallel workers to stop")
         if healthy:   # the steps still queued finish (the watchdog still guards this wait)
-            release_cuda_graphs(self.driver)
+            self.driver.release_cuda_graphs()
         self._left = True
         destroy_distributed()
         for p in self.workers.values():
@@ -277,17 +269,20 @@ class _WatchedOutput:
         return getattr(self._pending, name)
 
     def result(self):
-        # Polled rather than a blocking sync: a step whose collective waits on a lost peer may never
-        # finish on the device, and the engine must still get the watchdog's error.
-        while not self._pending.done():
-            if self._executor._error is not None:
-                self._executor._in_flight.popleft()
-                raise self._executor._error
-            time.sleep(0)   # lets the server's threads run
+        executor = self._executor
         try:
-            output = self._pending.result()
-        except Exception as e:
-            self._executor._in_flight.popleft()
-            self._executor._raise_failure(e)
-        self._executor._step_read()
+            # Polled rather than a blocking sync: a step whose collective waits on a lost peer may never
+            # finish on the device, and the engine must still get the watchdog's error.
+            while not self._pending.done():
+                if executor._error is not None:
+                    raise executor._error
+                time.sleep(0)   # lets the server's threads run
+            try:
+                output = self._pending.result()
+            except Exception as e:
+                executor._raise_failure(e)
+        finally:
+            executor._in_flight.popleft()
+        if executor._error is not None:
+            raise executor._error
         return output

@@ -13,7 +13,6 @@ rank stops answering without dying).
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -109,15 +108,6 @@ def serve(runner: ModelRunner, step_timeout_s: float) -> None:
         report_progress(steps)
 
 
-def release_cuda_graphs(runner: ModelRunner) -> None:
-    """Drop the runner's CUDA graphs and let the device finish. NCCL keeps a communicator alive while a
-    graph holding its collectives exists: aborting it before the graphs are gone blocks."""
-    runner.graph_runner = None
-    gc.collect()
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_worker(config: EngineConfig, max_num_batched_tokens: int, rank: int, world_size: int) -> None:
     """Join the group as `rank`, serve steps until the driver says stop, leave the group. A failure ends
     the process at once (`os._exit`): destructors could wait on a peer, and the driver must see this rank
@@ -127,7 +117,7 @@ def run_worker(config: EngineConfig, max_num_batched_tokens: int, rank: int, wor
     try:
         runner = ModelRunner(config, resolve_model(config.model, config.load_format), max_num_batched_tokens)
         serve(runner, config.distributed_timeout_s)
-        release_cuda_graphs(runner)
+        runner.release_cuda_graphs()
     except Exception:
         logger.exception("tensor-parallel worker rank %d failed", rank)
         os._exit(1)

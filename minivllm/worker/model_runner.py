@@ -166,6 +166,15 @@ class ModelRunner:
         self.graph_runner.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the CUDA graphs and let the device finish. Under tensor parallelism NCCL keeps a communicator
+        alive while a graph holding its collectives exists: leaving the group before the graphs are gone
+        blocks."""
+        self.graph_runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     @torch.inference_mode()
     def _profile_peak_memory(self, num_tokens: int) -> int:
         """Run a forward pass of `num_tokens` without a KV cache to measure peak activation memory (CUDA only)."""
