@@ -1,6 +1,11 @@
 """Tensor and data parallelism on two GPUs, in one command (results in tp_<gpu>x2.json):
 
     python bench/tp_bench.py --out bench/results            # on 2 H200s: 8B TP=1 / TP=2 / DP=2, 70B TP=2, NCCL
+    python bench/tp_bench.py --skip-70b --eager --update --out bench/results
+                                                             # 8B only, plus TP = 2 without CUDA graphs
+    python bench/tp_bench.py --skip-8b --int4 --serve --update --out bench/results
+                                                             # 70B bf16, 70B int4 and `minivllm serve` of the 70B,
+                                                             # merged into the existing file (per-part commands)
     python bench/tp_bench.py --device cpu --quick --out /tmp # the same pipeline on the CPU (gloo, tiny-llama)
 
 Every configuration runs in fresh processes (a process holds one tensor-parallel group): a child
@@ -13,6 +18,10 @@ for the tensor shapes tensor parallelism sends (2 per layer: after o_proj and af
 [tokens, hidden]) and the bus bandwidth of a large one (busbw = bytes / time * 2 (n - 1) / n, NCCL's
 definition). All-reduce time per layer and its share of a step are those times against the measured
 TP = 2 step time (median time per output token at batch 1 and at W1's batch of 64).
+
+`--int4` adds the 70B with GPTQ-layout int4 weights (group 128, symmetric) at TP = 2. `--serve` starts
+`minivllm serve <70B> --load-format dummy --tensor-parallel-size 2`, checks one completion and one stream
+through the openai SDK, then runs bench/serve.py's client at 4 and 64 concurrent users (512 -> 256).
 
 Floors: the roofline of bench/throughput.py with both GPUs' bandwidth and matmul rate (each GPU reads
 half the weights and does half the FLOPs), all-reduce not counted: the floor says what the hardware
@@ -56,6 +65,8 @@ def child_engine(args) -> dict:
         extra["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
     if args.enforce_eager:
         extra["enforce_eager"] = True
+    if args.quantization:
+        extra["quantization"] = args.quantization
     started = time.perf_counter()
     llm = build_llm(options, max_num_seqs=w1.num_requests, max_model_len=max(w1.prompt_len + w1.output_len,
                                                                              single.prompt_len + single.output_len),
@@ -90,34 +101,65 @@ def child_engine(args) -> dict:
     return result
 
 
+# kernel name fragments -> the part of a decode step they belong to (first match wins)
+KERNEL_KINDS = (("allreduce", ("allreduce", "gloo:all_reduce")),
+                ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "cutlass", "matmul", "addmm", "linear")),
+                ("attention", ("decode_", "prefill", "attention", "write_kv", "rotary")))
+
+
+def kernel_kind(name: str) -> str:
+    name = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+
+
 def profile_collectives(llm, workload, vocab: int, device: torch.device, seed: int) -> dict:
-    """Run `workload` under torch.profiler on the driver and split its time: all-reduce kernels (NCCL;
-    gloo ops on a CPU) against every kernel (CPU: the wall time). With L layers a step holds 2 L + 1
-    all-reduces (two per layer, one in the embedding)."""
+    """Run `workload` under torch.profiler on the driver and take its decode steps apart: each step runs
+    from one input broadcast (NCCL's Broadcast kernel, once a step) to the next; per step, device time by
+    kind of kernel (all-reduce, GEMM, attention with its KV write and rotary, other) and the time the
+    device idled. Medians over the decode steps (the prefill and the last two steps left out). On a CPU
+    only gloo's all-reduce is timed (on the host), steps ending at the gather of their logits."""
+    import statistics
+
     from torch.profiler import ProfilerActivity, profile
 
     from bench.throughput import random_prompts, timed_generate
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run = timed_generate(llm, random_prompts(workload, vocab, seed), workload.output_len)
-    allreduce_us, calls, kernels_us = 0.0, 0, 0.0
-    for event in prof.key_averages():
-        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        time_us = event.self_device_time_total if cuda else event.cpu_time_total
-        name = event.key.lower()
-        if ("allreduce" in name and "nccl" in name) or (not cuda and name == "gloo:all_reduce"):
-            allreduce_us += time_us
-            calls += event.count
-        kernels_us += time_us if cuda else 0.0
-    layers = llm.llm_engine.runner.num_layers
-    busy_us = kernels_us if cuda else run["elapsed_s"] * 1e6
-    return {"workload": str(workload), "wall_s": run["elapsed_s"], "busy_s": busy_us / 1e6,
-            "allreduce_s": allreduce_us / 1e6, "allreduce_calls": calls,
-            "allreduce_share": allreduce_us / busy_us if busy_us else None,
-            "allreduce_per_call_us": allreduce_us / calls if calls else None,
-            "allreduce_per_layer_us": 2 * allreduce_us / calls if calls else None,
-            "steps_seen": calls / (2 * layers + 1)}
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    if cuda:
+        kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        starts = [e["ts"] for e in kernels if "broadcast" in e["name"].lower()]
+    else:   # gloo's ops; a step ends with the gather of its logits
+        kernels = [e for e in events if e.get("name", "").startswith("gloo:") and "dur" in e]
+        starts = [e["ts"] + e["dur"] for e in kernels if e["name"] == "gloo:gather"]
+    kernels.sort(key=lambda e: e["ts"])
+    starts.sort()
+    steps = []
+    for begin, end in list(zip(starts, starts[1:]))[1:-2]:
+        inside = [e for e in kernels if begin <= e["ts"] < end]
+        step = {"step_us": end - begin, "allreduce_us": 0.0, "gemm_us": 0.0, "attention_us": 0.0, "other_us": 0.0}
+        covered, reach, calls = 0.0, begin, []
+        for e in inside:
+            kind = kernel_kind(e["name"])
+            step[f"{kind}_us"] += e["dur"]
+            if kind == "allreduce":
+                calls.append(e["dur"])
+            covered += max(0.0, e["ts"] + e["dur"] - max(e["ts"], reach))
+            reach = max(reach, e["ts"] + e["dur"])
+        step["idle_us"] = step["step_us"] - covered if cuda else None
+        step["allreduce_calls"], step["allreduce_call_us"] = len(calls), statistics.median(calls) if calls else None
+        steps.append(step)
+    row = {"workload": str(workload), "wall_s": run["elapsed_s"], "decode_steps": len(steps)}
+    for key in ("step_us", "allreduce_us", "allreduce_calls", "allreduce_call_us", "gemm_us", "attention_us",
+                "other_us", "idle_us"):
+        values = [s[key] for s in steps if s[key] is not None]
+        row[key] = statistics.median(values) if values else None
+    if row["allreduce_us"] is not None and row["step_us"]:
+        row["allreduce_share"] = row["allreduce_us"] / row["step_us"]
+    return row
 
 
 def _allreduce_worker(rank: int, world: int, port: int, device_type: str, shapes: list, queue) -> None:
@@ -256,7 +298,55 @@ def run_dp(args, sizes, out, model) -> dict | None:
             "replicas": [p["w1"] for p in parts]}
 
 
-def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
+def run_serve(args, sizes, work: Path, model: str, tp: int) -> dict | None:
+    """`minivllm serve MODEL --load-format dummy --tensor-parallel-size TP`: one completion and one stream
+    through the openai SDK, then bench/serve.py's client at 4 and 64 users (W1's lengths). None on failure
+    (the log says why)."""
+    import asyncio
+
+    from openai import OpenAI
+
+    from bench import serve
+    w1 = sizes["w1"]
+    options = SimpleNamespace(model=model, load_format="dummy", api_key=None, dataset="random", input_len=w1[1],
+                              output_len=w1[2], range_ratio=0.0, warmup=2, timeout=600.0, seed=0, num_prompts=0,
+                              request_rate=None, concurrency=None,
+                              server_args=f"--tensor-parallel-size {tp} --max-num-seqs {w1[0]} --max-model-len "
+                                          f"{w1[1] + w1[2] + 64} --cuda-graph-max-tokens 512 --dtype {args.dtype}")
+    log = work / "serve_70b.log"
+    started = time.perf_counter()
+    port = serve.free_port()
+    process = serve.start_server(options, port, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(serve.wait_healthy(url, process, 900, log))
+        ready_s = time.perf_counter() - started
+        client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=300)
+        served = client.models.list().data[0].id
+        prompt = list(range(100, 164))
+        completion = client.completions.create(model=served, prompt=prompt, max_tokens=16, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        chunks = [c for c in client.completions.create(model=served, prompt=prompt, max_tokens=16, temperature=0,
+                                                       stream=True, extra_body={"ignore_eos": True})]
+        sdk = {"completion_tokens": completion.usage.completion_tokens, "finish_reason": completion.choices[0].finish_reason,
+               "stream_chunks": len(chunks)}
+        if sdk["completion_tokens"] != 16:
+            raise RuntimeError(f"the openai SDK's completion has {sdk['completion_tokens']} tokens, 16 asked")
+        levels = {}
+        for users, requests in ((4, 16), (w1[0], 2 * w1[0])):   # 4 rounds at 4 users, 2 at 64
+            run = SimpleNamespace(**{**vars(options), "concurrency": str(users), "num_prompts": requests,
+                                     "warmup": 0 if levels else options.warmup})
+            levels.update(asyncio.run(serve.benchmark(run, url))[1]["levels"])
+        return {"model": model, "tensor_parallel_size": tp, "server_ready_s": ready_s, "openai_sdk": sdk,
+                "levels": levels}
+    except Exception as e:
+        print(f"   serving {model} failed: {e!r}\n{log.read_text()[-3000:] if log.exists() else ''}")
+        return None
+    finally:
+        serve.stop_server(process)
+
+
+def summarize(args, sizes, tp1, tp2, dp2, big, ar, big_int4=None, served=None, eager=None) -> dict:
     from bench.throughput import Workload, floor_seconds
     roofline = (tp1 or big or {}).get("roofline")
     result = {**(tp1 or tp2 or big or {}), "workload_w1": str(Workload(*sizes["w1"])),
@@ -275,7 +365,7 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
         single_floor = 1e3 * floor_seconds(shape, single, bw, rate)[1] / (single.output_len - 1)
         return {"floor_w1_output_tokens_per_s": w1_floor, "floor_single_tokens_per_s": 1e3 / single_floor}
 
-    def engine_row(run: dict | None, model: str, gpus: int) -> dict | None:
+    def engine_row(run: dict | None, model: str, gpus: int, with_floor: bool = True) -> dict | None:
         if run is None:
             return None
         row = {"w1_output_tokens_per_s": run["w1"]["output_tokens_per_s"],
@@ -283,7 +373,7 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
                "single_tokens_per_s": 1e3 / run["single"]["median_tpot_ms"],
                "single_ms_per_token": run["single"]["median_tpot_ms"], "single_ttft_s": run["single"]["median_ttft_s"],
                "engine_build_s": run["engine_build_s"], "enforce_eager_fallback": run.get("enforce_eager_fallback", False),
-               **floors(model, gpus)}
+               **(floors(model, gpus) if with_floor else {})}
         if "floor_w1_output_tokens_per_s" in row:
             row["w1_over_floor"] = row["w1_output_tokens_per_s"] / row["floor_w1_output_tokens_per_s"]
             row["single_over_floor"] = row["single_tokens_per_s"] / row["floor_single_tokens_per_s"]
@@ -293,6 +383,9 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar) -> dict:
     result["tp2_8b"] = engine_row(tp2, sizes["model_8b"], 2)
     result["dp2_8b"] = dp2
     result["tp2_70b"] = engine_row(big, sizes["model_70b"], 2)
+    result["tp2_70b_int4"] = engine_row(big_int4, sizes["model_70b"], 2, with_floor=False)   # bf16 floors only
+    result["tp2_70b_serve"] = served
+    result["tp2_eager_8b"] = engine_row(eager, sizes["model_8b"], 2)
     if tp1 and tp2:
         result["tp2_over_tp1_w1"] = result["tp2_8b"]["w1_output_tokens_per_s"] / result["tp1_8b"]["w1_output_tokens_per_s"]
         result["tp2_over_tp1_single"] = result["tp2_8b"]["single_tokens_per_s"] / result["tp1_8b"]["single_tokens_per_s"]
@@ -334,11 +427,39 @@ def headline(result: dict, sizes: dict) -> None:
     result.setdefault("dp2_over_tp1_w1", None)
     share = [row for row in result.get("allreduce_share", []) if row["model"] == "8b" and row["decode_batch"] == 1]
     result["allreduce_us_per_layer_batch1"] = share[0]["allreduce_per_layer_us"] if share else None
+    int4, served = result.get("tp2_70b_int4") or {}, result.get("tp2_70b_serve") or {}
+    eager = result.get("tp2_eager_8b") or {}
+    if eager and tp2:
+        result["tp2_eager_over_graphed_w1"] = eager["w1_output_tokens_per_s"] / tp2["w1_output_tokens_per_s"]
+    if int4:
+        result.update(llama70b_int4_tp2_w1_out_tok_s=int4.get("w1_output_tokens_per_s"),
+                      llama70b_int4_tp2_single_tok_s=int4.get("single_tokens_per_s"))
+    if served:
+        levels = served["levels"]
+        result.update(llama70b_tp2_serve_ttft_p50_ms_c4=levels["4"]["ttft_ms"]["p50"],
+                      llama70b_tp2_serve_itl_p95_ms_c64=levels[str(sizes["w1"][0])]["itl_ms"]["p95"])
     if big:
         result.update(llama70b_tp2_w1_out_tok_s=big.get("w1_output_tokens_per_s"),
                       llama70b_tp2_w1_over_floor=big.get("w1_over_floor"),
                       llama70b_tp2_single_tok_s=big.get("single_tokens_per_s"),
                       llama70b_tp2_single_over_floor=big.get("single_over_floor"))
+
+
+def merged(old: dict, new: dict) -> dict:
+    """`old` with every measured value of `new` (the parts run now) in place of its own; `parts` says which
+    command, commit and date made each part."""
+    if "parts" not in old:   # a file from a full run: its parts share its command
+        old["parts"] = {part: {k: old.get(k) for k in ("commit", "date", "command")} for part, key in
+                        (("8b", "tp1_8b"), ("70b", "tp2_70b")) if old.get(key)}
+    out = dict(old)
+    for key, value in new.items():
+        if value is None:
+            continue
+        if key == "allreduce_share":   # rows of the models run now replace theirs only
+            fresh = {(row["model"], row["decode_batch"]) for row in value}
+            value = [row for row in old.get(key, []) if (row["model"], row["decode_batch"]) not in fresh] + value
+        out[key] = {**old["parts"], **value} if key == "parts" else value
+    return out
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -418,6 +539,12 @@ def parse_args(argv):
     p.add_argument("--roofline", action="store_true")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--eager", action="store_true", help="also the 8B at TP = 2 with enforce_eager (no CUDA graphs)")
+    p.add_argument("--int4", action="store_true", help="also the 70B with int4 (GPTQ layout) weights at TP = 2")
+    p.add_argument("--serve", action="store_true", help="also serve the 70B at TP = 2 (openai SDK + serve.py)")
+    p.add_argument("--update", action="store_true",
+                   help="merge the parts run into the existing tp_<tag>.json instead of replacing it")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
@@ -447,15 +574,31 @@ def main(argv: list[str] | None = None) -> dict | None:
         flags = {"roofline": True} if tp1 is None else {}
         big = run_engine(args, sizes, work, "tp2_70b", sizes["model_70b"], 2, timeout_s=330,
                          cuda_graph_max_tokens=512, **flags)
-    result = summarize(args, sizes, tp1, tp2, dp2, big, ar)
+    big_int4 = served = eager = None
+    if args.eager:
+        eager = run_engine(args, sizes, work, "tp2_eager_8b", sizes["model_8b"], 2, enforce_eager=True)
+    if args.int4:
+        flags = {"roofline": True} if tp1 is None and big is None else {}
+        big_int4 = run_engine(args, sizes, work, "tp2_70b_int4", sizes["model_70b"], 2, timeout_s=330,
+                              cuda_graph_max_tokens=512, quantization="gptq", **flags)
+    if args.serve:
+        served = run_serve(args, sizes, work, sizes["model_70b"], 2)
+    result = summarize(args, sizes, tp1, tp2, dp2, big, ar, big_int4, served, eager)
+    for key, value in run_metadata(torch.device(args.device)).items():   # no engine child ran (serving alone)
+        result.setdefault(key, value)
     result["bench_wall_s"] = time.perf_counter() - started
     result["command"] = " ".join(["python", "bench/tp_bench.py", *(sys.argv[1:] if argv is None else argv)])
     tag = args.tag or (f"{gpu_tag()}x2" if args.device == "cuda" else "cpu")
     path = args.out / f"tp_{tag}.json"
+    ran = [part for part, run in (("8b", tp1 or tp2 or dp2), ("8b_eager", eager), ("70b", big),
+                                  ("70b_int4", big_int4), ("serve_70b", served)) if run]
+    result["parts"] = {part: {k: result[k] for k in ("commit", "date", "command")} for part in ran}
+    if args.update and path.is_file():
+        result = merged(json.loads(path.read_text()), result)
     write_json(path, result)
     plot(result, path.with_suffix(".png"))
     rows = [{"config": k, **{c: v for c, v in (result.get(k) or {}).items() if not isinstance(v, (list, dict))}}
-            for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_70b") if result.get(k)]
+            for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_eager_8b", "tp2_70b", "tp2_70b_int4") if result.get(k)]
     print_table(rows, "tensor / data parallel")
     print_table(result.get("allreduce", []), "all-reduce")
     print_table(result.get("allreduce_share", []), "all-reduce share of a decode step (microbenchmark x layers)")

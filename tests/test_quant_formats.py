@@ -95,10 +95,10 @@ FORMATS = {
 }
 
 
-def write_quantized(folder, reference, fmt: str, seed: int = 0):
-    """Quantize every decoder linear of `reference` into `folder`; returns {name: dequantized W [N, K]}
-    and replaces the reference's weights with them."""
-    pack, sym, act_order, qconfig = FORMATS[fmt]
+def write_quantized(folder, reference, fmt: str, seed: int = 0, spec: tuple | None = None):
+    """Quantize every decoder linear of `reference` into `folder` in format `fmt` (or `spec`, a tuple
+    as FORMATS holds); returns {name: dequantized W [N, K]} and replaces the reference's weights with them."""
+    pack, sym, act_order, qconfig = spec or FORMATS[fmt]
     rng = np.random.default_rng(seed)
     tensors, expected, orders = {}, {}, {}
     for name, tensor in reference.state_dict().items():

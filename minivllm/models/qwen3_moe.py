@@ -47,7 +47,10 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _param_name_of(self, checkpoint_name: str) -> tuple[str, object]:
         for old, new in self.renamed_modules.items():
             checkpoint_name = checkpoint_name.replace(f".{old}.", f".{new}.")
-        match = re.search(r"\.experts\.(\d+)\.(\w+)\.weight$", checkpoint_name)
+        match = re.search(r"\.experts\.(\d+)\.(\w+)\.(\w+)$", checkpoint_name)
+        if match and match.group(2) in self.expert_projections and match.group(3) != "weight":
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r}: quantized MoE experts are not supported "
+                             "(FusedMoE loads unquantized expert weights only)")
         if match and match.group(2) in self.expert_projections:
             shard = self.expert_projections[match.group(2)]
             param = "w2_weight" if shard == "w2" else "w13_weight"

@@ -50,9 +50,9 @@ class AWQLinearMethod(WeightOnlyLinearMethod):
         if output_size % 8 or input_size % 8:
             raise ValueError(f"AWQ needs layer sizes divisible by 8, got {input_size}x{output_size}")
         _, groups = self.groups(input_size)
-        add_param(layer, "qweight", (input_size, output_size // 8), torch.int32, shard_loader(layer, 1, 8))
-        add_param(layer, "qzeros", (groups, output_size // 8), torch.int32, shard_loader(layer, 1, 8))
-        add_param(layer, "scales", (groups, output_size), torch.get_default_dtype(), shard_loader(layer, 1))
+        add_param(layer, "qweight", (input_size, output_size // 8), torch.int32, shard_loader(layer, 1, 8, 0))
+        add_param(layer, "qzeros", (groups, output_size // 8), torch.int32, self.group_loader(layer, 1, 8))
+        add_param(layer, "scales", (groups, output_size), torch.get_default_dtype(), self.group_loader(layer, 1))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         N = layer.output_size

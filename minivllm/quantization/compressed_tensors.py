@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.quantization.base import QuantizationConfig, add_param, shard_loader
+from minivllm.quantization.base import QuantizationConfig, add_param, shard_loader, splits_inputs
 from minivllm.quantization.packing import pack_factor, pack_rows, unpack_cols
 from minivllm.quantization.weight_only import WeightOnlyLinearMethod
 
@@ -85,11 +85,13 @@ def _w8a8_config(config: dict) -> QuantizationConfig:
     return (Fp8Config if kind == "float" else Int8Config)(serialized=True)
 
 
-def _shape_checker(input_size: int):
-    """weight_shape is implied by the layer; only its input size can be checked per shard."""
+def _shape_checker(layer: nn.Module):
+    """weight_shape is implied by the layer; only its input size can be checked per shard (a row-parallel
+    rank's inputs must lie within it)."""
     def check(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if int(loaded.reshape(-1)[-1]) != input_size:
-            raise ValueError(f"weight_shape {loaded.tolist()} does not match {input_size} inputs")
+        inputs = int(loaded.reshape(-1)[-1])
+        if inputs != layer.input_size and not (splits_inputs(layer) and layer.input_start + layer.input_size <= inputs):
+            raise ValueError(f"weight_shape {loaded.tolist()} does not match {layer.input_size} inputs")
     return check
 
 
@@ -104,9 +106,10 @@ class CompressedTensorsLinearMethod(WeightOnlyLinearMethod):
         if input_size % pf:
             raise ValueError(f"pack-quantized int{self.bits} needs inputs divisible by {pf}, got {input_size}")
         _, groups = self.groups(input_size)
-        add_param(layer, "weight_packed", (output_size, input_size // pf), torch.int32, shard_loader(layer, 0))
-        add_param(layer, "weight_scale", (output_size, groups), torch.get_default_dtype(), shard_loader(layer, 0))
-        add_param(layer, "weight_shape", (2,), torch.int64, _shape_checker(input_size))
+        add_param(layer, "weight_packed", (output_size, input_size // pf), torch.int32,
+                  shard_loader(layer, 0, 1, 1, pf))
+        add_param(layer, "weight_scale", (output_size, groups), torch.get_default_dtype(), self.group_loader(layer, 0))
+        add_param(layer, "weight_shape", (2,), torch.int64, _shape_checker(layer))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         codes = unpack_cols(layer.weight_packed.data, self.bits, layer.input_size).t()   # [K, N], offset by 2^(b-1)

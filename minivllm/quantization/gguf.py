@@ -85,10 +85,11 @@ class GGUFLinearMethod:
         if input_size % BLOCK:
             raise ValueError(f"GGUF blocks need layer inputs divisible by {BLOCK}, got {input_size}")
         groups = input_size // BLOCK
-        add_param(layer, "qweight", (input_size // pack_factor(bits), output_size), torch.int32, shard_loader(layer, 1))
-        add_param(layer, "scales", (groups, output_size), torch.float16, shard_loader(layer, 1))
+        pf = pack_factor(bits)
+        add_param(layer, "qweight", (input_size // pf, output_size), torch.int32, shard_loader(layer, 1, 1, 0, pf))
+        add_param(layer, "scales", (groups, output_size), torch.float16, shard_loader(layer, 1, 1, 0, BLOCK, "group"))
         if self.config.has_min:
-            add_param(layer, "mins", (groups, output_size), torch.float16, shard_loader(layer, 1))
+            add_param(layer, "mins", (groups, output_size), torch.float16, shard_loader(layer, 1, 1, 0, BLOCK, "group"))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.qweight.is_cuda:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.quantization.base import QuantizationConfig, add_param, shard_loader, shared_loader
+from minivllm.distributed import get_tp_size
+from minivllm.quantization.base import (QuantizationConfig, add_param, rank_part, shard_loader, shared_loader,
+                                       splits_inputs)
 from minivllm.quantization.packing import pack_factor, pack_rows, unpack_cols, unpack_rows
 from minivllm.quantization.weight_only import WeightOnlyLinearMethod
 
@@ -56,10 +58,27 @@ class GPTQLinearMethod(WeightOnlyLinearMethod):
         if input_size % pf or output_size % pf:
             raise ValueError(f"GPTQ int{self.bits} needs layer sizes divisible by {pf}, got {input_size}x{output_size}")
         _, groups = self.groups(input_size)
-        add_param(layer, "qweight", (input_size // pf, output_size), torch.int32, shard_loader(layer, 1))
-        add_param(layer, "qzeros", (groups, output_size // pf), torch.int32, shard_loader(layer, 1, pf))
-        add_param(layer, "scales", (groups, output_size), torch.get_default_dtype(), shard_loader(layer, 1))
-        add_param(layer, "g_idx", (input_size,), torch.int32, shared_loader)
+        add_param(layer, "qweight", (input_size // pf, output_size), torch.int32, shard_loader(layer, 1, 1, 0, pf))
+        add_param(layer, "qzeros", (groups, output_size // pf), torch.int32, self.group_loader(layer, 1, pf))
+        add_param(layer, "scales", (groups, output_size), torch.get_default_dtype(), self.group_loader(layer, 1))
+        add_param(layer, "g_idx", (input_size,), torch.int32, self._g_idx_loader(layer))
+
+    def _g_idx_loader(self, layer: nn.Module):
+        """g_idx whole where a rank holds all inputs; a row-parallel rank keeps its inputs' entries, renumbered
+        from its first group. Act-order's permuted g_idx is refused there: a rank's inputs would belong to every
+        group and sort into runs of unequal length, which the GEMMs' fixed group size cannot express."""
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            if splits_inputs(layer):
+                group = self.group_size if self.group_size > 0 else loaded.numel()
+                in_order = torch.arange(loaded.numel(), device=loaded.device) // group
+                if self.config.desc_act and not torch.equal(loaded.long(), in_order):
+                    raise ValueError(f"act-order (desc_act) g_idx of a row-parallel layer cannot be split across "
+                                     f"tensor_parallel_size {get_tp_size()}: each rank's inputs would span every "
+                                     f"group of {group}; load it with tensor_parallel_size 1 or use a checkpoint "
+                                     f"quantized without desc_act")
+                loaded = rank_part(layer, loaded, None, None, input_dim=0) - layer.input_start // group
+            shared_loader(param, loaded, shard_id)
+        return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         K, N = layer.input_size, layer.output_size

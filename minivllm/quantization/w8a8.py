@@ -15,7 +15,7 @@ from torch import nn
 from minivllm.kernels.quant_rows import (FP8, FP8_MAX, INT8_MAX, QuantizedRows, quantize_rows,  # noqa: F401
                                          quantize_rows_reference)
 from minivllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_reference
-from minivllm.quantization.base import QuantizationConfig, add_param, replace_param
+from minivllm.quantization.base import QuantizationConfig, add_param, replace_param, shard_loader
 
 
 class W8A8Config(QuantizationConfig):
@@ -36,18 +36,18 @@ class W8A8Config(QuantizationConfig):
 
 
 def _scale_loader(layer: nn.Module):
-    """Per-channel scales, or one per-tensor scale per checkpoint shard spread over its rows."""
+    """Per-channel scales (this rank's output rows, as the weight's), or one per-tensor scale per checkpoint
+    shard spread over its rows (the same on every rank)."""
+    per_channel = shard_loader(layer, 0)
+
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.numel() != 1:
+            per_channel(param, loaded.reshape(-1), shard_id)   # [N] or compressed-tensors' [N, 1]
+            return
         target = param.data
         if shard_id is not None:
-            start, size = layer.shard_offsets[shard_id]
-            target = target.narrow(0, start, size)
-        if loaded.numel() == 1:
-            target.fill_(float(loaded.reshape(())))
-        elif loaded.numel() == target.numel():
-            target.copy_(loaded.reshape(target.shape))
-        else:
-            raise ValueError(f"weight_scale of {loaded.numel()} values for {target.numel()} rows")
+            target = target.narrow(0, *layer.shard_offsets[shard_id])
+        target.fill_(float(loaded.reshape(())))
     return load
 
 

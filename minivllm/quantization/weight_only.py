@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.quantization.base import shard_loader
 from minivllm.quantization.packing import pack_cols, weight_only_gemm_reference
 
 
@@ -41,6 +42,13 @@ class WeightOnlyLinearMethod:
         """(group size, number of groups); group_size -1 means one group over all inputs."""
         size = input_size if self.group_size in (-1, 0) else self.group_size
         return size, -(-input_size // size)
+
+    def group_loader(self, layer: nn.Module, output_dim: int, packed_per_element: int = 1):
+        """The loader of a group-wise tensor (scales, zero points): outputs along `output_dim`, groups along
+        the other; with one group over all inputs every row-parallel rank keeps it whole."""
+        if self.group_size in (-1, 0):
+            return shard_loader(layer, output_dim, packed_per_element)
+        return shard_loader(layer, output_dim, packed_per_element, 1 - output_dim, self.group_size, "group")
 
     def set_processed(self, layer: nn.Module, qweight: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
