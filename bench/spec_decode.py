@@ -1,31 +1,35 @@
 """Speculative decoding benchmark: what each proposer buys, and what it costs.
 
-Three parts, all in one run on one device (results in spec_decode_<gpu>.json with device, commit, date):
-  real   the real default model (SmolLM2-135M), batch 1, greedy, input-grounded chat prompts built
-         from text that ships with Python itself (the language reference in `pydoc_data.topics`, and
-         stdlib source for code edits): tokens/s with no speculation, n-gram and draft-layers, the
-         acceptance per draft position and the mean tokens per verify step; outputs compared.
+Parts, all in one run on one device (results in spec_decode_<gpu>.json with device, commit, date):
+  compare the real default model (SmolLM2-135M), greedy, off / n-gram / suffix decoding alternating on one
+         engine, per workload and batch size (bench/spec_workloads.py: input-grounded, open-ended and
+         repetitive chats built from real text); gives the top-level keys grounded_b1_speedup,
+         open_b1_speedup, grounded_b8_speedup, grounded_b32_speedup (n-gram, the default method) and
+         suffix_repetitive_b1_speedup, ngram_repetitive_b1_speedup (best run of each mode over off's).
+  real   the real default model, batch 1, greedy, the input-grounded chat prompts: tokens/s with no
+         speculation, n-gram, suffix decoding and draft-layers, the acceptance per draft position and the
+         mean tokens per verify step; outputs compared.
   load   dummy Llama-3-8B, W1 (64 x 512 -> 256) and 256 x 512 -> 256, speculation (n-gram, adaptive)
          off and on in the same engine, three runs each, alternating (medians): the adaptive controller
-         must not lose throughput.
+         must not lose throughput (top-level w1_load_ratio: on over off at W1).
+  idle   host time per step of an enabled speculator whose drafts never pay (the controller's decision,
+         proposals, cost bookkeeping and suffix-cache work) at batch 1 to 256, per proposer.
   verify dummy Llama-3-8B at batch 1, 512-token context: the time of one verify step with k = 1..8
          drafts relative to one decode step (both run synchronously through the runner), from which
          the speedup at any acceptance rate can be read: (1 - a^(k+1)) / (1 - a) / cost(k).
   steps  the real model's shapes (dummy weights) at batch 1 through the whole engine loop: wall time
          per step of plain decoding and of steps verifying k = 1..5 drafts (not run by default).
 
-Usage: python bench/spec_decode.py --out DIR [--parts real,load,verify] [--quick]
+Usage: python bench/spec_decode.py --out DIR [--parts compare,real,load,verify,idle] [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import gc
-import inspect
 import pstats
 import statistics
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -33,39 +37,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
+from bench.spec_workloads import NGRAM, SUFFIX, grounded_chats, run_compare  # noqa: E402,F401
 
 LOAD_ORDER = ("off", "on", "on", "off", "off", "on")   # each mode early and late
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-
-
-# ---- prompts from real text ----------------------------------------------------------------------------------
-def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
-    """(kind, chat) pairs: summarise / rewrite a passage of the Python language reference, or edit a
-    function of the standard library."""
-    import json.decoder
-    import pydoc_data.topics
-    import textwrap as textwrap_module
-
-    passages = []
-    for name in ("assert", "for", "while", "if", "import", "return", "pass", "global"):
-        text = pydoc_data.topics.topics[name]
-        paragraphs = [p for p in text.split("\n\n") if len(p) > 200 and "::=" not in p]
-        if paragraphs:
-            passages.append(" ".join(paragraphs[0].split())[:700])
-    functions = [inspect.getsource(f) for f in (textwrap_module.dedent, textwrap_module.indent,
-                                                 json.decoder.py_scanstring)]
-    chats = []
-    for i in range(count):
-        kind = ("summarise", "rewrite", "code-edit")[i % 3]
-        if kind == "summarise":
-            content = f"Summarise this text in a few sentences:\n\n{passages[i % len(passages)]}"
-        elif kind == "rewrite":
-            content = f"Rewrite this text in simpler words, keeping every point:\n\n{passages[(i + 3) % len(passages)]}"
-        else:
-            code = textwrap.dedent(functions[(i // 3) % len(functions)])[:1200]
-            content = f"Add a docstring and type hints to this function and show the whole function:\n\n{code}"
-        chats.append((kind, [{"role": "user", "content": content}]))
-    return chats
+# The `compare` part's cases: (label, workload, batch, prompts), and the top-level keys they give.
+COMPARE_CASES = [("grounded_b1", "grounded", 1, 9), ("open_b1", "open", 1, 9), ("grounded_b8", "grounded", 8, 16),
+                 ("grounded_b32", "grounded", 32, 32), ("repetitive_b1", "repetitive", 1, 16)]
+QUICK_COMPARE_CASES = [("grounded_b1", "grounded", 1, 1), ("open_b1", "open", 1, 1), ("grounded_b8", "grounded", 2, 2),
+                       ("grounded_b32", "grounded", 2, 2), ("repetitive_b1", "repetitive", 1, 2)]
 
 
 class GcCollections:
@@ -120,6 +99,9 @@ def _run_real_config(args, name: str, config: dict | None, chats, params, decode
     decisions = None
     if spec is not None:
         spec.reset_stats()
+        if spec.suffix is not None:   # the warm-up's outputs are the timed ones' near copies: forget them
+            from minivllm.spec_decode.suffix import SuffixCache
+            spec.suffix.cache = SuffixCache(spec.suffix.cache.max_depth, spec.suffix.cache.max_cached_requests)
         decisions = _count_decisions(spec)
     tracer = None
     if args.trace and not name.startswith("draft"):
@@ -157,7 +139,7 @@ def run_real(args) -> dict:
     decode_rows = cuda_graph.MAX_DECODE_ROWS_QUERY_LEN
     chats = grounded_chats(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    configs = {"off": None, "ngram": NGRAM}
+    configs = {"off": None, "ngram": NGRAM, "suffix": SUFFIX}
     for k in args.ngram_max_k:     # adaptive, with a longer draft cap
         configs[f"ngram_max{k}"] = {**NGRAM, "num_speculative_tokens": k}
     if args.compare_unchained:     # every verify step read back before the next step is scheduled
@@ -262,9 +244,9 @@ def run_load(args) -> list[dict]:
                     if k.startswith(("num_", "acceptance_rate", "mean_"))})
         row["controller"] = dict(decisions)   # k chosen per step, lookups, host time in the controller
         row["controller"]["plain_cost_ms"] = {b: round(1e3 * statistics.median(v), 3)
-                                              for b, v in sorted(controller._plain_cost.items())}
+                                              for b, v in sorted(controller.costs.plain_windows.items())}
         row["controller"]["verify_extra_ms"] = {b: round(1e3 * statistics.median(v), 3)
-                                                for b, v in sorted(controller._spec_extra.items())}
+                                                for b, v in sorted(controller.costs.extra_windows.items())}
         rows.append(row)
         print(f"  {workload}: off {off:.0f} tok/s, on {row['on_tokens_per_s']:.0f} tok/s "
               f"(x{row['on_over_off']:.3f})")
@@ -338,7 +320,7 @@ def run_step_cost(args) -> list[dict]:
               max_model_len=2048, speculative_config={**NGRAM, "adaptive": False}, **args.engine_options)
     engine = llm.llm_engine
     controller = engine.spec
-    controller.ngram.propose = lambda token_ids, n: [int(token_ids[-1])] * n   # dummy weights: few accepted
+    controller.host_proposer.propose = lambda token_ids, n: [int(token_ids[-1])] * n   # dummy weights: few accepted
     rows = []
     max_k = controller.max_k
     for k in range(0, max_k + 1):
@@ -380,12 +362,65 @@ def run_step_cost(args) -> list[dict]:
     return rows
 
 
+def run_idle_cost(args) -> dict:
+    """Host microseconds per step that an enabled speculator adds when its drafts never pay: `choose_k`,
+    `propose`, `observe_step` and `work_after_launch`, as the engine calls them, on decoding sequences of
+    real text (no model: a plain step does none of this, so this is the whole difference on the host).
+    Steps are priced so that drafts cost more than they gain (an 8B-like step whose tokens cost like
+    prefill), every verification rejects, and each finished request hands the suffix cache its output."""
+    import pydoc_data.topics
+
+    from minivllm import SamplingParams
+    from minivllm.core.sequence import SequenceGroup
+    from minivllm.spec_decode.config import SpeculativeConfig
+    from minivllm.spec_decode.controller import SpeculationController
+    words = " ".join(pydoc_data.topics.topics["try"].split()).split(" ")
+    text = [hash(w) % 50_000 for w in words]   # word ids: real text's repetitions, no tokenizer needed
+    rows = []
+    for method, config in (("ngram", NGRAM), ("suffix", SUFFIX)):
+        for batch in args.idle_batches:
+            controller = SpeculationController(SpeculativeConfig.from_dict(config), max_model_len=8192)
+            seqs = []
+            for i in range(batch):
+                seq = SequenceGroup(f"r{i}", None, text[i % 97:i % 97 + 300], SamplingParams(max_tokens=4096)).seqs[0]
+                seq.append_token(text[(i + 300) % len(text)])
+                seq.num_computed_tokens = seq.num_tokens - 1
+                seqs.append(seq)
+            step_s = 0.005 + 2e-5 * batch
+            controller.observe_step(batch, batch, step_s, speculative=False)
+            controller.observe_step(8 * batch + 512, batch, step_s * 8, speculative=False)
+            times, after_launch = [], []
+            for step in range(args.idle_steps):
+                started = time.perf_counter()
+                k = controller.choose_k(seqs)
+                controller.propose(seqs, k)
+                controller.observe_step(batch, batch, step_s, speculative=False)
+                launched = time.perf_counter()
+                controller.work_after_launch()
+                times.append(launched - started)
+                after_launch.append(time.perf_counter() - launched)
+                for seq in seqs:
+                    if seq.spec_token_ids:   # every draft rejected; the sequence moves on by one token
+                        controller.observe_verification(seq, len(seq.spec_token_ids), 0)
+                        seq.spec_token_ids = []
+                    seq.append_token(text[(step + seq.seq_id) % len(text)])
+                    seq.num_computed_tokens += 1
+                if step % 64 == 0:   # a request finishes: its 256-token output goes to the suffix cache
+                    controller.forget(-1 - step, seqs[0].output_token_ids[-256:])
+            rows.append({"method": method, "batch": batch, "mean_us": 1e6 * statistics.mean(times),
+                         "median_us": 1e6 * statistics.median(times),
+                         "mean_us_after_launch": 1e6 * statistics.mean(after_launch),
+                         "steps_with_drafts": controller.stats.num_drafts})
+    return {"note": "host microseconds the speculator adds per engine step before the launch (mean, median) "
+                    "and after it (suffix-cache inserts, overlapped with the device)", "rows": rows}
+
+
 # ---- main ----------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     from bench.throughput import Workload
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="real,load,verify")
+    parser.add_argument("--parts", default="compare,real,load,verify,idle")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
     parser.add_argument("--ngram-fixed-k", default="", help="real part: also n-gram with these fixed k (no adaptivity)")
@@ -413,6 +448,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
     args.ngram_fixed_k = [int(x) for x in args.ngram_fixed_k.split(",") if x]
     args.ngram_max_k = [int(x) for x in args.ngram_max_k.split(",") if x]
+    args.compare_cases, args.compare_rounds = (QUICK_COMPARE_CASES, 1) if args.quick else (COMPARE_CASES, 2)
+    args.compare_max_tokens = 8 if args.quick else 256
+    args.idle_batches, args.idle_steps = ((1, 32), 200) if args.quick else ((1, 8, 32, 256), 2000)
+    args.compare_engine_options = ({"gpu_memory_utilization": 0.5} if device.type == "cuda" else
+                                   {"kv_cache_memory": 64 << 20, "dtype": "float32"})   # CPU bf16 is slow
     if args.quick:
         args.num_prompts, args.max_tokens, args.max_verify_k, args.verify_repeats = 3, 24, 3, 3
         args.step_repeats = 20
@@ -431,6 +471,15 @@ def main(argv: list[str] | None = None) -> dict:
     result = run_metadata(device)
     print(f"speculative decoding benchmark | {result['device']} | commit {result['commit']} | {result['date']}")
     parts = args.parts.split(",")
+    if "compare" in parts:
+        print("real model, speculation off / n-gram / suffix per workload and batch:")
+        result["compare"] = compare = run_compare(args)
+        for label in ("grounded_b1", "open_b1", "grounded_b8", "grounded_b32"):
+            result[f"{label}_speedup"] = compare[label]["ngram_speedup"]
+        for method in ("suffix", "ngram"):
+            result[f"{method}_repetitive_b1_speedup"] = compare["repetitive_b1"][f"{method}_speedup"]
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if "real" in parts:
         print("real model, batch 1:")
         result["real_batch1"] = run_real(args)
@@ -456,6 +505,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")
         result["load"] = run_load(args)
+        result["w1_load_ratio"] = result["load"][0]["on_over_off"]
+    if "idle" in parts:
+        print("host time of an idle speculator per step:")
+        result["idle_host_cost"] = run_idle_cost(args)
+        print_table(result["idle_host_cost"]["rows"], "idle speculator, host us per step")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"spec_decode_{device_slug(result['device'])}.json"
     write_json(path, result)

@@ -97,12 +97,14 @@ def free_device_memory(device: torch.device) -> None:
         print(f"  freed: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated")
 
 
-def timed_generate(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """Generate, time it, and check every request produced exactly `output_len` tokens."""
+def timed_generate(llm, prompts: list[list[int]], output_len: int, lora_request=None) -> dict:
+    """Generate, time it, and check every request produced exactly `output_len` tokens. `lora_request`: as
+    `LLM.generate` takes it (one adapter, or one per prompt)."""
     from minivllm import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    extra = {} if lora_request is None else {"lora_request": lora_request}
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, **extra)
     elapsed = time.perf_counter() - started   # the engine reads sampled ids on the host each step: no sync needed
     counts = [len(o.outputs[0].token_ids) for o in outputs]
     wrong = [c for c in counts if c != output_len]
@@ -123,11 +125,15 @@ def timed_generate(llm, prompts: list[list[int]], output_len: int) -> dict:
     return result
 
 
-def warm_up(llm, workload: Workload, vocab_size: int, num_requests: int = 8, output_len: int = 16) -> None:
-    """A short run at the same prompt length: compiles kernels and fills allocator pools."""
-    small = Workload(min(num_requests, workload.num_requests), workload.prompt_len,
+def warm_up(llm, workload: Workload, vocab_size: int, num_requests: int = 8, output_len: int = 16,
+            lora_requests: list | None = None) -> None:
+    """A short run at the same prompt length: compiles kernels and fills allocator pools (and, given
+    `lora_requests`, loads each adapter into its slot)."""
+    small = Workload(max(min(num_requests, workload.num_requests), len(lora_requests or [])), workload.prompt_len,
                      min(output_len, workload.output_len))
-    timed_generate(llm, random_prompts(small, vocab_size, seed=12345), small.output_len)
+    timed_generate(llm, random_prompts(small, vocab_size, seed=12345), small.output_len,
+                   None if lora_requests is None else [lora_requests[i % len(lora_requests)]
+                                                       for i in range(small.num_requests)])
 
 
 # ---- the floor ----------------------------------------------------------------------------------------------
@@ -373,14 +379,23 @@ def parse_args(argv):
     parser.add_argument("--skip-w1", action="store_true", help="no W1 / single-stream section")
     parser.add_argument("--sweeps", action="store_true", help="batch and length sweeps -> CSV + PNG")
     parser.add_argument("--ablation", action="store_true", help="optimisations on/off -> ablation JSON")
+    add_build_llm_args(parser)
+    return resolve_engine_args(parser, parser.parse_args(argv))
+
+
+def add_build_llm_args(parser) -> None:
+    """The engine sizes `build_llm` reads."""
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cpu-kv-cache-memory", type=int, default=64 * 2**20, help="KV bytes on the CPU")
-    args = parser.parse_args(argv)
+
+
+def resolve_engine_args(parser, args):
+    """Defaults by device: Llama-3-8B in bf16 on CUDA, tiny-llama in fp32 on the CPU."""
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device is available")
     args.model = args.model or ("llama-3-8b" if args.device == "cuda" else "tiny-llama")
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.dtype = getattr(args, "dtype", None) or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 
 

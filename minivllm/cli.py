@@ -69,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         "engine with an error naming it")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' or '
-                        '\'{"method": "draft_model", "draft_layers": 8}\'')
+                        '\'{"method": "draft_model", "draft_layers": 8}\' or \'{"method": "suffix"}\'')
     g.add_argument("--quantization", "-q", default=None,
                    help="fp8 | int8 (quantize at load) or the checkpoint's format (gptq, awq, compressed-tensors); "
                         "gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 linears quantized; "
@@ -77,6 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: store the KV cache as float8 e4m3 with per-layer scales (about twice the tokens); "
                         "auto: the model's dtype")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model (docs/lora.md)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters that may share a step (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16)
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: max-loras)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -95,7 +99,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout,
         speculative_config=args.speculative_config, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how tool calls are found in replies (for tool_choice auto)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="PEFT adapter folders served as models named NAME (needs --enable-lora)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -303,11 +312,14 @@ def main(argv: list[str] | None = None) -> None:
                                 args.uvicorn_log_level)
         elif args.command == "serve":
             from minivllm.server.api_server import run_server
+            from minivllm.server.lora import parse_lora_modules
             run_server(engine_config_from_args(args), host=args.host, port=args.port,
                        served_model_name=args.served_model_name, api_key=args.api_key,
                        log_level=args.uvicorn_log_level, limits=server_limits_from_args(args),
                        shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                       enable_auto_tool_choice=args.enable_auto_tool_choice)
+                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       lora_modules=parse_lora_modules(args.lora_modules),
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         elif args.command in ("quantize", "eval-ppl"):
             _run_quantization_command(args)
         else:

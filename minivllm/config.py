@@ -51,6 +51,12 @@ class EngineConfig:
     # "auto" (the model's dtype) | "fp8" = "fp8_e4m3": KV stored as float8_e4m3fn with per-layer scales
     # (ARCHITECTURE.md, "FP8 KV cache"), halving the bytes per cached token.
     kv_cache_dtype: str = "auto"
+    # Multi-LoRA (docs/lora.md): `max_loras` adapters share a step (device slots of rank up to `max_lora_rank`);
+    # `max_cpu_loras` (None: max_loras) stay read and checked in host memory for a quick return to a slot.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -79,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        if self.enable_lora:
+            self._check_lora()
         if self.speculative_config is not None:
             from minivllm.spec_decode.config import SpeculativeConfig
             spec = SpeculativeConfig.from_dict(self.speculative_config)  # validate early, with the reason
@@ -86,3 +94,15 @@ class EngineConfig:
                 # The draft runs on the driver only; worker ranks would miss its collectives.
                 raise ValueError("draft_model speculation does not support tensor_parallel_size > 1 yet; "
                                  "use the ngram method")
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora does not support speculative decoding yet")

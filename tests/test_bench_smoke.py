@@ -137,3 +137,14 @@ def test_step_tile_search_names_the_one_row_gemv_keys():
     assert layer_of(("weight_only_rotary", "bf16", 128, 6144, 4096, 128, "add and norm")) == "qkv_proj"
     assert layer_of(("weight_only_silu_and_mul", "bf16", 128, 28672, 4096, "norm")) == "gate_up_proj"
     assert as_choice(("weight_only",), "tile") == ("tile", 1) and as_choice(("weight_only_rotary",), "tile") == "tile"
+
+
+def test_lora_bench_writes_the_acceptance_keys(tmp_path):
+    from bench.lora_bench import main as lora_main
+    result = lora_main(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "lora_cpu.json").read_text())
+    for key in ("base_w1_out_tok_s", "lora8_w1_out_tok_s", "lora8_over_base_w1", "base_single_tok_s",
+                "lora_single_tok_s", "lora_single_over_base"):
+        assert written[key] > 0 and written[key] == pytest.approx(result[key]), key
+    assert written["device"] == "cpu" and written["commit"] and written["date"] and written["command"]
+    assert written["runs"]["lora"]["w1"]["outputs_verified"] is True

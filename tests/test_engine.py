@@ -95,22 +95,18 @@ def test_staggered_small_chunks_and_prefix_hits_match_transformers(prompt_ids, r
         assert b.outputs[0].token_ids == _truncate_at_eos(ref, eos)
 
 
-def test_logits_match_transformers_prefill_and_decode(llm, prompt_ids, hf_model):
-    """Logits of a prefill and of 20 decode steps through the engine's runner equal transformers'."""
+def runner_logits(engine, group, num_decodes: int) -> torch.Tensor:
+    """The logits the runner computes for a prefill of `group`'s prompt and `num_decodes` greedy decode steps
+    (one row each), driving the runner directly; the sequence ends with every sampled token appended."""
     from minivllm.core.interfaces import SchedulerOutput
-    from minivllm.core.sequence import SequenceGroup
-    ref_model = hf_model
-    engine = llm.llm_engine
     runner, bm = engine.runner, engine.block_manager
-    ids = prompt_ids[1]
-    group = SequenceGroup("logits", None, ids, SamplingParams(temperature=0.0))
     seq = group.seqs[0]
     captured = []
     original = runner.model.compute_logits
     runner.model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
     try:
         n_new = seq.num_tokens
-        for step in range(21):
+        for step in range(num_decodes + 1):
             assert bm.allocate_slots(seq, n_new)
             out = runner.execute(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[n_new], num_samples=[1]))
             seq.num_computed_tokens += n_new
@@ -119,9 +115,19 @@ def test_logits_match_transformers_prefill_and_decode(llm, prompt_ids, hf_model)
     finally:
         runner.model.compute_logits = original
         bm.free(seq)
+    return torch.cat(captured)
+
+
+def test_logits_match_transformers_prefill_and_decode(llm, prompt_ids, hf_model):
+    """Logits of a prefill and of 20 decode steps through the engine's runner equal transformers'."""
+    from minivllm.core.sequence import SequenceGroup
+    ref_model = hf_model
+    ids = prompt_ids[1]
+    group = SequenceGroup("logits", None, ids, SamplingParams(temperature=0.0))
+    seq = group.seqs[0]
+    ours = runner_logits(llm.llm_engine, group, 20)  # the last position of the prefill, then each decode step
     with torch.inference_mode():
         ref_logits = ref_model(torch.tensor([seq.token_ids[:-1]])).logits[0]
-    ours = torch.cat(captured)  # the last position of the prefill, then each decode step
     ref = ref_logits[len(ids) - 1:]
     scale = ref.abs().max().item()
     assert (ours - ref).abs().max().item() <= 1e-3 * max(1.0, scale)

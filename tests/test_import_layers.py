@@ -20,6 +20,8 @@ LAYER_RANKS = {
     "minivllm.core": 50, "minivllm.outputs": 50, "minivllm.config": 50, "minivllm.structured_output": 50,
     "minivllm.spec_decode": 50,                     # the scheduler's side: proposals, config
     "minivllm.quantization.quantizer": 45, "minivllm.quantization.smoothquant": 45,   # offline, load a model
+    "minivllm.lora": 60, "minivllm.lora.request": 0,   # the runner's slots; a request's face is plain data
+    "minivllm.lora.layers": 30, "minivllm.lora.peft": 30,   # the linear-layer seam, adapter files
     "minivllm.models": 40,
     "minivllm.layers": 30,
     "minivllm.spec_decode.rejection_sampler": 30, "minivllm.spec_decode.seeding": 30,   # used by the sampler

@@ -18,7 +18,7 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, MAX_QUIET_STEPS_LARGE_BATCH, QUIET_BATCH,
+from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, MAX_QUIET_STEPS, QUIET_BATCH,
                                              QUIET_STEPS_LARGE_BATCH,
                                               SpeculationController)
 from minivllm.spec_decode.ngram import NgramProposer
@@ -28,6 +28,7 @@ from tests.conftest import make_tiny_hf_checkpoint
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 DRAFT_LAYERS = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3, "adaptive": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
 
 
 # ---- pieces --------------------------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
         controller.observe_verification(seq, 1, 1)
     controller.observe_step(260, 256, 0.031, speculative=True)      # the try
     assert controller.choose_k(seqs) == 0
-    assert controller._estimated_verify_cost(512, 256) > 0.045      # about a 512-token prefill step, plus the extra
+    assert controller.costs.estimated_verify_cost(512, 256) > 0.045      # about a 512-token prefill step, plus the extra
 
 
 def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
@@ -320,7 +321,7 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     evaluated_at, step, wait = [], 0, QUIET_STEPS_LARGE_BATCH
     while step < EXPLORE_EVERY:
         evaluated_at.append(step)
-        step, wait = step + wait + 1, min(2 * wait + 1, MAX_QUIET_STEPS_LARGE_BATCH)
+        step, wait = step + wait + 1, min(2 * wait + 1, MAX_QUIET_STEPS)
     assert evaluated_at == [0, 8, 24] and len(evaluations) == len(evaluated_at)
     tried = []
     for _ in range(3):   # each try: EXPLORE_SEQS sequences, the next ones each time
@@ -407,11 +408,12 @@ def _generate(llm: LLM, prompts, params):
 
 def _engine_variants(tiny_model, tiny_draft):
     return {"ngram": dict(speculative_config=NGRAM), "draft_layers": dict(speculative_config=DRAFT_LAYERS),
+            "suffix": dict(speculative_config=SUFFIX, async_scheduling=True),
             "draft_model": dict(speculative_config={"method": "draft_model", "model": tiny_draft,
                                                     "num_speculative_tokens": 2, "adaptive": False})}
 
 
-@pytest.mark.parametrize("variant", ["ngram", "draft_layers", "draft_model"])
+@pytest.mark.parametrize("variant", ["ngram", "draft_layers", "draft_model", "suffix"])
 def test_greedy_is_token_identical_under_batching_chunking_prefix_hits_and_preemption(variant, tiny_model, tiny_draft):
     prompts = _repetitive_prompts(10)
     params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(len(prompts))]
@@ -463,7 +465,7 @@ def test_steps_chained_behind_a_verify_step_keep_greedy_identical(tiny_model, en
     assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
     engine = llm.llm_engine
     assert engine.spec.num_chained_steps > 0 and engine.scheduler.num_discarded_steps > 0
-    assert engine.spec._host_gap > 0   # measured after the verify steps that were not chained
+    assert engine.spec.chaining.host_gap > 0   # measured after the verify steps that were not chained
     assert engine.get_stats().num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -522,7 +524,7 @@ def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model, always_chain):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.get_stats().spec_decode.num_draft_tokens > 0
     # Nor per-sequence controller state (acceptance counts, n-gram histories) of finished or aborted requests.
-    assert not engine.spec._seq_counts and not engine.spec._histories and not engine.spec._fully_accepted
+    assert not engine.spec._seq_counts and not engine.spec._histories and not engine.spec.chaining.fully_accepted
 
 
 # ---- the engine: sampling distribution -------------------------------------------------------------------------
@@ -562,7 +564,7 @@ def reference_distribution(peaked_model) -> list[Counter]:
     return _sample_positions(_tiny_llm(model, **STATISTICS_ENGINE), prompt, 20_480)
 
 
-@pytest.mark.parametrize("config", [NGRAM, DRAFT_LAYERS], ids=["ngram", "draft_layers"])
+@pytest.mark.parametrize("config", [NGRAM, DRAFT_LAYERS, SUFFIX], ids=["ngram", "draft_layers", "suffix"])
 def test_sampled_distribution_equals_non_speculative(config, peaked_model, reference_distribution):
     """20,480 samples at temperature 0.8 with top-p 0.9: the speculated positions are distributed as
     without speculation (two-sample chi-square against the same number of plain samples)."""

@@ -1,5 +1,6 @@
 """Speculative decoding on the real default model (CPU, fp32): greedy output identical to no speculation
-for both proposers, and a speculative server driven by the openai SDK (streaming, usage, metrics)."""
+for every proposer (suffix decoding under batching, preemption and prefix hits), and a suffix-decoding
+server driven by the openai SDK (streaming, usage, metrics)."""
 from __future__ import annotations
 
 import httpx
@@ -60,6 +61,26 @@ def test_greedy_output_is_identical_to_no_speculation(name, plain, reference):
     assert any(o.outputs[0].stop_reason in with_stop.stop for o in theirs)
 
 
+def test_suffix_greedy_identical_under_batching_preemption_and_prefix_hits(plain, reference):
+    """Two rounds of the same chats, four at a time in a KV pool too small for them all: the second round
+    hits the prefix cache and finds the first round's outputs in the suffix cache, and every output
+    equals plain decoding."""
+    llm = LLM(**{**SETTINGS, "num_gpu_blocks_override": 12, "max_model_len": 160}, block_size=16, max_num_seqs=4,
+              speculative_config={"method": "suffix"})
+    engine = llm.llm_engine
+    first = [o.outputs[0].token_ids for o in llm.chat(CHATS, GREEDY, use_tqdm=False)]
+    while engine.spec.suffix.cache.has_work:   # (inserted a slice per step while requests run)
+        engine.spec.work_after_launch()
+    assert engine.spec.suffix.cache.num_cached == len(CHATS)
+    second = [o.outputs[0].token_ids for o in llm.chat(CHATS, GREEDY, use_tqdm=False)]
+    assert first == second == reference
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decode.num_accepted_tokens > 0
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def _spec_counters(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
     values = {}
@@ -71,7 +92,7 @@ def _spec_counters(url: str) -> dict[str, float]:
 
 
 def test_server_streams_speculative_requests_with_right_usage(reference):
-    engine = AsyncEngine(LLM(**SETTINGS, speculative_config=CONFIGS["ngram"]).llm_engine)
+    engine = AsyncEngine(LLM(**SETTINGS, speculative_config={"method": "suffix"}).llm_engine)
     thread = ServerThread(build_app(engine))
     url = thread.start()
     try:

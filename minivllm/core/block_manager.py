@@ -25,8 +25,15 @@ import numpy as np
 from minivllm.core.sequence import Sequence
 from minivllm.core.swap import CpuBlockPool
 
-_ROOT = -1  # parent_cache_id of the first block of a sequence
+_ROOT = -1  # parent_cache_id of the first block of a base-model sequence (-1 - id under an adapter)
 _REF_COUNT = operator.attrgetter("ref_count")
+
+
+def _chain_root(seq: Sequence) -> tuple[int | None, int]:
+    """(parent hash, parent cache id) of a sequence's first block. Each adapter has its own root: KV computed
+    under one adapter is never a hit for another, even on a hash collision."""
+    lora_id = seq.lora_int_id
+    return (None, _ROOT) if not lora_id else (hash(("lora", lora_id)), _ROOT - lora_id)
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -97,7 +104,7 @@ class BlockManager:
         assert not seq.block_table, "prefix lookup is only for a sequence that holds no blocks"
         bs = self.block_size
         hit_blocks: list[int] = []
-        parent_hash, parent_id = None, _ROOT
+        parent_hash, parent_id = _chain_root(seq)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, tokens)
@@ -126,7 +133,7 @@ class BlockManager:
         assert num_full <= len(seq.block_table), "computed tokens beyond the block table"
         for i in range(len(chain), num_full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent_hash, parent_id = chain[-1] if chain else (None, _ROOT)
+            parent_hash, parent_id = chain[-1] if chain else _chain_root(seq)
             block_hash = hash_block_tokens(parent_hash, tokens)
             cache_id = None  # stays None when the prefix has no exact cache identity (after a collision)
             if parent_id is not None:

@@ -49,6 +49,9 @@ class SchedulerConfig:
     # a short recompute rides along other steps almost free, a swap pays fixed copy and sync costs.
     preemption_mode: str | None = None
     swap_min_tokens: int = 512
+    # Multi-LoRA: at most this many distinct adapters among running sequences (the runner's adapter slots).
+    # None: no adapters.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in (None, "recompute", "swap"):
@@ -64,6 +67,8 @@ class SchedulerConfig:
                              f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
         if self.small_batch_prefill_tokens is not None and self.small_batch_prefill_tokens < 1:
             raise ValueError(f"small_batch_prefill_tokens must be at least 1, got {self.small_batch_prefill_tokens}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")
 
@@ -212,8 +217,11 @@ class Scheduler:
         # 2. Swapped sequences come back first, in order, when their blocks and their next tokens fit; none
         # while preempting. New prompts wait until every swapped sequence is back (no starvation).
         num_seq_slots = sum(1 + seq.num_pending_forks for seq in self.running)
+        running_loras = ({seq.lora_int_id for seq in self.running} - {0}) if config.max_loras is not None else set()
         while self.swapped and budget > 0 and not preempted and num_seq_slots < config.max_num_seqs:
             seq = self.swapped[0]
+            if not self._lora_fits(seq, running_loras):
+                break
             num_new = seq.num_total_tokens - seq.num_computed_tokens
             if config.enable_chunked_prefill:
                 num_new = min(num_new, budget)
@@ -227,6 +235,7 @@ class Scheduler:
             assert allocated, "can_swap_in promised room"
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            running_loras.add(seq.lora_int_id)
             if num_new:
                 scheduled.append((seq, num_new, []))
             budget -= num_new
@@ -237,6 +246,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and not self.swapped:
             seq = self.waiting[0]
             if num_seq_slots + 1 + seq.num_pending_forks > config.max_num_seqs:
+                break
+            if not self._lora_fits(seq, running_loras):
                 break
             # Prompt logprobs need the hidden states of every prompt position: such prompts take no cache hit.
             wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0
@@ -257,6 +268,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.spec_token_ids = []
             self.running.append(seq)
+            running_loras.add(seq.lora_int_id)
             scheduled.append((seq, num_new, []))
             budget -= num_new
             num_seq_slots += 1 + seq.num_pending_forks
@@ -278,6 +290,14 @@ class Scheduler:
                 seq.num_pending_tokens += 1 + len(drafts)
                 seq.drafts_in_flight = drafts
         return output
+
+    def _lora_fits(self, seq: Sequence, running_loras: set[int]) -> bool:
+        """Whether `seq` may join the running sequences without needing more adapter slots than there are
+        (head of line: a sequence waiting for a slot holds back those behind it, as one waiting for blocks does)."""
+        if self.config.max_loras is None:
+            return True
+        lora_id = seq.lora_int_id
+        return not lora_id or lora_id in running_loras or len(running_loras - {0}) < self.config.max_loras
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """The token in flight will end this sequence by length: computing past it would be wasted."""

@@ -9,6 +9,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.sampling_params import SamplingParams
 
@@ -84,6 +85,12 @@ class Sequence:
     @property
     def arrival_time(self) -> float:
         return self.group.arrival_time
+
+    @property
+    def lora_int_id(self) -> int:
+        """The request's adapter (0: the base model)."""
+        request = self.group.lora_request
+        return 0 if request is None else request.lora_int_id
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +175,7 @@ class SequenceGroup:
     metrics: RequestMetrics | None = None
     # With `prompt_logprobs`: per prompt position (the first stays None), filled chunk by chunk.
     prompt_logprobs: list[SampleLogprobs | None] | None = None
+    lora_request: Any = None  # a minivllm.lora.LoRARequest; only its lora_int_id is read here
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -205,7 +205,7 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                          priority: int = 0, arrival_time: float | None = None, lora_request=None) -> RequestStream:
         """Admit a request and return its output stream.
 
         Raises what `LLMEngine.add_request` raises (ValueError for bad input, SchedulerFullError
@@ -222,7 +222,7 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine is not running: {self._dead}")
             stream = RequestStream(request_id, self)
             self._streams[request_id] = stream
-            self._commands.put(("add", request_id, prompt, params, priority, arrival_time, admitted))
+            self._commands.put(("add", request_id, prompt, params, priority, arrival_time, lora_request, admitted))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -233,6 +233,18 @@ class AsyncEngine:
             self._forget(request_id)
             raise
         return stream
+
+    async def call(self, method: str, *args) -> Any:
+        """`engine.<method>(*args)` on the engine thread, between steps (LoRA adapters: add_lora, remove_lora,
+        list_loras); raises what it raises."""
+        if self._thread is None:
+            self.start()
+        done: asyncio.Future = self._loop.create_future()
+        with self._dead_lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead}")
+            self._commands.put(("call", method, args, done))
+        return await done
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -270,6 +282,11 @@ class AsyncEngine:
             future.set_result(None)
         else:
             future.set_exception(error)
+
+    @staticmethod
+    def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
@@ -334,15 +351,23 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> bool:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, priority, arrival_time, admitted = command
+            _, request_id, prompt, params, priority, arrival_time, lora_request, admitted = command
             error = None
             try:
+                extra = {} if lora_request is None else {"lora_request": lora_request}
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                        priority=priority)
+                                        priority=priority, **extra)
                 self._live_ids.add(request_id)
             except Exception as e:  # bad input or admission control: the caller decides the status
                 error = e
             self._loop.call_soon_threadsafe(self._resolve, admitted, error)
+        elif kind == "call":
+            _, method, args, done = command
+            try:
+                result, error = getattr(self.engine, method)(*args), None
+            except Exception as e:   # bad input: the caller answers it
+                result, error = None, e
+            self._loop.call_soon_threadsafe(self._settle, done, result, error)
         elif kind == "abort":
             self.engine.abort_request(command[1])
             self._live_ids.difference_update(command[1])
@@ -370,6 +395,6 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
+            if command[0] in ("add", "call"):
                 self._loop.call_soon_threadsafe(self._resolve, command[-1],
                                                 EngineDeadError(f"engine is not running: {error}"))

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from minivllm.config import EngineConfig
 from minivllm.engine.gc_heap import frozen_heap
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -48,7 +49,9 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -57,12 +60,16 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        lora_list = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompt_list)
+        if len(lora_list) != len(prompt_list):
+            raise ValueError(f"got {len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(request_id, prompt, params,
-                                            priority=priority[i] if priority is not None else 0)
+                                            priority=priority[i] if priority is not None else 0,
+                                            lora_request=lora_list[i])
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
@@ -72,7 +79,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
@@ -84,7 +92,7 @@ class LLM:
             ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                 tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

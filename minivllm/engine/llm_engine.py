@@ -45,6 +45,10 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None
     num_swapped: int = 0    # requests whose KV is swapped out to CPU now
     num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
+    # Multi-LoRA: adapter names of running and waiting requests, and the slots (None: LoRA off).
+    running_lora_adapters: list[str] | None = None
+    waiting_lora_adapters: list[str] | None = None
+    max_lora: int | None = None
 
 
 class _InFlightStep(NamedTuple):
@@ -111,8 +115,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             enable_chunked_prefill=chunked, policy=config.scheduling_policy, max_num_waiting=config.max_num_waiting,
-            small_batch_prefill_tokens=config.small_batch_prefill_tokens, preemption_mode=config.preemption_mode),
-            self.block_manager)
+            small_batch_prefill_tokens=config.small_batch_prefill_tokens, preemption_mode=config.preemption_mode,
+            max_loras=config.max_loras if config.enable_lora else None), self.block_manager)
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
@@ -147,8 +151,11 @@ class LLMEngine:
         return None, token_ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+        """`lora_request`: a minivllm.lora.LoRARequest; its adapter is read on first use (ValueError if bad)."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's context length is "
@@ -161,8 +168,26 @@ class LLMEngine:
         self.structured_output.compile(params)
         group = SequenceGroup(request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=params,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                              priority=priority)
+                              priority=priority, lora_request=lora_request)
         self.scheduler.add_seq_group(group)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------------------
+    def _lora_manager(self):
+        manager = getattr(self.runner, "lora_manager", None)
+        if manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return manager
+
+    def add_lora(self, lora_request) -> bool:
+        """Read and check an adapter; False when it is known already. ValueError when it cannot be served."""
+        return self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests admitted with it still finish with it); False when unknown."""
+        return self._lora_manager().remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list:
+        return self._lora_manager().list_adapters()
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
@@ -171,7 +196,7 @@ class LLMEngine:
                 for seq in group.seqs:
                     self._outputs.pop(seq.seq_id, None)
                     if self.spec is not None:
-                        self.spec.forget(seq.seq_id)
+                        self.spec.forget(seq.seq_id, seq.output_token_ids)
                 self._prompt_logprobs_out.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -218,6 +243,8 @@ class LLMEngine:
                 self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
             if waited_for_verify:   # the device idled from the read-back until now (see SpeculationController.chains)
                 self.spec.observe_host_gap(time.perf_counter() - self._read_back_at)
+            if self.spec is not None:   # the device is busy: the suffix cache's inserts wait for nothing
+                self.spec.work_after_launch()
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
@@ -361,7 +388,7 @@ class LLMEngine:
             for seq in group.seqs:
                 self._outputs.pop(seq.seq_id, None)
                 if self.spec is not None:
-                    self.spec.forget(seq.seq_id)
+                    self.spec.forget(seq.seq_id, seq.output_token_ids)
             if group.metrics.finished_time is None:
                 group.metrics.finished_time = time.monotonic()
             self._prompt_logprobs_out.pop(group.request_id, None)
@@ -377,7 +404,16 @@ class LLMEngine:
                            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
                            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
                            spec_decode=self.spec.stats if self.spec is not None else None,
-                           num_swapped=self.scheduler.num_swapped, num_swap_outs=self.scheduler.num_swap_outs)
+                           num_swapped=self.scheduler.num_swapped, num_swap_outs=self.scheduler.num_swap_outs,
+                           **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if not self.config.enable_lora:
+            return {}
+        running, waiting = ({seq.group.lora_request.lora_name for seq in queue if seq.group.lora_request is not None}
+                            for queue in (self.scheduler.running, self.scheduler.waiting))
+        return {"running_lora_adapters": sorted(running), "waiting_lora_adapters": sorted(waiting),
+                "max_lora": self.config.max_loras}
 
     def snapshot(self) -> dict:
         """Queues and KV pool as plain data, for the dashboard (O(blocks); call between steps)."""

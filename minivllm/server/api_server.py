@@ -2,7 +2,8 @@
 
 `ServerThread` serves an app from a background thread (tests, benchmarks, notebooks).
 
-Routes: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /v1/models, /health,
+Routes: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize (and, with runtime LoRA updating,
+/v1/load_lora_adapter, /v1/unload_lora_adapter); GET /v1/models, /health,
 /version, /metrics, /dashboard. `LimitsMiddleware` guards them all: with an API key set, every path
 except `limits.api_key_exempt_paths` (/health and /metrics by default) needs `Authorization: Bearer
 <key>`; body size, JSON depth and header count are bounded; SIGTERM drains (see shutdown.py).
@@ -27,6 +28,7 @@ from minivllm.distributed import launched_by_torchrun
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server import dashboard, errors
 from minivllm.server.limits import LimitsMiddleware, QueuedTokens, ServerLimits
+from minivllm.server.lora import LoRAModules, lora_router
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (
     ChatCompletionRequest,
@@ -52,8 +54,10 @@ def _version() -> str:
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
-    """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+              enable_auto_tool_choice: bool = False, lora_modules: list[tuple[str, str]] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and stops with the app's lifespan. `lora_modules`:
+    (name, adapter folder) pairs served as models (with an engine started with enable_lora)."""
     limits = limits or ServerLimits()
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
@@ -62,13 +66,20 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
                              enable_auto_tool_choice=enable_auto_tool_choice)
     completion = OpenAIServingCompletion(engine, names, metrics)
     queued_tokens = QueuedTokens(limits.max_queued_tokens)
+    loras = None
+    if getattr(engine.config, "enable_lora", False):
+        loras = LoRAModules(engine, names[0], lora_modules or [])
+    elif lora_modules or allow_runtime_lora_updating:
+        raise ValueError("LoRA adapters need an engine started with enable_lora (--enable-lora)")
     for serving in (chat, completion):
-        serving.limits, serving.queued_tokens = limits, queued_tokens
+        serving.limits, serving.queued_tokens, serving.lora_modules = limits, queued_tokens, loras
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         try:
+            if loras is not None:
+                await loras.load_startup_modules()
             yield
         finally:
             await engine.shutdown()
@@ -98,6 +109,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
     async def list_models() -> JSONResponse:
         cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len,
                            quantization=engine.quantization) for name in names]
+        if loras is not None:
+            cards += loras.cards(engine.max_model_len)
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.post("/tokenize")
@@ -120,6 +133,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
         return JSONResponse({"prompt": chat.tokenizer.decode(request.tokens)})
 
     app.include_router(router)
+    if loras is not None and allow_runtime_lora_updating:
+        app.include_router(lora_router(loras))
 
     @app.get("/health")
     async def health() -> Response:
@@ -161,7 +176,7 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
                api_key: str | None = None, log_level: str = "info", limits: ServerLimits | None = None,
                shutdown_timeout: float = 30.0, **tool_options) -> None:
     """Load the engine, then serve until interrupted; SIGTERM drains first and exits 0.
-    `tool_options`: tool_call_parser, enable_auto_tool_choice."""
+    `tool_options`: tool_call_parser, enable_auto_tool_choice, lora_modules, allow_runtime_lora_updating."""
     if launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         AsyncEngine.from_config(engine_config)   # serves the driver's steps, then exits (SystemExit)
         return

@@ -63,6 +63,12 @@ class _EngineStatsCollector(Collector):
                       stats.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+        if getattr(stats, "max_lora", None) is not None:   # vLLM's series: the adapters in use, as labels
+            family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                       labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+            family.add_metric([",".join(stats.running_lora_adapters), str(stats.max_lora),
+                               ",".join(stats.waiting_lora_adapters)], time.time())
+            yield family
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)

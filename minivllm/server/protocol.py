@@ -308,6 +308,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "minivllm"
     root: str | None = None
+    parent: str | None = None          # a LoRA adapter's base model
     max_model_len: int | None = None
     quantization: str | None = None   # the weights' format (gptq, awq, fp8, ...), None when unquantized
 

@@ -65,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_length(len(prompt_ids), params.max_tokens, "messages")
         self.check_token_ids(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.admit([request_id], [prompt_ids], params, request.priority)
+        streams = await self.admit([request_id], [prompt_ids], params, request.priority, model)
         created = int(time.time())
         if request.stream:
             return EventStreamResponse(self._stream(request, request_id, created, model, streams, tools))

@@ -56,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_token_ids(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         sub_ids = [request_id] if len(prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(prompt_ids))]
-        streams = await self.admit(sub_ids, prompt_ids, params, request.priority)
+        streams = await self.admit(sub_ids, prompt_ids, params, request.priority, model)
         created = int(time.time())
         echo = [self._echo_text(text, ids) if request.echo else "" for text, ids in zip(prompt_texts, prompt_ids)]
         if request.stream:

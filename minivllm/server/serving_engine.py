@@ -54,6 +54,7 @@ class OpenAIServing:
     # Set by build_app to the server's (shared by chat and completions); these defaults limit nothing.
     limits = ServerLimits()
     queued_tokens = QueuedTokens(None)
+    lora_modules = None   # server/lora.LoRAModules when LoRA is on: adapter names are models too
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -65,7 +66,8 @@ class OpenAIServing:
         """The name to answer with; 404 for a model this server does not serve."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and (self.lora_modules is None
+                                                         or requested not in self.lora_modules.by_name):
             raise errors.model_not_found(requested)
         return requested
 
@@ -142,8 +144,11 @@ class OpenAIServing:
 
     # ---- running requests --------------------------------------------------------------------------
     async def admit(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: SamplingParams,
-                    priority: int) -> list[RequestStream]:
-        """Add every prompt of a request; on any failure abort those already added and raise."""
+                    priority: int, model: str | None = None) -> list[RequestStream]:
+        """Add every prompt of a request (under the LoRA adapter `model` names, if it names one); on any
+        failure abort those already added and raise."""
+        lora_request = None if self.lora_modules is None else self.lora_modules.by_name.get(model)
+        extra = {} if lora_request is None else {"lora_request": lora_request}
         if priority != 0 and getattr(self.engine.config, "scheduling_policy", "priority") != "priority":
             raise errors.bad_request(f"priority {priority} needs the server to run with --scheduling-policy "
                                      "priority", param="priority")
@@ -155,7 +160,7 @@ class OpenAIServing:
                 # Each sub-request gets its own params: the engine fills per-request fields in.
                 sub_params = params if len(prompts) == 1 else copy.copy(params)
                 streams.append(await self.engine.add_request(request_id, prompt, sub_params, priority=priority,
-                                                             arrival_time=arrival_time))
+                                                             arrival_time=arrival_time, **extra))
         except BaseException as e:
             release()
             for stream in streams:

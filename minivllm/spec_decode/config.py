@@ -3,6 +3,10 @@
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
     {"method": "draft_model", "draft_layers": N, "num_speculative_tokens": 4}   # the target's first N layers
+    {"method": "suffix", "num_speculative_tokens": 7, "suffix_decoding_max_tree_depth": 24, ...}
+
+Suffix decoding's keys are vLLM's. Its default draft cap is 7, not 5: its drafts stop early when their
+frequency says they are unlikely, and 7 drafts keep a batch-1 verify step in the 8-row decode graph.
 
 `adaptive` (minivllm's own, default on) lets the engine pick k per step, down to 0, from measured
 acceptance and step cost; off, every eligible sequence speculates `num_speculative_tokens` each step.
@@ -11,18 +15,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "suffix")
 
 
 @dataclass
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None   # 5 (suffix: 7)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None          # draft_model: a folder, .gguf or dummy config name
     draft_layers: int | None = None   # draft_model: the target's first N layers (self-speculation)
     adaptive: bool = True
+    suffix_decoding_max_tree_depth: int = 24           # longest match + draft, in tokens
+    suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
+    suffix_decoding_max_spec_factor: float = 1.0       # drafts per token of match
+    suffix_decoding_min_token_prob: float = 0.1        # stop when the draft's estimated chance falls below
 
     @classmethod
     def from_dict(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -43,12 +51,21 @@ class SpeculativeConfig:
             self.method = "draft_model"
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 7 if self.method == "suffix" else 5
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.method == "ngram":
             if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
                 raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        elif self.method == "suffix":
+            if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_cached_requests < 0:
+                raise ValueError("suffix decoding needs suffix_decoding_max_tree_depth >= 2 and "
+                                 "suffix_decoding_max_cached_requests >= 0")
+            if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+                raise ValueError("suffix decoding needs suffix_decoding_max_spec_factor > 0 and "
+                                 "suffix_decoding_min_token_prob in [0, 1]")
         elif (self.model is None) == (self.draft_layers is None):
             raise ValueError("draft_model needs exactly one of 'model' (a draft checkpoint) or 'draft_layers' "
                              "(the target's first N layers)")

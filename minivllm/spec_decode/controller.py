@@ -1,78 +1,73 @@
 """Which running sequences speculate in the next step, and with how many drafts (host side, no torch).
 
-Adaptive speculation: before each step the controller picks one draft length k for the batch (0 means
-plain decoding) to maximise expected tokens per second:
+Adaptive speculation, per sequence: before each step the controller gives each decoding sequence a draft
+length k_i (0 for most under load) to maximise expected tokens per second:
 
-    E[tokens](k) = sum over sequences of 1 + h * (a + a^2 + ... + a^k)
-    cost(k)      = measured wall time of a step computing B * (1 + k) tokens (B running sequences)
+    E[tokens] = sum over sequences of 1 + h_i * (a_i + a_i^2 + ... + a_i^k_i)
+    cost      = plain step + P(any sequence proposes) * (verify step of B + sum k_i tokens - plain step)
 
-with a the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h the share of its
-tries in which the proposer had anything to propose (n-gram lookups often find nothing), each with a
-prior from all sequences. A step's cost is the time from its start on the device to the next step's start
-(the engine measures it with the runner's `StepStart`): its device time plus any time the device then
-idled for the host, so a verify step that is waited for (no async overlap) carries the host work that
-waited for its result. (Launch-to-launch host intervals would charge the wrong step: under async
-scheduling the one from launch j to launch j + 1 holds the wait for step j - 1, so at 256 sequences a
-4,096-token bucket would read 4.3 ms against 199 ms for the 8,192-token one.) Plain costs are the median of the
-last few steps in each power-of-two bucket of scheduled tokens; a verify step is priced as a plain step
-of its size plus the median extra that recent verify steps of about as many sequences cost over the plain
-estimate. A plain step of a size never measured is estimated by linear interpolation in the token count
-between the measured buckets around it, prefill chunks included (a step's cost is about affine in its
-tokens), or, with none above it, assumed to cost the plain step below: at batch 1 a verify step is then
-tried and judged on its measured extra, while at high load, where verifying B * (1 + k) tokens costs like
-a prefill of that size, k stays 0 without trying. While k stays 0, speculation is tried again after
-`EXPLORE_EVERY` plain steps, so a workload that turns repetitive is noticed, but only by `EXPLORE_SEQS`
-sequences (in turn): a try costs a few tokens, not a verify step of the whole batch (at 256 x 512 -> 256
-on an H100, whole-batch tries cost 4.6% of throughput). Each try that does not switch speculation back on
-doubles the wait (up to `MAX_EXPLORE_EVERY`), so a proposer that never pays (a draft too weak for the
-target) costs almost nothing. The estimate runs every step over every sequence; when k = 0 wins by a wide
-margin (drafts would cost over a fifth of the throughput) it is redone only every `QUIET_STEPS` + 1
-steps, and at batches of `QUIET_BATCH` or more, where an estimate costs the host a fraction of a
-millisecond (0.6 ms at 256 sequences on the H100's host), every `QUIET_STEPS_LARGE_BATCH` + 1, a wait
-that doubles while the answer stays 0 (up to `MAX_QUIET_STEPS_LARGE_BATCH` + 1) and ends when the batch
-shrinks below `QUIET_BATCH`. Likewise, when every draft wins by over a quarter on measured costs, that
-answer stands for `SURE_STEPS` more steps while the batch keeps its size.
+with a_i the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h_i the share of
+its tries in which the proposer had anything to propose (lookups often find nothing), each with a prior
+from all sequences; costs come from `StepCosts` (step_costs.py), measured on the device. The j-th draft of
+sequence i gains h_i a_i^j tokens, so the drafts of all sequences are taken in order of that gain and the
+best prefix of that order wins: at batch 1, where a verify step costs about a plain one, every likely draft
+goes; at a larger batch only the sequences whose drafts are accepted often enough to pay for their verify
+rows do; and when no prefix beats plain decoding by 2%, nobody speculates. While nobody does,
+speculation is tried again after `EXPLORE_EVERY` plain steps, by `EXPLORE_SEQS` sequences (in turn): a
+try costs a few tokens, not a verify step of the whole batch (at 256 x 512 -> 256 on an H100, whole-batch
+tries cost 4.6% of throughput). Each try that does not switch speculation back on doubles the wait (up to
+`MAX_EXPLORE_EVERY`), so a proposer that never pays costs almost nothing.
 
-The n-gram proposer runs here (it needs only token ids). It does not wait for the step in flight: a
-sequence whose newest token is still being sampled gets the continuation of the latest match of the
-tokens before it, minus the match's first token, which stands for the one in flight (if the guess is
-wrong the drafts are rejected: verification keeps the output exact). So a lookup that finds nothing costs
-nothing, and a step that may speculate keeps the overlap of host and device work; the step after a verify
-step waits for it (its token count is known only then) unless `chains` lets it guess that every draft is
-accepted (a rule that weighs the host gap it saves against the step it may waste). The cost of k > 0 is
-therefore the plain step's plus, weighted by the chance that any sequence proposes, the verify step's
-extra. A device proposer (draft model) gets placeholders (-1) that the runner fills in; requests with
-penalties do not speculate with it (the penalties of a verified position count the drafts before it,
-which are not on the host).
+Zero cost when drafts do not pay: the estimate runs over every sequence, and while nobody speculates
+its inputs (measured costs and acceptance) do not change, so a k = 0 answer is kept for `QUIET_STEPS`
+steps, at batches of `QUIET_BATCH` or more (where an estimate costs the host a fraction of a millisecond:
+0.6 ms at 256 sequences on the H100's host) for `QUIET_STEPS_LARGE_BATCH`, a wait that doubles while the
+answer stays 0 (up to `MAX_QUIET_STEPS`). The wait ends early when the batch it was chosen for is gone:
+a small batch that changes size, or a large one that shrinks below `QUIET_BATCH`, and when a try brings
+new measurements. A quiet step and a
+k = 0 `propose` touch no sequence (only those given drafts the step before). Likewise, when every draft wins by over a quarter on measured costs, that answer stands for
+`SURE_STEPS` more steps while the batch keeps its size.
+
+Host proposers (n-gram, suffix) run here (they need only token ids). They do not wait for the step in
+flight: a sequence whose newest token is still being sampled gets the continuation of the tokens before
+it, minus its first token, which stands for the one in flight (if the guess is wrong the drafts are
+rejected: verification keeps the output exact). So a lookup that finds nothing costs nothing, and a step
+that may speculate keeps the overlap of host and device work; the step after a verify step waits for it
+(its token count is known only then) unless `chains` lets it guess that every draft is accepted (a rule
+that weighs the host gap it saves against the step it may waste). A device proposer (draft model) gets
+placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
+penalties of a verified position count the drafts before it, which are not on the host).
 """
 from __future__ import annotations
 
-import bisect
 import math
-import statistics
 from array import array
-from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
+from minivllm.spec_decode.chaining import ChainPolicy
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer, token_history
+from minivllm.spec_decode.step_costs import StepCosts
+from minivllm.spec_decode.suffix import SuffixProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
 _NO_COUNTS = (0, 0, 0, 0)
-_COST_WINDOW = 8         # recent step times kept per bucket (their median is the cost: compiles are outliers)
 EXPLORE_EVERY = 32       # steps of plain decoding before speculation is tried again ...
 MAX_EXPLORE_EVERY = 4096  # ... doubling after each try that does not pay, up to this
 EXPLORE_SEQS = 4          # sequences that speculate in such a try
-# k = 0 because drafts would cost > 20% of throughput: decide again in 3 steps; at a batch where one estimate
-# costs the host more than 0.1 ms, in 7, then 15, then 31 while the answer stays 0 (and at once if the
-# batch shrinks below that size).
-QUIET_MARGIN, QUIET_STEPS = 0.8, 3
-QUIET_BATCH, QUIET_STEPS_LARGE_BATCH, MAX_QUIET_STEPS_LARGE_BATCH = 32, 7, 31
+# k = 0: decide again in 3 steps, then 7, 15, 31 while the answer stays 0; at a batch where one estimate
+# costs the host more than 0.1 ms, in 7, then 15, then 31.
+QUIET_STEPS, QUIET_BATCH, QUIET_STEPS_LARGE_BATCH, MAX_QUIET_STEPS = 3, 32, 7, 31
 # Every draft because they gain over a quarter on measured costs: keep that for 3 more steps while the batch
 # keeps its size (at batch 1 on SmolLM2 a decision cost 40 us of a 1.2 ms verify step on the H100's host).
 SURE_MARGIN, SURE_STEPS = 1.25, 3
+# Draft positions priced one by one up to this many per estimate, then in evenly spaced groups (at 256
+# sequences x 7 drafts, pricing each would cost the host milliseconds).
+MAX_PRICED_PREFIXES = 64
+# Host time per step for the suffix cache's inserts, spent after the step is launched (the device runs).
+SUFFIX_WORK_SECONDS = 1e-4
 
 
 def _decodes(seq: Sequence) -> bool:
@@ -89,20 +84,13 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def _bucket(num_tokens: int) -> int:
-    return 1 << max(0, num_tokens - 1).bit_length()
-
-
-def _record(windows: dict[int, deque], medians: dict[int, float], bucket: int, value: float,
-            buckets: list[int]) -> None:
-    """Add `value` to its bucket's window of recent values and refresh that bucket's median (`buckets`:
-    the measured buckets, kept sorted)."""
-    window = windows.get(bucket)
-    if window is None:
-        window = windows[bucket] = deque(maxlen=_COST_WINDOW)
-        bisect.insort(buckets, bucket)
-    window.append(value)
-    medians[bucket] = statistics.median(window)
+def _host_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | None:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    return None
 
 
 class SpeculationController:
@@ -110,30 +98,21 @@ class SpeculationController:
         self.config = config
         self.max_k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                      if config.method == "ngram" else None)
+        self.host_proposer = _host_proposer(config)   # None: a draft model on the device
+        self.suffix = self.host_proposer if isinstance(self.host_proposer, SuffixProposer) else None
         self.reset_stats()
+        self.costs = StepCosts()
         self._seq_counts: dict[int, tuple[int, int, int, int]] = {}  # seq_id -> (accepted, rejected, proposed, tries)
-        self._plain_cost: dict[int, deque] = {}              # token bucket -> recent seconds, steps without drafts
-        self._spec_extra: dict[int, deque] = {}              # sequence bucket -> verify steps' extra seconds
-        # Their medians, kept up to date as steps are observed, and the measured buckets in order: choose_k
-        # reads them for every k of every step (at batch 1 its host time is a visible share of a step).
-        self._plain_median: dict[int, float] = {}
-        self._extra_median: dict[int, float] = {}
-        self._plain_buckets: list[int] = []
-        self._extra_buckets: list[int] = []
-        self._histories: dict[int, array] = {}               # seq_id -> its token ids, for n-gram lookups
+        self._histories: dict[int, array] = {}               # seq_id -> its token ids, for host lookups
+        self._plan: dict[int, int] | None = None             # seq_id -> drafts this step (None: up to k for all)
+        self._drafted: list[Sequence] = []                   # sequences given drafts by the last `propose`
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
-        self._quiet_steps = 0
-        self._quiet_large, self._quiet_large_steps = False, QUIET_STEPS_LARGE_BATCH
+        self._quiet_steps, self._quiet_batch, self._quiet_wait = 0, 0, 0
         self._sure_steps, self._sure_batch = 0, 0
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
-        self._fully_accepted: set[int] = set()   # sequences whose last verification accepted every draft
-        self._full_after = {True: [0, 0], False: [0, 0]}   # (fully accepted, verifications) after one that was (not)
-        self._host_gaps: deque = deque(maxlen=_COST_WINDOW)   # device idle after an unchained verify step
-        self._host_gap: float | None = None
+        self.chaining = ChainPolicy()
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
 
     def reset_stats(self) -> None:
@@ -147,7 +126,7 @@ class SpeculationController:
         cap = min(self.max_k, self.max_model_len - total - 1)  # this for every sequence every step)
         if params.max_tokens is not None:
             cap = min(cap, params.max_tokens - (total - seq.num_prompt_tokens) - 1)
-        if self.ngram is None and params.uses_penalties:
+        if self.host_proposer is None and params.uses_penalties:
             return 0
         return max(cap, 0)
 
@@ -161,97 +140,81 @@ class SpeculationController:
                  for accepted, rejected, _, _ in counts],
                 [(proposed + prior_proposed) / (tries + _PRIOR_WEIGHT) for _, _, proposed, tries in counts])
 
-    def plain_cost(self, num_tokens: int) -> float | None:
-        """The median recent cost of plain steps in the largest measured bucket up to `num_tokens`."""
-        i = bisect.bisect_right(self._plain_buckets, _bucket(num_tokens))
-        return self._plain_median[self._plain_buckets[i - 1]] if i else None
-
-    def _plain_cost_at(self, num_tokens: int) -> float | None:
-        """Plain steps' cost interpolated at `num_tokens`: affine between the measured buckets around it
-        (prefill chunks included), or the bucket below when none is above."""
-        buckets, medians = self._plain_buckets, self._plain_median
-        i = bisect.bisect_right(buckets, _bucket(num_tokens))
-        if not i:
-            return None
-        low = buckets[i - 1]
-        if i == len(buckets):
-            return medians[low]
-        high = buckets[i]
-        return medians[low] + (medians[high] - medians[low]) * (num_tokens - low) / (high - low)
-
-    def _verify_extra(self, num_seqs: int) -> float | None:
-        """What verifying adds to a plain step of the same size: the median extra over the plain estimate
-        of recent verify steps of about as many sequences (the nearest measured bucket; None before any).
-        The extra is mostly host work per sequence that waits for the result, not per draft: keyed by
-        tokens, the draft lengths of one batch fell into different buckets whose few samples (chained
-        verify steps cost little, unchained ones a host step more) made k = 3 look cheaper than k = 5 at
-        random. So a try by a few sequences of a large batch prices the whole batch's verify step only by
-        its extra, the tokens being priced as a plain step."""
-        if not self._extra_buckets:
-            return None
-        bits = _bucket(num_seqs).bit_length()
-        nearest = min(self._extra_buckets, key=lambda b: (abs(b.bit_length() - bits), b))
-        return max(0.0, self._extra_median[nearest])
-
-    def _estimated_verify_cost(self, num_tokens: int, num_seqs: int) -> float | None:
-        """A plain step of `num_tokens` plus `_verify_extra(num_seqs)`."""
-        plain = self._plain_cost_at(num_tokens)
-        extra = self._verify_extra(num_seqs)
-        return plain if plain is None or extra is None else plain + extra
-
     def choose_k(self, running: list[Sequence]) -> int:
-        """The draft length for this step's speculating sequences (0: plain decoding)."""
+        """Plan this step's drafts per sequence (`propose` follows the plan); returns the most any sequence
+        takes (0: plain decoding)."""
         if not any(map(_decodes, running)):
             return 0   # nobody decodes (the first sequence usually does: no pass over the batch)
+        self._plan = None
         if not self.config.adaptive:
             return self.max_k
-        if self._quiet_steps and self._quiet_large and len(running) < QUIET_BATCH:
+        if self._quiet_steps and (len(running) < QUIET_BATCH <= self._quiet_batch or (
+                self._quiet_batch < QUIET_BATCH and len(running) != self._quiet_batch)):
             self._quiet_steps = 0   # the batch the quiet period was chosen for is gone: decide again now
-        if self._quiet_steps:   # off by a wide margin last time: its inputs move slowly, so skip a few
+        if self._quiet_steps:   # off last time, and nothing measured since: skip a few
             self._quiet_steps -= 1
             return self._plain_step()
         if self._sure_steps and len(running) == self._sure_batch:   # likewise, every draft by a wide margin
             self._sure_steps -= 1
             return self.max_k
         decoding = [s for s in running if _decodes(s)]
+        plan, rate, plain_rate = self._plan_drafts(running, decoding)
+        self._exploring = False
+        if plan:
+            self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
+            self._quiet_wait = 0
+            every_draft = len(plan) == len(decoding) and all(k == self.max_k for k in plan.values())
+            if every_draft and self.costs.measured and rate > SURE_MARGIN * plain_rate:
+                self._sure_steps, self._sure_batch = SURE_STEPS, len(running)
+            self._plan = None if every_draft else plan
+            return max(plan.values())
+        wait = self._quiet_wait or (QUIET_STEPS_LARGE_BATCH if len(decoding) >= QUIET_BATCH else QUIET_STEPS)
+        self._quiet_steps, self._quiet_batch = wait, len(running)
+        self._quiet_wait = min(2 * wait + 1, MAX_QUIET_STEPS)
+        return self._plain_step()
+
+    def _plan_drafts(self, running: list[Sequence], decoding: list[Sequence]):
+        """The drafts per sequence that maximise expected tokens per second: draft j of sequence i gains
+        h_i a_i^j tokens, so drafts are taken in order of that gain and the best prefix wins if it beats
+        plain decoding by 2%. Returns (plan, its rate, the plain rate)."""
         rates, hits = self.rates(decoding)
         caps = [self._cap(s) for s in decoding]
-        plain_cost = self.plain_cost(len(running)) or 1.0
-        best_k, best_rate = 0, len(decoding) / plain_cost
-        best_speculative = 0.0
-        # A lookup that finds nothing leaves a plain step (n-gram: no wait for the step in flight).
-        any_proposes = 1.0 - math.prod(1.0 - h for h in hits) if self.proposes_behind(running) else 1.0
-        self._exploring = False
-        # E[tokens](k) = sum over sequences of 1 + h (a + a^2 + ... + a^min(k, cap)): one more power per k.
-        terms, expected, num_tokens = hits, float(len(decoding)), len(running)
-        extra = self._verify_extra(len(running)) or 0.0
-        for k in range(1, self.max_k + 1):
-            terms = [t * a if c >= k else 0.0 for t, a, c in zip(terms, rates, caps)]
-            expected += sum(terms)
-            num_tokens += sum(c >= k for c in caps)
-            plain = self._plain_cost_at(num_tokens)
+        plain_cost = self.costs.plain(len(running)) or 1.0
+        plain_rate = len(decoding) / plain_cost
+        behind = self.proposes_behind(running)   # a lookup that finds nothing leaves a plain step
+        extra = self.costs.verify_extra(len(running)) or 0.0
+        drafts = []
+        for i, (a, h, cap) in enumerate(zip(rates, hits, caps)):
+            gain = h
+            for _ in range(cap):
+                gain *= a
+                drafts.append((gain, i))
+        drafts.sort(key=lambda d: -d[0])   # stable: a sequence's drafts stay in order
+        group = max(1, math.ceil(len(drafts) / MAX_PRICED_PREFIXES))
+        expected, num_tokens, no_proposal = float(len(decoding)), len(running), 1.0
+        ks = [0] * len(decoding)
+        best_n, best_rate = 0, plain_rate
+        for n, (gain, i) in enumerate(drafts, 1):
+            expected += gain
+            num_tokens += 1
+            if not ks[i] and behind:
+                no_proposal *= 1.0 - hits[i]
+            ks[i] += 1
+            if n % group and n != len(drafts):
+                continue
+            plain = self.costs.plain_at(num_tokens)
             verify_cost = max(0.0 if plain is None else plain + extra, plain_cost)
-            cost = plain_cost + any_proposes * (verify_cost - plain_cost)
-            # Drafts must earn a clear gain: lookups cost host time (11 ms a step for 256 sequences on
-            # the H100's host), and as proposals get rare both the gain and the verify steps' share of
-            # the cost go to 0, which without a margin would keep every sequence looking.
-            best_speculative = max(best_speculative, expected / cost)
-            if expected / cost > best_rate * 1.02:
-                best_k, best_rate = k, expected / cost
-        if best_k:
-            self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
-            self._quiet_large_steps = QUIET_STEPS_LARGE_BATCH
-            measured = self._extra_buckets and self._plain_buckets   # not the optimistic start
-            if best_k == self.max_k and measured and best_rate > SURE_MARGIN * len(decoding) / plain_cost:
-                self._sure_steps, self._sure_batch = SURE_STEPS, len(running)
-            return best_k
-        self._quiet_large = len(decoding) >= QUIET_BATCH
-        if self._quiet_large:
-            self._quiet_steps = self._quiet_large_steps
-            self._quiet_large_steps = min(2 * self._quiet_large_steps + 1, MAX_QUIET_STEPS_LARGE_BATCH)
-        elif best_speculative < QUIET_MARGIN * best_rate:
-            self._quiet_steps = QUIET_STEPS
-        return self._plain_step()
+            cost = plain_cost + (1.0 - no_proposal if behind else 1.0) * (verify_cost - plain_cost)
+            # Drafts must earn a clear gain: lookups cost host time, and as proposals get rare both the gain
+            # and the verify steps' share of the cost go to 0, which without a margin would keep every
+            # sequence looking (at 256 x 512 -> 256 on an H100: 0.93x and 0.89x of plain decoding).
+            if expected / cost > max(best_rate, 1.02 * plain_rate):
+                best_n, best_rate = n, expected / cost
+        plan: dict[int, int] = {}
+        for _, i in drafts[:best_n]:
+            seq_id = decoding[i].seq_id
+            plan[seq_id] = plan.get(seq_id, 0) + 1
+        return plan, best_rate, plain_rate
 
     def _plain_step(self) -> int:
         """k = 0, or every `_explore_every` such steps a try with every draft."""
@@ -264,46 +227,33 @@ class SpeculationController:
         return 0
 
     def proposes_behind(self, running: list[Sequence]) -> bool:
-        """Whether this step's proposals need no wait for the step in flight: host n-gram lookups, unless a
+        """Whether this step's proposals need no wait for the step in flight: host lookups, unless a
         request checks drafts against a grammar or samples with a seed (its drafts, and so its random
         draws, must depend on its tokens alone, not on what else is in the batch)."""
-        return self.ngram is not None and not any(
+        return self.host_proposer is not None and not any(
             s.sampling_params.structured_outputs is not None
             or (s.sampling_params.seed is not None and not s.sampling_params.greedy) for s in running)
 
     def chains(self, scheduled: SchedulerOutput) -> bool:
         """Whether the step after `scheduled` (a verify step) may be scheduled and launched before it is read
-        back, as if every draft were accepted (every verifying sequence's proposals must need no wait).
-
-        Not chaining leaves the device idle while the host reads the result back and prepares the next
-        step: the measured host gap G. Chaining saves G when every draft is accepted; when not, the step
-        launched behind is discarded for the sequences that rejected, and the next real step waits for it
-        on the device, which costs max(0, D - G) with D a plain step's cost (the host prepares the real
-        step meanwhile). So chain when (1 - p) max(0, D - G) < p G, p the chance that all drafts are
-        accepted given the sequence's last verification (measured: copying runs on). At batch 1 on a
-        small model D is about G and nearly every verify step chains; on a large one D >> G and only
-        runs of accepted drafts do. Until G is measured: chain after a fully accepted verification."""
+        back, as if every draft were accepted: only when every verifying sequence's proposals need no wait,
+        and then as `ChainPolicy` (chaining.py) weighs it."""
         verifying = [seq for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids) if drafts]
         if not all(self.proposes_behind([seq]) for seq in verifying):
             return False
-        plain_cost = self.plain_cost(len(scheduled.seqs))
-        if self._host_gap is None or plain_cost is None:
-            return all(seq.seq_id in self._fully_accepted for seq in verifying)
-        p = sum(self.full_acceptance_rate(seq.seq_id in self._fully_accepted) for seq in verifying) / len(verifying)
-        return (1.0 - p) * max(0.0, plain_cost - self._host_gap) < p * self._host_gap
+        return self.chaining.chains([seq.seq_id for seq in verifying], self.costs.plain(len(scheduled.seqs)))
 
     def full_acceptance_rate(self, last_fully_accepted: bool) -> float:
-        """The share of verifications that accepted every draft, after one that did (or did not)."""
-        full, total = self._full_after[last_fully_accepted]
-        return (full + 1) / (total + 2)
+        return self.chaining.full_acceptance_rate(last_fully_accepted)
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
-        if k == 0:   # most steps under load: only last step's drafts to clear
-            for seq in running:
-                if seq.spec_token_ids:
-                    seq.spec_token_ids = []
+        for seq in self._drafted:   # only these may still hold drafts (the scheduler takes the others')
+            seq.spec_token_ids = []
+        self._drafted = []
+        if k == 0:   # most steps under load: no pass over the batch
             return 0
+        plan = self._plan
         count = 0
         trying = None
         if self._exploring and len(running) > EXPLORE_SEQS:   # a try: a few sequences, in turn
@@ -311,8 +261,9 @@ class SpeculationController:
             trying = {id(s) for s in (running[start:] + running[:start])[:EXPLORE_SEQS]}
             self._explore_offset += EXPLORE_SEQS
         for seq in running:
-            if seq.spec_token_ids:
-                seq.spec_token_ids = []
+            cap = min(k, self._cap(seq)) if plan is None else min(plan.get(seq.seq_id, 0), self._cap(seq))
+            if not cap:
+                continue
             # 1: its newest token is still in flight, maybe behind the drafts of a verify step in flight
             behind = seq.num_pending_tokens - len(seq.drafts_in_flight)
             if (behind > 1 or seq.num_computed_tokens != seq.num_tokens - 1 + seq.num_pending_tokens
@@ -320,23 +271,24 @@ class SpeculationController:
                 continue
             if behind and not self.proposes_behind([seq]):
                 continue
-            cap = min(k, self._cap(seq))
-            if self.ngram is not None:
+            proposer = self.host_proposer
+            if proposer is not None:
                 history = self._history(seq)
                 if seq.drafts_in_flight:
                     history = history + token_history(seq.drafts_in_flight)
-                seq.spec_token_ids = (self.ngram.propose(history, cap + 1)[1:] if behind
-                                      else self.ngram.propose(history, cap))
+                seq.spec_token_ids = (proposer.propose(history, cap + 1)[1:] if behind
+                                      else proposer.propose(history, cap))
                 self.num_proposed_behind += bool(behind and seq.spec_token_ids)
-                if cap:
-                    self._count(seq, tried=True, proposed=bool(seq.spec_token_ids))
+                self._count(seq, tried=True, proposed=bool(seq.spec_token_ids))
             else:
                 seq.spec_token_ids = [-1] * cap
-            count += bool(seq.spec_token_ids)
+            if seq.spec_token_ids:
+                self._drafted.append(seq)
+                count += 1
         return count
 
     def _history(self, seq: Sequence) -> array:
-        """`seq`'s token ids as an n-gram history, extended by the tokens appended since the last lookup
+        """`seq`'s token ids as a lookup history, extended by the tokens appended since the last lookup
         (a running sequence's tokens are only ever appended)."""
         history = self._histories.get(seq.seq_id)
         tokens = seq.token_ids
@@ -348,34 +300,24 @@ class SpeculationController:
 
     # ---- feedback ----------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, speculative: bool) -> None:
-        if not speculative:
-            _record(self._plain_cost, self._plain_median, _bucket(num_tokens), seconds, self._plain_buckets)
-            return
-        plain = self._plain_cost_at(num_tokens)
-        if plain is not None:
-            _record(self._spec_extra, self._extra_median, _bucket(num_seqs), seconds - plain, self._extra_buckets)
+        self.costs.observe(num_tokens, num_seqs, seconds, speculative)
+        if speculative:
+            self._quiet_steps = 0   # a try measured: decide again
 
     def observe_host_gap(self, seconds: float) -> None:
-        """Host time from reading an unchained verify step back to launching the next step (the device idles)."""
-        self._host_gaps.append(seconds)
-        self._host_gap = statistics.median(self._host_gaps)
+        self.chaining.observe_host_gap(seconds)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self._quiet_steps = 0   # new acceptance data: decide again
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             stats.accepted_per_position[j] += 1
-        full, last_full = num_accepted == num_drafts, seq.seq_id in self._fully_accepted
-        self._full_after[last_full][0] += full
-        self._full_after[last_full][1] += 1
-        if full:
-            self._fully_accepted.add(seq.seq_id)
-        else:
-            self._fully_accepted.discard(seq.seq_id)
-        self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.ngram is None,
-                    proposed=self.ngram is None)
+        self.chaining.observe_verification(seq.seq_id, num_accepted == num_drafts)
+        self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.host_proposer is None,
+                    proposed=self.host_proposer is None)
 
     def _count(self, seq: Sequence, num_accepted: int = 0, rejected: bool = False, tried: bool = False,
                proposed: bool = False) -> None:
@@ -387,7 +329,15 @@ class SpeculationController:
         self._seq_counts[seq.seq_id] = (accepted + num_accepted, rejections + rejected, proposals + proposed,
                                         tries + tried)
 
-    def forget(self, seq_id: int) -> None:
+    def forget(self, seq_id: int, output_token_ids: list[int] | None = None) -> None:
+        """Drop a finished or aborted sequence's state; its output (if given) goes to the suffix cache."""
+        if self.suffix is not None and output_token_ids:
+            self.suffix.add_output(output_token_ids)
         self._seq_counts.pop(seq_id, None)
         self._histories.pop(seq_id, None)
-        self._fully_accepted.discard(seq_id)
+        self.chaining.forget(seq_id)
+
+    def work_after_launch(self) -> None:
+        """Host work that waits for a launched step: the suffix cache's inserts, a slice per step."""
+        if self.suffix is not None and self.suffix.cache.has_work:
+            self.suffix.work(SUFFIX_WORK_SECONDS)

@@ -21,6 +21,7 @@ from minivllm.core.sequence import SampleLogprobs
 from minivllm.distributed import get_tp_size, min_over_ranks
 from minivllm.layers.attention import Attention
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from minivllm.lora.manager import LoRAManager
 from minivllm.models.loader import ModelSource, load_model, resolve_model
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
@@ -81,6 +82,10 @@ class ModelRunner:
                     self.dtype, self.device, time.perf_counter() - started)
         self.weight_bytes = weight_bytes
 
+        # Adapter slots before the memory profile, so the KV cache is sized around them.
+        self.lora_manager = None if not config.enable_lora else LoRAManager(
+            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+            max(max_num_batched_tokens, config.max_num_seqs), self.dtype, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.proposer = self._load_proposer(SpeculativeConfig.from_dict(config.speculative_config))
         # A separate draft model's attention layers come after the target's: block i of the pool holds
@@ -246,6 +251,8 @@ class ModelRunner:
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream)
+        if self.lora_manager is not None:
+            self.lora_manager.set_step(scheduler_output)
         prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs,

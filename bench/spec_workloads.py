@@ -1,0 +1,175 @@
+"""Chat workloads for the speculation benchmark, built from text that ships with Python, and the `compare`
+part of bench/spec_decode.py: speculation on against off per workload and batch size, in one engine.
+
+  grounded    summarise or rewrite a passage of the language reference (`pydoc_data.topics`), or add a
+              docstring and type hints to a standard-library function: the answer copies its input.
+  open        open-ended chat (a story, an explanation, a list of ideas), written here: nothing to copy.
+  repetitive  one task issued again and again with small variations, as an agent issues tool calls:
+              describe a standard-library function as a JSON tool definition from its signature and the
+              first paragraph of its docstring. The answers share their skeleton (keys, types, phrasing)
+              with each other, not with their prompt, so a proposer that sees other requests' outputs
+              (suffix decoding) can draft what a lookup in the request's own tokens (n-gram) cannot.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import textwrap
+import time
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SUFFIX = {"method": "suffix"}
+TOPICS = ("assert", "for", "while", "if", "import", "return", "pass", "global", "raise", "del", "continue", "with",
+          "try", "class", "lambda", "nonlocal", "yield", "break")
+FUNCTIONS = ("textwrap.dedent", "textwrap.indent", "json.decoder.py_scanstring", "shutil.copyfileobj",
+             "fnmatch.translate", "html.escape", "string.capwords", "shlex.quote", "posixpath.relpath",
+             "urllib.parse.urljoin", "calendar.isleap", "difflib.get_close_matches", "shutil.which",
+             "base64.b64encode", "glob.has_magic", "statistics.median", "random.shuffle", "heapq.nlargest",
+             "bisect.insort_right", "os.makedirs", "tempfile.mkdtemp", "zipfile.is_zipfile", "colorsys.rgb_to_hsv",
+             "keyword.iskeyword", "operator.length_hint", "functools.cmp_to_key", "itertools.accumulate")
+OPEN_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, for a curious ten-year-old.",
+    "Give me ten ideas for a rainy weekend with friends.",
+    "What are the pros and cons of working from home?",
+    "Write a poem about the first snow of winter.",
+    "Describe a perfect day in a city you would like to visit.",
+    "Why do people enjoy horror films? Give a few reasons.",
+    "Suggest a weekly plan for someone who wants to start running.",
+    "Tell me about the history of the bicycle in a few paragraphs.",
+    "Write a letter from a cat to its owner about the new dog.",
+    "How could a small town attract more young people? List some ideas.",
+    "Invent a board game and explain its rules.",
+)
+
+
+def _functions() -> list:
+    """The FUNCTIONS whose source this Python has (a C implementation has none)."""
+    found = []
+    for path in FUNCTIONS:
+        module, _, name = path.rpartition(".")
+        try:
+            function = getattr(importlib.import_module(module), name)
+            inspect.getsource(function)
+        except (ImportError, AttributeError, OSError, TypeError):
+            continue
+        found.append(function)
+    return found
+
+
+def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
+    """(kind, chat) pairs: summarise / rewrite a passage of the Python language reference, or edit a
+    function of the standard library (distinct for up to 32 prompts)."""
+    import pydoc_data.topics
+
+    passages = []
+    for name in TOPICS:
+        paragraphs = [p for p in pydoc_data.topics.topics[name].split("\n\n") if len(p) > 200 and "::=" not in p]
+        if paragraphs:
+            passages.append(" ".join(paragraphs[0].split())[:700])
+    functions = [inspect.getsource(f) for f in _functions()]
+    chats = []
+    for i in range(count):
+        kind = ("summarise", "rewrite", "code-edit")[i % 3]
+        if kind == "summarise":
+            content = f"Summarise this text in a few sentences:\n\n{passages[i % len(passages)]}"
+        elif kind == "rewrite":
+            content = f"Rewrite this text in simpler words, keeping every point:\n\n{passages[(i + 3) % len(passages)]}"
+        else:
+            code = textwrap.dedent(functions[(i // 3) % len(functions)])[:1200]
+            content = f"Add a docstring and type hints to this function and show the whole function:\n\n{code}"
+        chats.append((kind, [{"role": "user", "content": content}]))
+    return chats
+
+
+def open_chats(count: int) -> list[tuple[str, list[dict]]]:
+    return [("open", [{"role": "user", "content": OPEN_PROMPTS[i % len(OPEN_PROMPTS)]}]) for i in range(count)]
+
+
+def repetitive_chats(count: int) -> list[tuple[str, list[dict]]]:
+    """The same tool-definition task for `count` standard-library functions (cycled)."""
+    chats = []
+    functions = _functions()
+    for i in range(count):
+        function = functions[i % len(functions)]
+        doc = (inspect.getdoc(function) or "").split("\n\n")[0]
+        content = ("Describe this Python function as a tool for a function-calling API. Answer with only a JSON "
+                   'object with the keys "name", "description" and "parameters"; "parameters" maps each '
+                   'argument name to an object with "type", "description" and "required".\n\n'
+                   f"Function: {function.__module__}.{function.__name__}{inspect.signature(function)}\n"
+                   f"Documentation: {doc}")
+        chats.append(("repetitive", [{"role": "user", "content": content}]))
+    return chats
+
+
+WORKLOADS = {"grounded": grounded_chats, "open": open_chats, "repetitive": repetitive_chats}
+
+
+def run_compare(args) -> dict:
+    """Off, n-gram and suffix decoding on the same engine (speculation switched per run), for each
+    (workload, batch) case: every prompt submitted at once with at most `batch` running, greedy. Modes
+    alternate (off, ngram, suffix, then the reverse) for `args.compare_rounds` rounds; the best run of each mode
+    counts. Before each run the prefix cache is emptied, and suffix decoding starts from an empty cache of
+    other requests' outputs (so only earlier requests of the same run feed it)."""
+    import torch
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.spec_decode.config import SpeculativeConfig
+    from minivllm.spec_decode.controller import SpeculationController
+    from minivllm.spec_decode.suffix import SuffixCache
+
+    largest = max(batch for _, _, batch, _ in args.compare_cases)
+    llm = LLM(seed=0, max_model_len=args.real_max_model_len, max_num_seqs=largest, speculative_config=NGRAM,
+              **args.compare_engine_options)
+    engine = llm.llm_engine
+    suffix = SpeculationController(SpeculativeConfig.from_dict(SUFFIX), engine.max_model_len)
+    controllers = {"off": None, "ngram": engine.spec, "suffix": suffix}
+    params = SamplingParams(temperature=0.0, max_tokens=args.compare_max_tokens)
+    for mode, controller in controllers.items():   # first-use costs (compiles, buffers) out of the timed runs
+        engine.spec = controller
+        llm.chat([chat for _, chat in open_chats(2)], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    # Each mode early and late in a round (off, ngram, suffix, suffix, ngram, off); a --quick round once each.
+    order = list(controllers) + ([] if args.quick else list(reversed(controllers)))
+    results = {}
+    for label, workload, batch, count in args.compare_cases:
+        chats = [chat for _, chat in WORKLOADS[workload](count)]
+        runs: dict[str, list] = {mode: [] for mode in controllers}
+        for mode in order * args.compare_rounds:
+            controller = controllers[mode]
+            engine.spec, engine.scheduler.config.max_num_seqs = controller, batch
+            engine.block_manager.reset_prefix_cache()
+            if controller is not None:
+                controller.reset_stats()
+                if controller.suffix is not None:
+                    cache = controller.suffix.cache
+                    controller.suffix.cache = SuffixCache(cache.max_depth, cache.max_cached_requests)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            started = time.perf_counter()
+            outputs = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+            elapsed = time.perf_counter() - started
+            run = {"tokens_per_s": sum(map(len, outputs)) / elapsed, "output_tokens": sum(map(len, outputs)),
+                   "outputs": outputs}
+            if controller is not None and controller.stats.num_drafts:
+                stats = controller.stats
+                run.update(num_verify=stats.num_drafts, acceptance_rate=stats.num_accepted_tokens / stats.num_draft_tokens,
+                           mean_tokens_per_verify=1 + stats.num_accepted_tokens / stats.num_drafts)
+            runs[mode].append(run)
+        reference = runs["off"][0]["outputs"]
+        case = {"workload": workload, "batch": batch, "num_prompts": count}
+        for mode, mode_runs in runs.items():
+            best = dict(max(mode_runs, key=lambda r: r["tokens_per_s"]))
+            best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in mode_runs]
+            outputs = best.pop("outputs")
+            best["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
+            # Where differing outputs part from off's (bf16: near-tie argmaxes, see WRITEUP.md section 5).
+            best["first_difference_at"] = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                                           for a, b in zip(outputs, reference) if a != b]
+            case[mode] = best
+        for mode in ("ngram", "suffix"):
+            case[f"{mode}_speedup"] = case[mode]["tokens_per_s"] / case["off"]["tokens_per_s"]
+        results[label] = case
+        print(f"  {workload}, batch {batch}: off {case['off']['tokens_per_s']:.0f} tok/s, "
+              f"n-gram x{case['ngram_speedup']:.2f}, suffix x{case['suffix_speedup']:.2f}")
+    engine.spec = controllers["ngram"]
+    del llm, engine
+    return results

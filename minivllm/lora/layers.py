@@ -1,0 +1,115 @@
+"""The LoRA seam in the linear layers, and the step's row-to-slot mapping the kernels read.
+
+`LoRALinearMethod` takes the place of a linear layer's quant method: the base method computes y (dense,
+int4 or fp8 weights alike), then each row gets its adapter's delta. The model's code is unchanged. The
+wrapper offers none of the base method's fused epilogues (rotary, SiLU-and-mul, norms in the GEMV, input
+quantization): each would hand the next layer an output without the delta, so with LoRA those layers run
+their own kernels.
+
+`LoRABatch` holds which slot each row of the step uses in static device buffers: a CUDA graph captured once
+reads each replay's mapping from them, so adapter indices are graph inputs like token ids. It must not decide
+which adapter sits in which slot (manager.py does).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from minivllm.kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
+from minivllm.layers.linear import LinearBase, PackedColumnLinear
+
+# The model's packed linear layers LoRA applies to, each with the checkpoint projections it packs in order.
+LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class LoRABatch:
+    """Rows of the step that use an adapter, grouped by slot: `sorted_token_ids[slot_starts[s]:slot_starts[s+1]]`
+    are slot s's rows (kernels/lora.py). On the CPU the references read `token_slots` instead."""
+
+    def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.use_triton = device.type == "cuda"
+        self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.slot_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)  # all empty: capture
+        self.token_slots: torch.Tensor | None = None   # [T] on the host; None: no row uses an adapter
+
+    def set_mapping(self, token_slots: np.ndarray) -> None:
+        """`token_slots[t]`: the slot of row t of the step, -1 for the base model."""
+        rows = np.flatnonzero(token_slots >= 0)
+        self.token_slots = torch.from_numpy(token_slots.astype(np.int32)) if rows.size else None
+        if not self.use_triton:
+            return
+        slots = token_slots[rows]
+        order = np.argsort(slots, kind="stable")
+        starts = np.zeros(self.max_loras + 1, dtype=np.int64)
+        np.cumsum(np.bincount(slots, minlength=self.max_loras), out=starts[1:])
+        packed = np.concatenate([rows[order], starts]).astype(np.int32)
+        # Pageable memory: CUDA stages it before returning, so the array may go at once.
+        staged = torch.from_numpy(packed).to(self.slot_starts.device, non_blocking=True)
+        self.sorted_token_ids[:rows.size].copy_(staged[:rows.size])
+        self.slot_starts.copy_(staged[rows.size:])
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 slice_widths: tuple[int, ...]) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.use_triton:   # always launched: a graph captured with no adapter rows still serves steps with some
+            shrunk = lora_shrink(x, lora_a, self.sorted_token_ids, self.slot_starts)
+            return lora_expand(y, shrunk, lora_b, self.sorted_token_ids, self.slot_starts, slice_widths)
+        if self.token_slots is None:
+            return y
+        shrunk = lora_shrink_reference(x, lora_a, self.token_slots)
+        return lora_expand_reference(y, shrunk, lora_b, self.token_slots, slice_widths)
+
+
+class LoRALinearMethod:
+    """A linear layer's quant method plus every slot's adapter weights for that layer (kernels/lora.py's
+    layout: A [slots, K, S * R], B [slots, R, N] with the scaling folded in)."""
+
+    def __init__(self, base, batch: LoRABatch, layer: LinearBase, projections: tuple[str, ...], rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.base, self.batch, self.projections = base, batch, projections
+        self.input_size = layer.input_size
+        if isinstance(layer, PackedColumnLinear):
+            self.slice_widths = tuple(size for _, size in layer.shard_offsets.values())
+        else:
+            self.slice_widths = (layer.output_size,)
+        assert len(self.slice_widths) == len(projections)
+        slots = batch.max_loras
+        self.lora_a = torch.zeros(slots, self.input_size, len(projections) * rank, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(slots, rank, sum(self.slice_widths), dtype=dtype, device=device)
+
+    def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy one adapter's (A, B) for this layer into `slot` (zeros where the adapter leaves it alone)."""
+        if weights is None:
+            self.lora_a[slot].zero_()
+            self.lora_b[slot].zero_()
+            return
+        self.lora_a[slot].copy_(weights[0], non_blocking=True)
+        self.lora_b[slot].copy_(weights[1], non_blocking=True)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.base.apply(layer, x, bias)
+        return self.batch.add_lora(y, x, self.lora_a, self.lora_b, self.slice_widths)
+
+
+def wrap_linear_layers(model: nn.Module, batch: LoRABatch, rank: int, dtype: torch.dtype,
+                       device: torch.device) -> dict[str, LoRALinearMethod]:
+    """Give every LoRA-capable linear layer of `model` a LoRALinearMethod; {module name: method}."""
+    methods = {}
+    for name, module in model.named_modules():
+        projections = LORA_LAYERS.get(name.rpartition(".")[2])
+        if projections is None or not isinstance(module, LinearBase):
+            continue
+        if isinstance(module, PackedColumnLinear) and len(module.shard_offsets) != len(projections):
+            continue   # packs other projections than Llama's (no adapter targets it)
+        method = LoRALinearMethod(module.quant_method, batch, module, projections, rank, dtype, device)
+        module.quant_method = methods[name] = method
+    # A norm or activation that quantizes its output for a W8A8 layer would hand a wrapped layer codes
+    # instead of the activations its adapter multiplies.
+    for module in model.modules():
+        for producer, consumer in getattr(module, "input_quant_pairs", lambda: ())():
+            if isinstance(getattr(module.get_submodule(consumer), "quant_method", None), LoRALinearMethod):
+                module.get_submodule(producer).quantize_output = None
+    return methods

@@ -1,0 +1,191 @@
+"""Suffix decoding and the per-sequence controller: proposals against a brute-force search over the same
+texts, the cache's bounded memory, per-sequence draft plans, and an idle speculator that touches no
+sequence."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minivllm import SamplingParams
+from minivllm.core.sequence import SequenceGroup
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.controller import SpeculationController
+from minivllm.spec_decode.ngram import token_history
+from minivllm.spec_decode.suffix import MAX_OCCURRENCES, SuffixCache, SuffixProposer
+from tests.test_spec_decode import _decoding_batch
+
+DEPTH, FACTOR, MIN_PROB = 6, 1.0, 0.2
+
+
+def _occurrences(corpus, pattern):
+    """(sequence, start) of every occurrence of `pattern` followed by a token, latest sequence first."""
+    m = len(pattern)
+    return [(s, p) for s in reversed(corpus) for p in range(len(s) - m - 1, -1, -1) if s[p:p + m] == pattern]
+
+
+def _brute_force(corpus, context, k, max_occurrences=None):
+    """The longest suffix of `context` seen followed by a token, and for each draft position the counts of
+    the next tokens among the occurrences that agree with the draft so far. Returns (match length, limit,
+    occurrences)."""
+    length = 0
+    for m in range(1, min(DEPTH - 1, len(context)) + 1):
+        if _occurrences(corpus, context[len(context) - m:]):
+            length = m
+    if not length:
+        return 0, 0, []
+    occurrences = _occurrences(corpus, context[len(context) - length:])[:max_occurrences]
+    limit = min(k, max(1, int(FACTOR * length)), DEPTH - length)
+    return length, limit, [s[p + length:p + DEPTH][:limit] for s, p in occurrences]
+
+
+def _check_greedy(draft, score, continuations, limit, tie_to_latest):
+    """`draft` follows a most frequent continuation at each position (the latest occurrence's token on a
+    tie when `tie_to_latest`), stops where the running product falls below MIN_PROB, and `score` sums it."""
+    prob, expected_score, survivors = 1.0, 0.0, continuations
+    for j in range(limit + 1):
+        counts = {}
+        for c in survivors:
+            if len(c) > j:
+                counts[c[j]] = counts.get(c[j], 0) + 1
+        top = max(counts.values(), default=0)
+        if j == limit or not counts or prob * top / sum(counts.values()) < MIN_PROB:
+            assert len(draft) == j, (draft, continuations)
+            break
+        assert counts.get(draft[j]) == top, (draft, continuations)
+        if tie_to_latest:
+            assert draft[j] == next(c[j] for c in survivors if len(c) > j and counts[c[j]] == top)
+        prob *= top / sum(counts.values())
+        expected_score += prob
+        survivors = [c for c in survivors if len(c) > j and c[j] == draft[j]]
+    assert score == pytest.approx(expected_score)
+
+
+def test_suffix_proposals_match_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    proposer = SuffixProposer(DEPTH, max_cached_requests=1000, max_spec_factor=FACTOR, min_token_prob=MIN_PROB)
+    for i in range(1500):
+        # Small alphabets (ids whose int32 bytes overlap when shifted, for the byte search) so texts repeat.
+        alphabet = (np.arange(3), np.array([0, 1, 256, 65536]))[i % 2]
+        history = rng.choice(alphabet, rng.integers(1, 60)).tolist()
+        k = int(rng.integers(1, 8))
+        own, score = proposer.propose_own(token_history(history), k)
+        length, limit, continuations = _brute_force([history], history, k, MAX_OCCURRENCES)
+        _check_greedy(own, score, continuations, limit, tie_to_latest=True)
+    outputs = [rng.choice(np.arange(4), rng.integers(2, 30)).tolist() for _ in range(40)]
+    cache = SuffixCache(DEPTH, max_cached_requests=40)
+    for output in outputs:
+        cache.add(output)
+    assert cache.work(float("inf")) is False
+    for _ in range(500):
+        context, k = rng.choice(np.arange(4), rng.integers(1, 12)).tolist(), int(rng.integers(1, 8))
+        node, length = cache.match(context)
+        draft, score = cache.draft(node, min(k, max(1, int(FACTOR * length)), DEPTH - length), MIN_PROB)
+        expected_length, limit, continuations = _brute_force(outputs, context, k)
+        assert length == expected_length
+        if length:
+            _check_greedy(draft, score, continuations, limit, tie_to_latest=False)
+    # The proposer takes the draft with the larger score (its own history on a tie).
+    proposer.cache = cache
+    for _ in range(200):
+        history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, 8))
+        own, own_score = proposer.propose_own(token_history(history), k)
+        node, length = cache.match(history)
+        other, other_score = cache.draft(node, proposer._limit(length, k), MIN_PROB) if length else ([], 0.0)
+        assert proposer.propose(history, k) == (other if other_score > own_score else own)
+
+
+def test_the_cache_keeps_the_latest_outputs_and_frees_the_rest():
+    """Bounded memory: with room for 5 outputs, inserted in small time slices, the cache holds the nodes of
+    and answers as one built from the last 5 alone; with room for none it stays a root, and a lowered bound
+    applies at the next insert."""
+    rng = np.random.default_rng(1)
+    outputs = [rng.choice(np.arange(5), 25).tolist() for _ in range(12)]
+    bounded, fresh = SuffixCache(DEPTH, max_cached_requests=5), SuffixCache(DEPTH, max_cached_requests=5)
+    for i, output in enumerate(outputs):
+        bounded.add(output)
+        while bounded.work(1e-5):   # in small slices, as after each launched step
+            pass
+        if i >= 7:
+            fresh.add(output)
+    fresh.work(float("inf"))
+    assert bounded.num_cached == 5 and bounded.num_nodes == fresh.num_nodes
+    for _ in range(300):
+        context = rng.choice(np.arange(5), rng.integers(1, 8)).tolist()
+        (node_a, len_a), (node_b, len_b) = bounded.match(context), fresh.match(context)
+        assert len_a == len_b
+        assert bounded.draft(node_a, 4, MIN_PROB)[1] == pytest.approx(fresh.draft(node_b, 4, MIN_PROB)[1])
+    empty = SuffixCache(DEPTH, max_cached_requests=0)
+    empty.add(outputs[0])
+    empty.work(float("inf"))
+    assert empty.num_nodes == 1 and empty.num_cached == 0
+    bounded.max_cached_requests = 1   # a smaller bound applies at the next insert
+    bounded.add(outputs[0])
+    bounded.work(float("inf"))
+    alone = SuffixCache(DEPTH, max_cached_requests=1)
+    alone.add(outputs[0])
+    alone.work(float("inf"))
+    assert bounded.num_cached == 1 and bounded.num_nodes == alone.num_nodes
+
+
+def test_suffix_config_and_cache_of_other_requests_outputs():
+    config = SpeculativeConfig.from_dict({"method": "suffix"})
+    assert config.num_speculative_tokens == 7 and config.suffix_decoding_max_tree_depth == 24
+    for bad in ({"method": "suffix", "suffix_decoding_max_tree_depth": 1},
+                {"method": "suffix", "suffix_decoding_min_token_prob": 2.0}):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.from_dict(bad)
+    controller = SpeculationController(config, max_model_len=1024)
+    answer = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    controller.forget(7, [30, 31] + answer)          # another request's output
+    controller.work_after_launch()
+    while controller.suffix.cache.has_work:
+        controller.work_after_launch()
+    seq = SequenceGroup("r", None, [1, 2, 40, 41], SamplingParams(max_tokens=100)).seqs[0]
+    seq.append_token(42)
+    seq.num_computed_tokens = 4
+    assert controller.choose_k([seq]) == 7           # nothing measured: optimistic
+    assert controller.propose([seq], 7) == 1 and seq.spec_token_ids == answer[3:6]   # 3-token match: 3 drafts
+
+
+def test_only_sequences_whose_drafts_pay_for_their_verify_rows_speculate():
+    """Per-sequence plans: at batch 8 where each extra row costs 5% of a plain step, the two sequences whose
+    drafts are nearly always accepted speculate and the six whose drafts are rejected do not; at batch 1,
+    where extra rows cost nothing, even a sequence with middling acceptance speculates."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    seqs = _decoding_batch(8)
+    for _ in range(30):
+        for i, seq in enumerate(seqs):
+            controller.observe_verification(seq, 4, 4 if i < 2 else 0)
+            controller._count(seq, tried=True, proposed=True)
+    for num_tokens in (8, 16, 32, 64):   # 1 ms a plain step of 8 tokens, +0.05 ms per token above
+        controller.observe_step(num_tokens, 8, 0.001 + 0.00005 * (num_tokens - 8), speculative=False)
+    controller.observe_step(16, 8, 0.0015, speculative=True)
+    assert controller.choose_k(seqs) == 4
+    assert controller.propose(seqs, 4) == 2
+    assert [bool(s.spec_token_ids) for s in seqs] == [True, True] + [False] * 6
+    lone = _decoding_batch(1)
+    controller.observe_step(1, 1, 0.001, speculative=False)
+    controller.observe_step(5, 1, 0.001, speculative=True)
+    for _ in range(4):
+        controller.observe_verification(lone[0], 4, 2)
+    assert controller.choose_k(lone) > 0 and controller.propose(lone, 4) == 1
+
+
+def test_an_idle_speculator_touches_no_sequence():
+    """Under load with drafts that do not pay, a quiet step costs no estimate and `propose` clears only the
+    sequences it gave drafts the step before: no per-sequence host work that a plain step does not do."""
+    controller = SpeculationController(SpeculativeConfig(method="suffix"), max_model_len=1024)
+    seqs = _decoding_batch(256)
+    controller.observe_step(256, 256, 0.028, speculative=False)
+    controller.observe_step(8192, 16, 0.600, speculative=False)
+    calls = []
+    cap = controller._cap
+    controller._cap = lambda seq: calls.append(seq) or cap(seq)
+    assert controller.choose_k(seqs) == 0 and len(calls) == 256   # one estimate over the batch
+    seqs[3].spec_token_ids = [1]
+    controller._drafted = [seqs[3]]
+    calls.clear()
+    for _ in range(7):   # QUIET_STEPS_LARGE_BATCH
+        assert controller.choose_k(seqs) == 0 and controller.propose(seqs, 0) == 0
+    assert calls == [] and seqs[3].spec_token_ids == []
