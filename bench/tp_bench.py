@@ -463,8 +463,8 @@ def merged(old: dict, new: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> bool:
-    """Left: all-reduce time against message size with the decode messages marked; right: TP = 1 / TP = 2
-    / DP = 2 W1 and single stream against TP = 1."""
+    """Left: all-reduce time against message size with the decode messages marked; middle: TP = 1 / TP = 2
+    / DP = 2 W1 and single stream against TP = 1; right: a TP = 2 decode step by kind of kernel (driver)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -474,7 +474,7 @@ def plot(result: dict, path: Path) -> bool:
         return False
     rows = sorted(result.get("allreduce", []), key=lambda r: r["bytes"])
     key = "nccl_us" if rows and "nccl_us" in rows[0] else "time_us"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right, steps) = plt.subplots(1, 3, figsize=(17, 4.5))
     left.plot([r["bytes"] for r in rows], [r[key] for r in rows], "o-")
     for r in rows:
         left.annotate(r["shape"], (r["bytes"], r[key]), fontsize=7, xytext=(4, -10), textcoords="offset points")
@@ -501,6 +501,16 @@ def plot(result: dict, path: Path) -> bool:
     right.set_ylabel("× TP = 1")
     right.set_title("scaling on 2 GPUs")
     right.legend()
+    profile = [row for row in result.get("tp2_8b_step_profile") or [] if isinstance(row, dict) and "gemm_us" in row]
+    bottom = [0.0] * len(profile)
+    for kind in ("gemm", "attention", "allreduce", "other", "idle"):
+        values = [(row.get(f"{kind}_us") or 0.0) / 1e3 for row in profile]
+        steps.bar(range(len(profile)), values, 0.6, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    steps.set_xticks(range(len(profile)), [f"batch {row['workload'].split()[0]}" for row in profile])
+    steps.set_ylabel("ms per decode step, median of each kind")
+    steps.set_title("TP = 2 decode step, driver's device")
+    steps.legend(fontsize=8)
     fig.suptitle(f"{result.get('device', '')}: dummy Llama-3-8B bf16")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

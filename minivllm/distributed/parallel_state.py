@@ -11,20 +11,27 @@ carries each worker's progress (`report_progress`), so a stalled rank can be nam
 
 Leaving the group never waits for a peer: NCCL communicators are aborted (a local operation) rather than
 destroyed, because `ncclCommDestroy` synchronises with the other ranks and hangs when one of them is
-already gone or still busy.
+already gone or still busy. The abort itself runs on a daemon thread that callers wait for with a bound:
+it stops the kernels blocked on a lost peer at once, but releasing the communicator waits for every CUDA
+graph that holds its collectives to be dropped.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 _RANK, _SIZE = 0, 1
 _TP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
 _BACKEND: str | None = None
+_ABORT_DONE: threading.Event | None = None   # set once the NCCL abort (started at most once) has returned
 _PROGRESS_KEY = "minivllm/progress/{}"
 
 
@@ -68,21 +75,36 @@ def progress_of_ranks() -> dict[int, int]:
     return progress
 
 
-def abort_distributed() -> None:
-    """Make every collective blocked on a peer (queued NCCL kernels included) fail now; local only."""
-    if dist.is_initialized() and _BACKEND == "nccl":
-        dist.distributed_c10d._abort_process_group()
+def abort_distributed(wait_s: float = 0.0) -> bool:
+    """Make every collective blocked on a peer (queued NCCL kernels included) fail; local only. Started once,
+    on a daemon thread (see the module docstring); returns whether it has finished within `wait_s`."""
+    global _ABORT_DONE
+    if _BACKEND != "nccl":
+        return True
+    if _ABORT_DONE is None:
+        done = _ABORT_DONE = threading.Event()
+
+        def abort() -> None:
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as e:   # already aborted or destroyed: nothing left to stop
+                logger.warning("NCCL abort: %r", e)
+            finally:
+                done.set()
+        threading.Thread(target=abort, name="minivllm-nccl-abort", daemon=True).start()
+    return _ABORT_DONE.wait(wait_s)
 
 
-def destroy_distributed() -> None:
-    """Leave the group without waiting for any peer (see the module docstring)."""
-    global _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND
-    if dist.is_initialized():
-        if _BACKEND == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-    _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND = 0, 1, None, None, None
+def destroy_distributed(wait_s: float = 10.0) -> None:
+    """Leave the group without waiting for any peer (see the module docstring); an NCCL abort still running
+    after `wait_s` is left behind, logged (this process then cannot join another group)."""
+    global _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND, _ABORT_DONE
+    if _BACKEND == "nccl":
+        if not abort_distributed(wait_s):
+            logger.error("the NCCL abort did not return within %.0f s; leaving the group without it", wait_s)
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+    _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND, _ABORT_DONE = 0, 1, None, None, None, None
 
 
 def get_tp_rank() -> int:

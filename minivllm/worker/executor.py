@@ -15,7 +15,8 @@ host and device work.
 Nothing waits forever. A watchdog thread fails the group when a local worker process exits, or when a
 step launched `distributed_timeout_s` ago has not finished (it then names the ranks whose reported step
 count is behind the driver's); failing aborts the NCCL communicators, which makes every queued or blocked
-collective return, and kills the local workers, which unblocks gloo. The step then raises
+collective return (on its own thread: it completes once shutdown has dropped the CUDA graphs holding the
+communicator), and kills the local workers, which unblocks gloo. The step then raises
 `WorkerFailedError`, which stops the engine loop (the server's /health turns 503, requests get 503). When
 idle the driver pings the workers, so their wait for the next step has a deadline too. Shutting down
 never waits on a peer (see `destroy_distributed`).
@@ -201,7 +202,7 @@ class MultiprocTPExecutor:
         for p in self.workers.values():
             if p.poll() is None:
                 p.kill()
-        abort_distributed()
+        abort_distributed()   # returns at once; shutdown() drops the graphs the abort waits for
 
     def _raise_failure(self, error: BaseException) -> None:
         """A collective failed: raise the watchdog's account of it (which names the rank behind it when a
@@ -247,8 +248,8 @@ class MultiprocTPExecutor:
             except Exception:
                 healthy = False
                 logger.warning("could not tell the tensor-parallel workers to stop")
-        if healthy:   # the steps still queued finish (the watchdog still guards this wait)
-            self.driver.release_cuda_graphs()
+        if "driver" in self.__dict__:   # healthy: the steps still queued finish (the watchdog guards this wait)
+            self.driver.release_cuda_graphs(synchronize=healthy)
         self._left = True
         destroy_distributed()
         for p in self.workers.values():

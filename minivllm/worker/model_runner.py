@@ -171,13 +171,13 @@ class ModelRunner:
         self.graph_runner.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
 
-    def release_cuda_graphs(self) -> None:
-        """Drop the CUDA graphs and let the device finish. Under tensor parallelism NCCL keeps a communicator
-        alive while a graph holding its collectives exists: leaving the group before the graphs are gone
-        blocks."""
+    def release_cuda_graphs(self, synchronize: bool = True) -> None:
+        """Drop the CUDA graphs and (`synchronize`) let the device finish. Under tensor parallelism NCCL keeps a
+        communicator alive while a graph holding its collectives exists: leaving the group before the graphs
+        are gone blocks. After a rank was lost the device may never finish, so it is not waited for."""
         self.graph_runner = None
         gc.collect()
-        if self.device.type == "cuda":
+        if synchronize and self.device.type == "cuda":
             torch.cuda.synchronize()
 
     @torch.inference_mode()
