@@ -48,6 +48,26 @@ def pytest_configure(config):
             pass   # the tests that need the default model fail on their own, naming the package
 
 
+# A GPU test that runs longer than this dumps every thread's stack and ends the process: a collective or a
+# device wait that never returns holds the interpreter in C code, where pytest-level timeouts never fire,
+# and faulthandler's watchdog is a C thread that needs no interpreter lock.
+GPU_TEST_LIMIT_S = 240
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_deadline(request):
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import faulthandler
+    import sys
+    faulthandler.dump_traceback_later(GPU_TEST_LIMIT_S, exit=True, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from minivllm.models import loader
