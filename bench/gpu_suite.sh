@@ -13,6 +13,9 @@
 #   models        model-family GPU tests; dummy Qwen3-30B-A3B and GPT-2 XL, the fused MoE kernel (models)
 #   features      structured outputs (structured) and swap-to-CPU preemption (swap) with their GPU tests
 #   soak          256 streaming clients for 5 minutes (soak); the dashboard's cost (dashboard_cost)
+#   latency       a Poisson rate sweep with goodput, --max-itl-ms $ITL_MS against a baseline server without it; cold
+#                 start with an empty and a warm Triton cache; safetensors loading of the 8B shapes (all merged
+#                 into serve_<gpu>.json; run after `regression`, whose serve step writes that file anew)
 #   parallel      2+ GPUs: GPU tests of tests/test_tp.py, bench/tp_bench.py (tp_<gpu>x2)
 #   kernels       attention microbenchmark, decode split-K, the prefill attention launch configs
 #   gemm          the int4 and W8A8 tile sweeps at M = 1 and the int4 sweep at W1 sizes
@@ -22,7 +25,7 @@
 # `timeout` (a hang costs that step's limit; the suite goes on); its log is $LOGS/<step>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,26p "$0"; exit 2; }
 source bench/gpu_setup.sh
 OUT=${OUT:-bench/results}; LOGS=${LOGS:-/tmp/minivllm_logs}; mkdir -p "$OUT" "$LOGS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -96,6 +99,15 @@ run_suite() {
       --tag "$GPU" --out "$OUT"
     step dashboard_cost 300 python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 3 \
       --tag "$GPU" --out "$OUT" ;;
+  latency)
+    local itl_ms=${ITL_MS:-15}   # the target under test (ITL_MS=... to try another)
+    step serve_goodput 590 python3 bench/serve.py --model llama-3-8b --load-format dummy \
+      --request-rate 2,8,12,16,20,24 --num-prompts 128 --input-len 512 --output-len 256 \
+      --server-args "--max-itl-ms $itl_ms" --baseline-server-args "" --merge --tag "$GPU" --out "$OUT"
+    step cold_start 540 python3 bench/cold_start.py --model llama-3-8b --load-format dummy --out "$OUT" \
+      --merge-into "$OUT/serve_$GPU.json"
+    step safetensors_load 540 python3 bench/safetensors_load.py --model llama-3-8b --out "$OUT" \
+      --merge-into "$OUT/serve_$GPU.json" ;;
   parallel)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
     gpu_tests parallel 300 tests/test_tp.py

@@ -10,11 +10,19 @@ levels (or Poisson request rates), stops the server and writes JSON + CSV + a PN
     python bench/serve.py --concurrency 1,4 --num-prompts 8 --input-len 64 --output-len 16
     # an already running server; Poisson arrivals at 2 and 8 requests/s
     python bench/serve.py --url http://localhost:8000 --request-rate 2,8
+    # goodput: a rate sweep against a server with an ITL target and a baseline server without one
+    python bench/serve.py --model llama-3-8b --load-format dummy --request-rate 2,4,8,12,16,20,24 \
+        --num-prompts 200 --server-args '--max-itl-ms 20' --baseline-server-args '' --merge
 
 Requests go to /v1/completions with token-id prompts (exact input lengths, no tokenizer needed here),
 `ignore_eos` (exact output lengths) and `stream_options.continuous_usage_stats` (tokens per chunk).
 TTFT: request sent -> first token chunk. ITL: gaps between token chunks (vLLM's definition).
 TPOT: (e2e - TTFT) / (output tokens - 1). E2E: request sent -> last byte.
+
+A rate sweep also reports each rate's SLO attainment (the share of requests with TTFT and their own ITL p95
+within `--slo-ttft-ms` / `--slo-itl-p95-ms`), the goodput (bench/goodput.py) and the acceptance keys
+(`rate8_itl_p95_ms`, ...) at the top level; `--baseline-server-args` or `--baseline-url` runs the same sweep
+against a second server first and stores it under `baseline`, with the goodput ratio.
 """
 from __future__ import annotations
 
@@ -42,7 +50,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from bench.common import git_commit, run_command  # noqa: E402
-PERCENTILES = (50, 95, 99)
+from bench.goodput import PERCENTILES, SLO, attainment, goodput, plot_rates, rate_keys  # noqa: E402
+
 TOKEN_ID_RANGE = (1000, 20000)  # inside every supported vocabulary; random ids avoid prefix-cache hits
 
 
@@ -125,7 +134,8 @@ async def send_request(http: aiohttp.ClientSession, url: str, model: str, prompt
 
 
 async def run_level(url: str, model: str, workload: list[tuple[list[int], int]], concurrency: int | None,
-                    request_rate: float | None, headers: dict, timeout: float, seed: int) -> dict:
+                    request_rate: float | None, headers: dict, timeout: float, seed: int,
+                    slo: SLO | None = None) -> dict:
     """Send `workload` with at most `concurrency` in flight, or with Poisson arrivals at `request_rate`."""
     limit = asyncio.Semaphore(concurrency or len(workload))
     http_timeout = aiohttp.ClientTimeout(total=timeout)
@@ -144,7 +154,10 @@ async def run_level(url: str, model: str, workload: list[tuple[list[int], int]],
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration)
+    summary = summarize(results, duration)
+    if slo is not None:
+        summary["slo_attainment"] = round(attainment(slo, results), 4)
+    return summary
 
 
 def _percentiles(values: list[float], scale: float = 1e3) -> dict:
@@ -181,10 +194,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(args, port: int, log_path: Path, server_args: str | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "minivllm.cli", "serve"] + ([args.model] if args.model else [])
     command += ["--host", "127.0.0.1", "--port", str(port), "--load-format", args.load_format,
-                "--uvicorn-log-level", "warning"] + shlex.split(args.server_args)
+                "--uvicorn-log-level", "warning"]
+    command += shlex.split(args.server_args if server_args is None else server_args)
     print("starting:", shlex.join(command), f"(log: {log_path})", flush=True)
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -315,10 +329,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results"), help="output folder")
     p.add_argument("--tag", default=None, help="file name tag (default: the GPU, e.g. h100, or cpu)")
+    p.add_argument("--slo-ttft-ms", type=float, default=SLO.ttft_ms, help="SLO: time to first token")
+    p.add_argument("--slo-itl-p95-ms", type=float, default=SLO.itl_p95_ms, help="SLO: a request's own ITL p95")
+    p.add_argument("--slo-fraction", type=float, default=SLO.min_fraction,
+                   help="goodput: the highest rate at which at least this share of requests meets the SLO")
+    p.add_argument("--baseline-server-args", default=None,
+                   help="rate sweeps: first sweep a server started with these flags instead of --server-args "
+                        "(e.g. '' against --server-args '--max-itl-ms 20'), stored under 'baseline'")
+    p.add_argument("--baseline-url", default=None, help="rate sweeps: the baseline is this running server")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the keys of an existing serve_<tag>.json that this run does not write")
     return p.parse_args(argv)
 
 
 async def benchmark(args, url: str) -> tuple[str, dict]:
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_p95_ms, args.slo_fraction)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with aiohttp.ClientSession(headers=headers) as http:
         async with http.get(url + "/v1/models") as response:
@@ -346,12 +371,36 @@ async def benchmark(args, url: str) -> tuple[str, dict]:
             result = await run_level(url, model, workload(num), value, None, headers, args.timeout, args.seed)
         else:
             num = args.num_prompts or 64
-            result = await run_level(url, model, workload(num), None, value, headers, args.timeout, args.seed)
+            result = await run_level(url, model, workload(num), None, value, headers, args.timeout, args.seed, slo)
         levels[str(value)] = result
         print(f"{sweep_key}={value}: {result['completed']}/{num} ok, "
               f"TTFT p50 {result['ttft_ms']['p50']} ms, ITL p95 {result['itl_ms']['p95']} ms, "
-              f"E2E p50 {result['e2e_ms']['p50']} ms, {result['output_tokens_per_s']} output tok/s", flush=True)
-    return sweep_key, {"model": model, "levels": levels}
+              f"E2E p50 {result['e2e_ms']['p50']} ms, {result['output_tokens_per_s']} output tok/s"
+              + (f", SLO met by {100 * result['slo_attainment']:.1f}%" if "slo_attainment" in result else ""),
+              flush=True)
+    summary = {"model": model, "levels": levels}
+    if sweep_key == "request_rate":
+        summary["goodput_rps"] = goodput(levels, slo)
+        summary.update(rate_keys(levels))
+    return sweep_key, summary
+
+
+def sweep_one_server(args, url: str | None, server_args: str | None, log_path: Path) -> tuple[str, dict]:
+    """Start a server (unless `url` names one), wait for /health, sweep it, stop it."""
+    process = None
+    try:
+        if url is None:
+            port = free_port()
+            process = start_server(args, port, log_path, server_args)
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(wait_healthy(url, process, args.server_timeout, log_path))
+        else:
+            url = url.rstrip("/")
+            asyncio.run(wait_healthy(url, None, args.server_timeout, None))
+        return asyncio.run(benchmark(args, url))
+    finally:
+        if process is not None:
+            stop_server(process)
 
 
 def main(argv=None) -> None:
@@ -363,30 +412,34 @@ def main(argv=None) -> None:
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "out")}
     print(f"device: {device}\nconfig: {json.dumps(config)}", flush=True)
 
-    process = None
-    url = args.url.rstrip("/") if args.url else None
-    try:
-        if url is None:
-            port = free_port()
-            log_path = out / f"serve_{tag}.server.log"
-            process = start_server(args, port, log_path)
-            url = f"http://127.0.0.1:{port}"
-            asyncio.run(wait_healthy(url, process, args.server_timeout, log_path))
-        else:
-            asyncio.run(wait_healthy(url, None, args.server_timeout, None))
-        sweep_key, result = asyncio.run(benchmark(args, url))
-    finally:
-        if process is not None:
-            stop_server(process)
+    baseline = None
+    if args.request_rate and (args.baseline_url or args.baseline_server_args is not None):
+        _, baseline = sweep_one_server(args, args.baseline_url, args.baseline_server_args,
+                                       out / f"serve_{tag}.baseline.server.log")
+    sweep_key, result = sweep_one_server(args, args.url, None, out / f"serve_{tag}.server.log")
 
-    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    report = {"device": device, "commit": git_commit(), "date": date, "command": run_command(), "model": result["model"], "config": config,
-              sweep_key: result["levels"]}
     json_path = out / f"serve_{tag}.json"
+    report = json.loads(json_path.read_text()) if args.merge and json_path.exists() else {}
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report.update({"device": device, "commit": git_commit(), "date": date, "command": run_command(),
+                   "model": result["model"], "config": config, sweep_key: result.pop("levels")})
+    report.update({k: v for k, v in result.items() if k != "model"})   # goodput_rps, rate8_itl_p95_ms, ...
+    if baseline is not None:
+        baseline["server_args"] = args.baseline_url or args.baseline_server_args
+        baseline[sweep_key] = baseline.pop("levels")
+        report["baseline"] = baseline
+        good, base_good = result.get("goodput_rps"), baseline.get("goodput_rps")
+        report["goodput_ratio_over_baseline"] = round(good / base_good, 3) if good and base_good else None
     json_path.write_text(json.dumps(report, indent=2) + "\n")
-    write_csv(out / f"serve_{tag}.csv", sweep_key, result["levels"])
-    wrote_png = plot(out / f"serve_{tag}.png", sweep_key, result["levels"],
-                     f"{result['model']} on {device}: {args.dataset} {args.input_len} in / {args.output_len} out")
+    levels = report[sweep_key]
+    write_csv(out / f"serve_{tag}.csv", sweep_key, levels)
+    title = f"{result['model']} on {device}: {args.dataset} {args.input_len} in / {args.output_len} out"
+    if sweep_key == "request_rate":
+        runs = ({"baseline": baseline[sweep_key]} if baseline is not None else {}) | {"this run": levels}
+        wrote_png = plot_rates(out / f"serve_{tag}.png", runs, SLO(args.slo_ttft_ms, args.slo_itl_p95_ms,
+                                                                    args.slo_fraction), title)
+    else:
+        wrote_png = plot(out / f"serve_{tag}.png", sweep_key, levels, title)
     print(f"wrote {json_path}, .csv{', .png' if wrote_png else ''}")
 
 

@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         "most this many prompt tokens, so prompts arriving together get first tokens one chunk "
                         f"apart rather than all after the whole batch (chunked prefill only; default: "
                         f"{'512' if serving else 'off'}; 0: off)")
+    g.add_argument("--max-itl-ms", type=float, default=None,
+                   help="inter-token-latency target: while requests decode, a step takes only as many prompt "
+                        "tokens as its measured cost allows within this many ms (chunked prefill; default: off)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="swap: long preempted sequences move their KV to CPU memory (default: recompute)")
     g.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped KV blocks")
@@ -89,7 +92,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, tokenizer=args.tokenizer, load_format=args.load_format, dtype=dtype, device=args.device,
         seed=args.seed, max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        small_batch_prefill_tokens=args.small_batch_prefill_tokens or None, enable_prefix_caching=args.enable_prefix_caching,
+        small_batch_prefill_tokens=args.small_batch_prefill_tokens or None, max_itl_ms=args.max_itl_ms,
+        enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, max_num_waiting=args.max_num_waiting,

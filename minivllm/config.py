@@ -26,6 +26,9 @@ class EngineConfig:
     # While few sequences run (SchedulerConfig.small_batch_max_seqs), a step takes at most this many prompt
     # tokens: prompts that arrive together are prefilled one after another. None: off; `serve` uses 512.
     small_batch_prefill_tokens: int | None = None
+    # Inter-token-latency target in ms: while decodes run, a step takes only the prompt tokens that its
+    # measured cost allows within it (docs/serving.md, "ITL target"). None: off.
+    max_itl_ms: float | None = None
     # "recompute" | "swap" (None: recompute): swap copies a long preempted sequence's KV blocks to
     # `swap_space` GiB of (pinned) CPU memory and back instead of recomputing it (ARCHITECTURE.md, "Swap").
     preemption_mode: str | None = None
@@ -71,6 +74,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.small_batch_prefill_tokens is not None and self.small_batch_prefill_tokens < 1:
             raise ValueError("small_batch_prefill_tokens must be at least 1")
+        if self.max_itl_ms is not None and (self.max_itl_ms <= 0 or not self.enable_chunked_prefill):
+            raise ValueError(f"max_itl_ms must be positive and needs chunked prefill, got {self.max_itl_ms}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be non-negative")
         if self.preemption_mode not in (None, "recompute", "swap"):

@@ -14,6 +14,11 @@ marks one token pending until `update()` delivers it. So the next step can be sc
 still runs (async scheduling): a pending token is planned for like a known one, and the runner takes
 its id from the device.
 
+With an inter-token-latency target (`max_itl_ms`, Sarathi-Serve's stall-free batching) a step that
+carries decodes takes only as many prompt tokens as the measured step costs (core/step_costs.py) allow
+within the target, and at least `itl_min_prompt_tokens`, so prompts keep progressing. Order of service,
+preemption and admission are unchanged: the target only lowers the step's token budget.
+
 Owns the waiting and running queues and every sequence's status. Blocks are the BlockManager's;
 tensors are the runner's (no torch here).
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import ModelOutput, SchedulerOutput
 from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.core.step_costs import StepCosts
 
 
 @dataclass
@@ -52,6 +58,12 @@ class SchedulerConfig:
     # Multi-LoRA: at most this many distinct adapters among running sequences (the runner's adapter slots).
     # None: no adapters.
     max_loras: int | None = None
+    # Inter-token-latency target (ms): while decodes run, a step's prompt tokens are cut so that its estimated
+    # cost stays within it, but never below `itl_min_prompt_tokens` (all it gets before any step is measured).
+    # A mixed step is padded to a multiple of 64 tokens for its CUDA graph (worker/cuda_graph.py), so a smaller
+    # chunk would save no time. None: off.
+    max_itl_ms: float | None = None
+    itl_min_prompt_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in (None, "recompute", "swap"):
@@ -69,6 +81,11 @@ class SchedulerConfig:
             raise ValueError(f"small_batch_prefill_tokens must be at least 1, got {self.small_batch_prefill_tokens}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_itl_ms is not None and (self.max_itl_ms <= 0 or not self.enable_chunked_prefill):
+            # Without chunking a prompt longer than the target allows could never be scheduled.
+            raise ValueError(f"max_itl_ms must be positive and needs chunked prefill, got {self.max_itl_ms}")
+        if self.itl_min_prompt_tokens < 1:
+            raise ValueError(f"itl_min_prompt_tokens must be at least 1, got {self.itl_min_prompt_tokens}")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")
 
@@ -92,6 +109,8 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_discarded_steps = 0  # steps launched behind a verify step that rejected a draft, per sequence
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
+        # Measured step costs (fed by the engine through observe_step), only with an ITL target.
+        self.step_costs = StepCosts() if config.max_itl_ms is not None else None
 
     @property
     def num_running(self) -> int:
@@ -170,6 +189,8 @@ class Scheduler:
         small_batch = len(self.running) <= config.small_batch_max_seqs
         if config.enable_chunked_prefill and config.small_batch_prefill_tokens and small_batch:
             budget = min(budget, config.small_batch_prefill_tokens + len(self.running))
+        if self.step_costs is not None:
+            budget = self._itl_budget(budget)
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
 
@@ -290,6 +311,28 @@ class Scheduler:
                 seq.num_pending_tokens += 1 + len(drafts)
                 seq.drafts_in_flight = drafts
         return output
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A plain step of `num_tokens` cost `seconds` on the device (start to the next step's start)."""
+        if self.step_costs is not None:
+            self.step_costs.observe(num_tokens, 0, seconds, speculative=False)
+
+    def _itl_budget(self, budget: int) -> int:
+        """The step's token budget under the ITL target: the decodes' tokens (drafts included) plus the most
+        prompt tokens that keep the step's estimated cost within the target, and at least the minimum chunk.
+        Unchanged when no decode runs (nobody's next token waits on this step) or no prompt work is left."""
+        num_decode_tokens, prompt_work = 0, bool(self.waiting or self.swapped)
+        for seq in self.running:
+            behind = seq.num_total_tokens - seq.num_computed_tokens
+            if behind > 1:
+                prompt_work = True
+            elif behind == 1 and not self._ends_with_pending_token(seq):
+                num_decode_tokens += 1 + len(seq.spec_token_ids)
+        if not num_decode_tokens or not prompt_work:
+            return budget
+        within = self.step_costs.tokens_within(self.config.max_itl_ms / 1e3)
+        num_prompt_tokens = max(self.config.itl_min_prompt_tokens, (within or 0) - num_decode_tokens)
+        return min(budget, num_decode_tokens + num_prompt_tokens)
 
     def _lora_fits(self, seq: Sequence, running_loras: set[int]) -> bool:
         """Whether `seq` may join the running sequences without needing more adapter slots than there are

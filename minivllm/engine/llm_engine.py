@@ -80,9 +80,13 @@ def _eos_token_ids(tokenizer, hf_config) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        started = time.perf_counter()
         source = resolve_model(config.model, config.load_format)
+        resolved = time.perf_counter()
         self.model_name = source.name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or source.tokenizer_dir)
+        # Seconds of each start-up phase, the runner's included (`minivllm serve` logs and exports them).
+        self.startup_seconds = {"resolve_model": resolved - started, "tokenizer": time.perf_counter() - resolved}
         hf = source.hf_config
 
         model_max_len = getattr(hf, "max_position_embeddings", None) or 2048
@@ -116,8 +120,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             enable_chunked_prefill=chunked, policy=config.scheduling_policy, max_num_waiting=config.max_num_waiting,
             small_batch_prefill_tokens=config.small_batch_prefill_tokens, preemption_mode=config.preemption_mode,
-            max_loras=config.max_loras if config.enable_lora else None), self.block_manager)
+            max_loras=config.max_loras if config.enable_lora else None, max_itl_ms=config.max_itl_ms),
+            self.block_manager)
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        self.startup_seconds.update(getattr(self.runner, "startup_seconds", {}))
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf)
         self.vocab_size = hf.vocab_size
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -236,8 +242,9 @@ class LLMEngine:
             bitmask = None
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
-            # With speculation the step is timed on the device: the next step launched prices it.
-            pending = self.runner.execute_async(scheduler_output, bitmask, self.spec is not None)
+            # With speculation or an ITL target the step is timed on the device: the next step launched prices it.
+            timed = self.spec is not None or self.scheduler.step_costs is not None
+            pending = self.runner.execute_async(scheduler_output, bitmask, timed)
             launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch)
             if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                 self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
@@ -255,7 +262,7 @@ class LLMEngine:
         self._in_flight = launched
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
-        self._last_launch = None   # the chain breaks when the engine runs dry (or speculation is off)
+        self._last_launch = None   # the chain breaks when the engine runs dry (or no step is timed)
         if launched is not None and launched.pending.started is not None and self.scheduler.has_unfinished_requests():
             self._last_launch = (scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
                                  bool(scheduler_output.spec_token_ids), launched.pending.started)
@@ -279,12 +286,16 @@ class LLMEngine:
         self._in_flight = None
         model_output = pending.result()
         self._read_back_at = time.perf_counter()
-        if previous is not None and self.spec is not None:
+        if previous is not None:
             # A step's cost: from its start on the device to the next step's start (its device time, plus
             # the time the device then idled for the host, as after a verify step that was waited for).
             # The chain breaks when the engine runs dry, so idle time between requests is no step's cost.
             num_tokens, num_seqs, speculative, started = previous
-            self.spec.observe_step(num_tokens, num_seqs, started.seconds_until(pending.started), speculative)
+            seconds = started.seconds_until(pending.started)
+            if self.spec is not None:
+                self.spec.observe_step(num_tokens, num_seqs, seconds, speculative)
+            if not speculative:
+                self.scheduler.observe_step(num_tokens, seconds)
         if model_output.prompt_logprobs:
             self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)

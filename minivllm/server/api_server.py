@@ -11,6 +11,7 @@ except `limits.api_key_exempt_paths` (/health and /metrics by default) needs `Au
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import threading
 import time
 from importlib import metadata
+from pathlib import Path
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -77,6 +79,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str] | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        startup = getattr(app.state, "startup", None)
+        if startup is not None:   # run_server's: the server now accepts requests
+            startup.finish(metrics)
         try:
             if loras is not None:
                 await loras.load_startup_modules()
@@ -180,10 +185,16 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
     if launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         AsyncEngine.from_config(engine_config)   # serves the driver's steps, then exits (SystemExit)
         return
+    startup = StartupTimes()
     sock = bind_socket(host, port)
+    startup.lap("bind_socket")
     engine = AsyncEngine.from_config(engine_config)
+    startup.lap("engine_init")
+    startup.phases.update(getattr(engine.engine, "startup_seconds", {}))
     app = build_app(engine, served_model_name, api_key, limits, **tool_options)
     server = make_server(app, log_level, limits, shutdown_timeout)
+    startup.lap("build_app")
+    app.state.startup = startup
     # uvicorn re-raises the signals it caught once it has stopped: a no-op SIGTERM handler makes a
     # drained shutdown exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -192,6 +203,43 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn re-raises Ctrl-C after its graceful shutdown, which already stopped the engine
+
+
+def _process_age() -> float | None:
+    """Seconds since this process was created, from /proc in clock ticks since boot (None off Linux).
+    psutil's create_time goes through the wall-clock boot time, which it rounds to a second."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        start_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class StartupTimes:
+    """Seconds of each phase of `minivllm serve`'s start, logged as one JSON line (`startup phases (s): {...}`)
+    and exported as `minivllm:startup_phase_seconds{phase=...}` once the server accepts requests. "imports" runs
+    from the process's creation to `run_server` (interpreter, torch, transformers, the package); the engine's
+    phases (resolve_model, tokenizer, load_weights, profile_run, kv_cache_allocation, cuda_graph_capture) lie
+    inside "engine_init"; "total" runs from the process's creation to serving."""
+
+    def __init__(self) -> None:
+        age = _process_age()
+        self._mark = time.perf_counter()
+        self.origin = self._mark - (age or 0.0)
+        self.phases: dict[str, float] = {} if age is None else {"imports": age}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._mark
+        self._mark = now
+
+    def finish(self, metrics: ServerMetrics) -> None:
+        self.lap("server_start")
+        self.phases["total"] = time.perf_counter() - self.origin
+        self.phases = {phase: round(seconds, 4) for phase, seconds in self.phases.items()}
+        metrics.set_startup_phases(self.phases)
+        logger.info("startup phases (s): %s", json.dumps(self.phases))
 
 
 class ServerThread:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -110,6 +110,12 @@ class ServerMetrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Number of generation tokens processed, per request.",
                                                    _TOKEN_BUCKETS)
+        self.startup_phase = Gauge(PREFIX + "startup_phase_seconds", "Seconds each phase of the server's start "
+                                   "took (api_server.StartupTimes).", ["model_name", "phase"], registry=reg)
+
+    def set_startup_phases(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self.startup_phase.labels(self.model_name, phase).set(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

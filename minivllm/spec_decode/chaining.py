@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from minivllm.spec_decode.step_costs import COST_WINDOW
+from minivllm.core.step_costs import COST_WINDOW
 
 
 class ChainPolicy:

@@ -8,7 +8,7 @@ length k_i (0 for most under load) to maximise expected tokens per second:
 
 with a_i the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h_i the share of
 its tries in which the proposer had anything to propose (lookups often find nothing), each with a prior
-from all sequences; costs come from `StepCosts` (step_costs.py), measured on the device. The j-th draft of
+from all sequences; costs come from `StepCosts` (core/step_costs.py), measured on the device. The j-th draft of
 sequence i gains h_i a_i^j tokens, so the drafts of all sequences are taken in order of that gain and the
 best prefix of that order wins: at batch 1, where a verify step costs about a plain one, every likely draft
 goes; at a larger batch only the sequences whose drafts are accepted often enough to pay for their verify
@@ -49,7 +49,7 @@ from minivllm.core.sequence import Sequence
 from minivllm.spec_decode.chaining import ChainPolicy
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer, token_history
-from minivllm.spec_decode.step_costs import StepCosts
+from minivllm.core.step_costs import StepCosts
 from minivllm.spec_decode.suffix import SuffixProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate

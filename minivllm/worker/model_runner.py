@@ -73,6 +73,8 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
 
         torch.manual_seed(config.seed)
+        # Seconds of each start-up phase (the engine and server add theirs; `minivllm serve` logs them).
+        self.startup_seconds: dict[str, float] = {}
         started = time.perf_counter()
         self.model = load_model(source, self.dtype, self.device, config.load_format, config.seed,
                                 config.quantization)
@@ -81,6 +83,7 @@ class ModelRunner:
         logger.info("loaded %s (%.2f GiB of weights, %s, %s) in %.1f s", source.name, weight_bytes / 2**30,
                     self.dtype, self.device, time.perf_counter() - started)
         self.weight_bytes = weight_bytes
+        self.startup_seconds["load_weights"] = time.perf_counter() - started
 
         # Adapter slots before the memory profile, so the KV cache is sized around them.
         self.lora_manager = None if not config.enable_lora else LoRAManager(
@@ -99,7 +102,10 @@ class ModelRunner:
         self.sampler = Sampler()
 
         self.max_num_batched_tokens = max_num_batched_tokens
-        peak = self._profile_peak_memory(max_num_batched_tokens)
+        started = time.perf_counter()
+        peak = self._profile_peak_memory(max_num_batched_tokens)   # the first forward: kernels compile here
+        self.startup_seconds["profile_run"] = time.perf_counter() - started
+        started = time.perf_counter()
         budget = kv_cache_budget(self.device, config.gpu_memory_utilization, config.kv_cache_memory, peak)
         per_block = sum(kv_bytes_per_block(1, self.block_size, layer.num_kv_heads, layer.head_dim, self.kv_cache_dtype)
                         for layer in self.attention_layers)
@@ -128,6 +134,7 @@ class ModelRunner:
             self.swap_space = SwapSpace(caches, num_cpu_blocks(config.swap_space, per_block))
         self.num_cpu_blocks = self.swap_space.num_blocks if self.swap_space is not None else 0
         self.kv_budget_bytes = budget
+        self.startup_seconds["kv_cache_allocation"] = time.perf_counter() - started
         logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %.0f%% of the budget)",
                     self.kv_cache_dtype, self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
@@ -169,7 +176,8 @@ class ModelRunner:
                                             min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens),
                                             self.model.compute_logits if get_tp_size() == 1 else None)
         self.graph_runner.capture()
-        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
+        self.startup_seconds["cuda_graph_capture"] = time.perf_counter() - started
+        logger.info("CUDA graph capture took %.1f s", self.startup_seconds["cuda_graph_capture"])
 
     def release_cuda_graphs(self, synchronize: bool = True) -> None:
         """Drop the CUDA graphs and (`synchronize`) let the device finish. Under tensor parallelism NCCL keeps a

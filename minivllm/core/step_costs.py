@@ -1,4 +1,6 @@
-"""StepCosts: what a step costs, as the speculation controller prices it (host side, no torch).
+"""StepCosts: what a step costs, measured on the device (host side, no torch). The speculation controller
+prices draft lengths with it, and the scheduler sizes prompt chunks under an ITL target with it
+(`tokens_within`).
 
 A step's cost is the time from its start on the device to the next step's start (the engine measures it
 with the runner's `StepStart`): its device time plus any time the device then idled for the host, so a
@@ -14,6 +16,14 @@ interpolation in the token count between the measured buckets around it, prefill
 step's cost is about affine in its tokens), or, with none above it, assumed to cost the plain step below:
 at batch 1 a verify step is then tried and judged on its measured extra, while at high load, where
 verifying B x (1 + k) tokens costs like a prefill of that size, drafts are not tried.
+
+The scheduler asks the inverse question, the most tokens a plain step may hold and still end within a
+time, and must not be optimistic: a step that overruns delays every running decode. So `tokens_within`
+places each bucket's cost at the median token count of its steps (not at the bucket's edge), interpolates
+between those points, and above the largest one extrapolates along the last segment's slope, or, with one
+point, in proportion to tokens (a step then costs as if all of it were per-token work: an overestimate);
+and it never goes past twice the largest measured step, so unmeasured sizes are reached by doubling, each
+measured before the next.
 """
 from __future__ import annotations
 
@@ -43,10 +53,12 @@ def _record(windows: dict[int, deque], medians: dict[int, float], bucket: int, v
 class StepCosts:
     def __init__(self) -> None:
         self.plain_windows: dict[int, deque] = {}   # token bucket -> recent seconds, steps without drafts
+        self.plain_token_windows: dict[int, deque] = {}   # token bucket -> those steps' token counts
         self.extra_windows: dict[int, deque] = {}   # sequence bucket -> verify steps' extra seconds
         # Their medians, kept up to date as steps are observed, and the measured buckets in order: the
         # controller reads them for every candidate of every step (at batch 1 its host time shows).
         self._plain_median: dict[int, float] = {}
+        self._plain_token_median: dict[int, float] = {}
         self._extra_median: dict[int, float] = {}
         self._plain_buckets: list[int] = []
         self._extra_buckets: list[int] = []
@@ -58,7 +70,9 @@ class StepCosts:
 
     def observe(self, num_tokens: int, num_seqs: int, seconds: float, speculative: bool) -> None:
         if not speculative:
-            _record(self.plain_windows, self._plain_median, token_bucket(num_tokens), seconds, self._plain_buckets)
+            bucket = token_bucket(num_tokens)
+            _record(self.plain_token_windows, self._plain_token_median, bucket, num_tokens, [])
+            _record(self.plain_windows, self._plain_median, bucket, seconds, self._plain_buckets)
             return
         plain = self.plain_at(num_tokens)
         if plain is not None:
@@ -102,3 +116,25 @@ class StepCosts:
         plain = self.plain_at(num_tokens)
         extra = self.verify_extra(num_seqs)
         return plain if plain is None or extra is None else plain + extra
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """The most tokens a plain step may hold with its estimated cost at most `seconds`: 0 when even the
+        smallest measured step costs more, None before any plain step is measured (see the module docstring
+        for why the estimate leans high)."""
+        points = [(self._plain_token_median[b], self._plain_median[b]) for b in self._plain_buckets]
+        if not points:
+            return None
+        x_top, y_top = points[-1]
+        if len(points) == 1:
+            slope = y_top / x_top
+        else:
+            x_low, y_low = points[-2]
+            slope = (y_top - y_low) / (x_top - x_low) if y_top > y_low else 0.0
+        if seconds >= y_top:
+            above = 2 * x_top if slope <= 0 else min(2 * x_top, x_top + (seconds - y_top) / slope)
+            return int(above)
+        for (x0, y0), (x1, y1) in zip(reversed(points[:-1]), reversed(points[1:])):
+            # Walking down from the top: the first segment that comes under `seconds` holds the answer.
+            if y0 <= seconds:
+                return int(x0 + (seconds - y0) * (x1 - x0) / (y1 - y0))   # y1 > seconds >= y0
+        return 0

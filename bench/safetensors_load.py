@@ -1,0 +1,154 @@
+"""Checkpoint loading speed: write a safetensors folder of a Llama-family config's shapes (HF tensor names,
+seeded random bf16 values, shards of about 5 GB with an index, as HF writes them), evict it from the page
+cache, and time `load_model` from that folder into device memory, in GB/s of weights. The same load with
+one reader thread and the tensors read on the host (the loader before parallel reads) runs beside it.
+
+    python bench/safetensors_load.py --model llama-3-8b --out bench/results --merge-into bench/results/serve_h100.json
+    python bench/safetensors_load.py --model tiny-llama --device cpu --out /tmp/out      # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from a checkout
+from bench.common import CONFIGS_DIR, device_slug, run_metadata  # noqa: E402
+from minivllm.models import loader  # noqa: E402
+
+SHARD_BYTES = 5 * 10**9
+
+
+def hf_llama_shapes(hf) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of a Llama-family checkpoint."""
+    hidden, inter = hf.hidden_size, hf.intermediate_size
+    head_dim = getattr(hf, "head_dim", None) or hidden // hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    q, kv = hf.num_attention_heads * head_dim, num_kv_heads * head_dim
+    shapes = {"model.embed_tokens.weight": (hf.vocab_size, hidden)}
+    for i in range(hf.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        shapes |= {layer + "self_attn.q_proj.weight": (q, hidden), layer + "self_attn.k_proj.weight": (kv, hidden),
+                   layer + "self_attn.v_proj.weight": (kv, hidden), layer + "self_attn.o_proj.weight": (hidden, q),
+                   layer + "mlp.gate_proj.weight": (inter, hidden), layer + "mlp.up_proj.weight": (inter, hidden),
+                   layer + "mlp.down_proj.weight": (hidden, inter), layer + "input_layernorm.weight": (hidden,),
+                   layer + "post_attention_layernorm.weight": (hidden,)}
+    shapes["model.norm.weight"] = (hidden,)
+    if not getattr(hf, "tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (hf.vocab_size, hidden)
+    return shapes
+
+
+def write_checkpoint(folder: Path, config_path: Path, dtype: torch.dtype, seed: int = 0) -> int:
+    """Write the folder; returns its tensor bytes."""
+    from safetensors.torch import save_file
+    hf = loader._config_from_json(config_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config_path, folder / "config.json")
+    generator = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, shape in hf_llama_shapes(hf).items():
+        tensor = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+        if size and size + tensor.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+        total += tensor.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map |= {name: file for name in shard}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": weight_map}))
+    return total
+
+
+def evict_from_page_cache(folder: Path) -> bool:
+    """Drop the folder's pages from the page cache (flushed first), so a load reads the disk."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def timed_load(folder: Path, dtype: torch.dtype, device: torch.device, sequential: bool) -> float:
+    source = loader.resolve_model(str(folder), "safetensors")
+    original = loader.iterate_safetensors
+    if sequential:   # one thread, host tensors: the weight loaders copy each from the host
+        loader.iterate_safetensors = lambda weights_dir, _device=None: original(weights_dir, None, 1)
+    try:
+        started = time.perf_counter()
+        model = loader.load_model(source, dtype, device, "safetensors")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
+    finally:
+        loader.iterate_safetensors = original
+    del model
+    return seconds
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b", help="a shipped Llama-family config name or a config.json")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--folder", default=None, help="where to write the checkpoint (default: a temporary folder)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument("--merge-into", default=None, help="also write safetensors_load_gb_s into this result file")
+    args = p.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    config_path = Path(args.model) if Path(args.model).is_file() else CONFIGS_DIR / f"{args.model}.json"
+    meta = run_metadata(device)
+    print(f"device: {meta['device']}\nconfig: {json.dumps(vars(args))}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="safetensors-bench-", dir=args.folder) as tmp:
+        folder = Path(tmp) / "checkpoint"
+        started = time.perf_counter()
+        num_bytes = write_checkpoint(folder, config_path, dtype)
+        write_s = time.perf_counter() - started
+        rows = {}
+        # Alternating, twice each, the faster kept: the first load also pays one-time imports and set-up.
+        for name, sequential in (("parallel", False), ("sequential", True)) * 2:
+            evicted = evict_from_page_cache(folder)
+            seconds = timed_load(folder, dtype, device, sequential)
+            print(f"{name}: {num_bytes / 1e9:.2f} GB in {seconds:.2f} s = {num_bytes / seconds / 1e9:.3f} GB/s",
+                  flush=True)
+            if name not in rows or seconds < rows[name]["seconds"]:
+                rows[name] = {"seconds": round(seconds, 3), "gb_per_s": round(num_bytes / seconds / 1e9, 3),
+                              "page_cache_evicted": evicted}
+    report = {**meta, "model": args.model, "dtype": args.dtype, "weight_bytes": num_bytes,
+              "write_seconds": round(write_s, 3), "loads": rows,
+              "safetensors_load_gb_s": rows["parallel"]["gb_per_s"]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"safetensors_load_{device_slug(meta['device'])}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    if args.merge_into:
+        target = Path(args.merge_into)
+        merged = json.loads(target.read_text()) if target.exists() else {"device": meta["device"]}
+        merged["safetensors_load_gb_s"] = report["safetensors_load_gb_s"]
+        merged["safetensors_load"] = {"model": args.model, "weight_bytes": num_bytes, "loads": rows}
+        target.write_text(json.dumps(merged, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
