@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmarks and GPU tests in named suites. From the repository root on a GPU machine:
 #   MINIVLLM_COMMIT=<sha of the tree> [OUT=DIR] bash bench/gpu_suite.sh SUITE [SUITE ...]
+#   ... bash bench/gpu_suite.sh SUITE@GPUS [SUITE@GPUS ...]   e.g. latency@0 w1@1 tp_faults@2,3
+# SUITE@GPUS runs each suite on its own GPUs (CUDA_VISIBLE_DEVICES), all at the same time, and waits for all; its
+# log is $LOGS/<suite>.out, printed when all have ended. Suites that share a host this way share its CPU cores.
 # Suites (result files <benchmark>_<gpu>.json in $OUT, default bench/results, overwritten):
 #   regression    GPU tests needing no model file; W1 + single stream against the roofline measured in the same
 #                 run (throughput_w1); serving at 1/4/16/64 users on dummy Llama-3-8B (serve)
@@ -17,6 +20,13 @@
 #                 start with an empty and a warm Triton cache; safetensors loading of the 8B shapes (all merged
 #                 into serve_<gpu>.json; run after `regression`, whose serve step writes that file anew)
 #   parallel      2+ GPUs: GPU tests of tests/test_tp.py, bench/tp_bench.py (tp_<gpu>x2)
+#   tp_faults     2+ GPUs: the GPU tests of tests/test_tp.py that need no model file (graphs, dead/stalled rank)
+#   tp_default    4 GPUs: TP = 2 and 4 on the default model in fp32 against TP = 1 (needs the GGUF)
+#   tp4           4 GPUs: Llama-3-70B at TP = 4 (tp_<gpu>x4)
+#   w1            W1 + single stream against the roofline measured in the same run (throughput_w1)
+#   spec_tests    speculation GPU tests (needs the GGUF)
+#   spec_compare  off / n-gram / suffix per workload and batch on the real model (spec_decode, compare part)
+#   spec_load     n-gram under load on dummy Llama-3-8B and the idle speculator's cost (spec_decode_load)
 #   kernels       attention microbenchmark, decode split-K, the prefill attention launch configs
 #   gemm          the int4 and W8A8 tile sweeps at M = 1 and the int4 sweep at W1 sizes
 #   tune          one-row int4 GEMV tiles searched in the whole decode step ($OUT/configs/<device>.json, the file
@@ -25,7 +35,7 @@
 # `timeout` (a hang costs that step's limit; the suite goes on); its log is $LOGS/<step>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,26p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,35p "$0"; exit 2; }
 source bench/gpu_setup.sh
 OUT=${OUT:-bench/results}; LOGS=${LOGS:-/tmp/minivllm_logs}; mkdir -p "$OUT" "$LOGS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -101,13 +111,22 @@ run_suite() {
       --tag "$GPU" --out "$OUT" ;;
   latency)
     local itl_ms=${ITL_MS:-15}   # the target under test (ITL_MS=... to try another)
-    step serve_goodput 590 python3 bench/serve.py --model llama-3-8b --load-format dummy \
-      --request-rate 2,8,12,16,20,24 --num-prompts 128 --input-len 512 --output-len 256 \
+    step serve_goodput 330 python3 bench/serve.py --model llama-3-8b --load-format dummy \
+      --request-rate 4,8,12,16,20,24,28 --num-prompts 100 --input-len 512 --output-len 256 \
       --server-args "--max-itl-ms $itl_ms" --baseline-server-args "" --merge --tag "$GPU" --out "$OUT"
-    step cold_start 540 python3 bench/cold_start.py --model llama-3-8b --load-format dummy --out "$OUT" \
+    step cold_start 200 python3 bench/cold_start.py --model llama-3-8b --load-format dummy --out "$OUT" \
       --merge-into "$OUT/serve_$GPU.json"
-    step safetensors_load 540 python3 bench/safetensors_load.py --model llama-3-8b --out "$OUT" \
+    step safetensors_load 150 python3 bench/safetensors_load.py --model llama-3-8b --out "$OUT" \
       --merge-into "$OUT/serve_$GPU.json" ;;
+  tp_faults) gpu_tests tp_faults 400 tests/test_tp.py -k "not default_model" ;;
+  tp_default) gpu_tests tp_default 240 tests/test_tp.py -k default_model ;;
+  tp4) step tp4 420 python3 bench/tp_bench.py --skip-8b --big-tp 4 --out "$OUT" ;;
+  w1) step throughput_w1 240 python3 bench/throughput.py --skip-peer --out "$OUT" ;;
+  spec_tests) gpu_tests spec 240 tests/test_spec_decode_gpu.py ;;
+  spec_compare) step spec_decode 330 python3 bench/spec_decode.py --parts compare --out "$OUT" ;;
+  spec_load)
+    step spec_decode_load 330 python3 bench/spec_decode.py --parts load,idle --out "$LOGS/load"
+    renamed "$LOGS/load/spec_decode_$GPU.json" "$OUT/spec_decode_load_$GPU.json" ;;
   parallel)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
     gpu_tests parallel 300 tests/test_tp.py
@@ -129,4 +148,17 @@ run_suite() {
   esac
 }
 
-for suite in "$@"; do run_suite "$suite"; mv -f "$OUT"/*server.log "$LOGS"/ 2>/dev/null; done   # server logs: not results
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+pids=(); fanned=()
+for suite in "$@"; do
+  if [[ $suite == *@* ]]; then   # on its own GPUs, in the background
+    name=${suite%@*}; mkdir -p "$LOGS/$name"
+    (export CUDA_VISIBLE_DEVICES=${suite#*@} LOGS="$LOGS/$name"; run_suite "$name") > "$LOGS/$name.out" 2>&1 &
+    pids+=($!); fanned+=("$name")
+  else
+    run_suite "$suite"
+  fi
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+for name in "${fanned[@]}"; do echo "==== $name"; cat "$LOGS/$name.out"; done
+mv -f "$OUT"/*server.log "$LOGS"/ 2>/dev/null   # server logs: not results

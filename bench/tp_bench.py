@@ -382,7 +382,9 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar, big_int4=None, served=None, e
     result["tp1_8b"] = engine_row(tp1, sizes["model_8b"], 1)
     result["tp2_8b"] = engine_row(tp2, sizes["model_8b"], 2)
     result["dp2_8b"] = dp2
-    result["tp2_70b"] = engine_row(big, sizes["model_70b"], 2)
+    big_tp = getattr(args, "big_tp", 2)
+    big_key = f"tp{big_tp}_70b"
+    result[big_key] = engine_row(big, sizes["model_70b"], big_tp)
     result["tp2_70b_int4"] = engine_row(big_int4, sizes["model_70b"], 2, with_floor=False)   # bf16 floors only
     result["tp2_70b_serve"] = served
     result["tp2_eager_8b"] = engine_row(eager, sizes["model_8b"], 2)
@@ -391,7 +393,7 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar, big_int4=None, served=None, e
         result["tp2_over_tp1_single"] = result["tp2_8b"]["single_tokens_per_s"] / result["tp1_8b"]["single_tokens_per_s"]
     if tp1 and dp2:
         result["dp2_over_tp1_w1"] = dp2["w1_output_tokens_per_s"] / result["tp1_8b"]["w1_output_tokens_per_s"]
-    for key, run in (("tp2_8b", tp2), ("tp2_70b", big)):
+    for key, run in (("tp2_8b", tp2), (big_key, big)):
         if run is not None:
             result[f"{key}_step_profile"] = run.get("profile") or run.get("profile_error")
     if ar:
@@ -412,13 +414,13 @@ def summarize(args, sizes, tp1, tp2, dp2, big, ar, big_int4=None, served=None, e
                                "layers": cfg.num_hidden_layers, "step_ms": ms,
                                "allreduce_share_of_step": per_layer_us * cfg.num_hidden_layers / (ms * 1e3)})
         result["allreduce_share"] = shares
-    headline(result, sizes)
+    headline(result, sizes, big_tp)
     return result
 
 
-def headline(result: dict, sizes: dict) -> None:
+def headline(result: dict, sizes: dict, big_tp: int = 2) -> None:
     """The figures people look for first, as top-level keys (None where a run is missing)."""
-    tp1, tp2, big = result.get("tp1_8b") or {}, result.get("tp2_8b") or {}, result.get("tp2_70b") or {}
+    tp1, tp2, big = result.get("tp1_8b") or {}, result.get("tp2_8b") or {}, result.get(f"tp{big_tp}_70b") or {}
     result.update(tp1_w1_out_tok_s=tp1.get("w1_output_tokens_per_s"), tp2_w1_out_tok_s=tp2.get("w1_output_tokens_per_s"),
                   dp2_w1_out_tok_s=(result.get("dp2_8b") or {}).get("w1_output_tokens_per_s"),
                   tp1_single_tok_s=tp1.get("single_tokens_per_s"), tp2_single_tok_s=tp2.get("single_tokens_per_s"))
@@ -439,10 +441,10 @@ def headline(result: dict, sizes: dict) -> None:
         result.update(llama70b_tp2_serve_ttft_p50_ms_c4=levels["4"]["ttft_ms"]["p50"],
                       llama70b_tp2_serve_itl_p95_ms_c64=levels[str(sizes["w1"][0])]["itl_ms"]["p95"])
     if big:
-        result.update(llama70b_tp2_w1_out_tok_s=big.get("w1_output_tokens_per_s"),
-                      llama70b_tp2_w1_over_floor=big.get("w1_over_floor"),
-                      llama70b_tp2_single_tok_s=big.get("single_tokens_per_s"),
-                      llama70b_tp2_single_over_floor=big.get("single_over_floor"))
+        result.update({f"llama70b_tp{big_tp}_w1_out_tok_s": big.get("w1_output_tokens_per_s"),
+                       f"llama70b_tp{big_tp}_w1_over_floor": big.get("w1_over_floor"),
+                       f"llama70b_tp{big_tp}_single_tok_s": big.get("single_tokens_per_s"),
+                       f"llama70b_tp{big_tp}_single_over_floor": big.get("single_over_floor")})
 
 
 def merged(old: dict, new: dict) -> dict:
@@ -553,6 +555,8 @@ def parse_args(argv):
     p.add_argument("--eager", action="store_true", help="also the 8B at TP = 2 with enforce_eager (no CUDA graphs)")
     p.add_argument("--int4", action="store_true", help="also the 70B with int4 (GPTQ layout) weights at TP = 2")
     p.add_argument("--serve", action="store_true", help="also serve the 70B at TP = 2 (openai SDK + serve.py)")
+    p.add_argument("--big-tp", type=int, default=2,
+                   help="the 70B's tensor-parallel size (keys tp<N>_70b, llama70b_tp<N>_*; default file tp_<gpu>x<N>)")
     p.add_argument("--update", action="store_true",
                    help="merge the parts run into the existing tp_<tag>.json instead of replacing it")
     args = p.parse_args(argv)
@@ -582,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ar = _load(work, "allreduce") if _child(args, "allreduce", work, "allreduce", [], timeout_s=120) == 0 else None
     if not args.skip_70b:   # graphs up to 512 tokens only: capturing the 70B's mixed graphs costs minutes
         flags = {"roofline": True} if tp1 is None else {}
-        big = run_engine(args, sizes, work, "tp2_70b", sizes["model_70b"], 2, timeout_s=330,
+        big = run_engine(args, sizes, work, f"tp{args.big_tp}_70b", sizes["model_70b"], args.big_tp, timeout_s=330,
                          cuda_graph_max_tokens=512, **flags)
     big_int4 = served = eager = None
     if args.eager:
@@ -594,13 +598,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.serve:
         served = run_serve(args, sizes, work, sizes["model_70b"], 2)
     result = summarize(args, sizes, tp1, tp2, dp2, big, ar, big_int4, served, eager)
+    big_key = f"tp{args.big_tp}_70b"
     for key, value in run_metadata(torch.device(args.device)).items():   # no engine child ran (serving alone)
         result.setdefault(key, value)
     result["bench_wall_s"] = time.perf_counter() - started
     result["command"] = " ".join(["python", "bench/tp_bench.py", *(sys.argv[1:] if argv is None else argv)])
-    tag = args.tag or (f"{gpu_tag()}x2" if args.device == "cuda" else "cpu")
+    tag = args.tag or (f"{gpu_tag()}x{max(2, args.big_tp)}" if args.device == "cuda" else "cpu")
     path = args.out / f"tp_{tag}.json"
-    ran = [part for part, run in (("8b", tp1 or tp2 or dp2), ("8b_eager", eager), ("70b", big),
+    ran = [part for part, run in (("8b", tp1 or tp2 or dp2), ("8b_eager", eager),
+                                  ("70b" if args.big_tp == 2 else f"70b_tp{args.big_tp}", big),
                                   ("70b_int4", big_int4), ("serve_70b", served)) if run]
     result["parts"] = {part: {k: result[k] for k in ("commit", "date", "command")} for part in ran}
     if args.update and path.is_file():
@@ -608,11 +614,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     write_json(path, result)
     plot(result, path.with_suffix(".png"))
     rows = [{"config": k, **{c: v for c, v in (result.get(k) or {}).items() if not isinstance(v, (list, dict))}}
-            for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_eager_8b", "tp2_70b", "tp2_70b_int4") if result.get(k)]
+            for k in ("tp1_8b", "tp2_8b", "dp2_8b", "tp2_eager_8b", big_key, "tp2_70b_int4") if result.get(k)]
     print_table(rows, "tensor / data parallel")
     print_table(result.get("allreduce", []), "all-reduce")
     print_table(result.get("allreduce_share", []), "all-reduce share of a decode step (microbenchmark x layers)")
-    for key in ("tp2_8b_step_profile", "tp2_70b_step_profile"):
+    for key in ("tp2_8b_step_profile", f"{big_key}_step_profile"):
         if isinstance(result.get(key), list):
             print_table(result[key], f"{key}: all-reduce in the profiled steps (driver)")
     print(f"wrote {path} in {result['bench_wall_s']:.0f} s")

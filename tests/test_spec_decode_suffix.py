@@ -10,7 +10,7 @@ from minivllm import SamplingParams
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import SpeculationController
-from minivllm.spec_decode.ngram import token_history
+from minivllm.spec_decode.ngram import NgramProposer, token_history
 from minivllm.spec_decode.suffix import MAX_OCCURRENCES, SuffixCache, SuffixProposer
 from tests.test_spec_decode import _decoding_batch
 
@@ -125,6 +125,21 @@ def test_the_cache_keeps_the_latest_outputs_and_frees_the_rest():
     alone.add(outputs[0])
     alone.work(float("inf"))
     assert bounded.num_cached == 1 and bounded.num_nodes == alone.num_nodes
+
+
+def test_proposals_behind_a_token_in_flight_skip_it_without_losing_drafts():
+    """Under async scheduling a sequence's newest token is still being sampled when it proposes: the
+    continuation's first token stands for it, and the drafts after it are as many as the match earns."""
+    suffix = SuffixProposer(DEPTH, max_cached_requests=0, max_spec_factor=FACTOR, min_token_prob=MIN_PROB)
+    history = [5, 7, 8, 9, 5]                       # "5" recurs once, followed by 7 8 9: a 1-token match
+    assert suffix.propose(history, 3) == [7]         # earns one draft ...
+    assert suffix.propose(history, 3, skip=1) == [8]  # ... after the stand-in for the token in flight too
+    assert suffix.propose([1, 2, 3, 9, 1, 2, 3], 2, skip=1) == [1, 2]   # a 3-token match earns 2 (k)
+    rng = np.random.default_rng(1)
+    ngram = NgramProposer(1, 3)
+    for _ in range(300):
+        tokens, k = rng.choice(np.arange(3), rng.integers(2, 30)).tolist(), int(rng.integers(1, 6))
+        assert ngram.propose(tokens, k, skip=1) == ngram.propose(tokens, k + 1)[1:]
 
 
 def test_suffix_config_and_cache_of_other_requests_outputs():

@@ -276,8 +276,8 @@ class SpeculationController:
                 history = self._history(seq)
                 if seq.drafts_in_flight:
                     history = history + token_history(seq.drafts_in_flight)
-                seq.spec_token_ids = (proposer.propose(history, cap + 1)[1:] if behind
-                                      else proposer.propose(history, cap))
+                # Behind: the continuation's first token stands for the one in flight.
+                seq.spec_token_ids = proposer.propose(history, cap, skip=1 if behind else 0)
                 self.num_proposed_behind += bool(behind and seq.spec_token_ids)
                 self._count(seq, tried=True, proposed=bool(seq.spec_token_ids))
             else:

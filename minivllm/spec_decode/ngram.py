@@ -26,9 +26,9 @@ class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, token_ids, k: int) -> list[int]:
-        """Up to `k` draft tokens continuing `token_ids` (a list or a `token_history`); [] when no n-gram
-        of the tail recurs."""
+    def propose(self, token_ids, k: int, skip: int = 0) -> list[int]:
+        """Up to `k` draft tokens continuing `token_ids` (a list or a `token_history`) after its first `skip`
+        continuation tokens (which stand for tokens still in flight); [] when no n-gram of the tail recurs."""
         length = len(token_ids)
         if k <= 0 or length < self.min_n + 1:
             return []
@@ -40,7 +40,7 @@ class NgramProposer:
             end = before_last
             while (at := data.rfind(tail, 0, end)) >= 0:
                 if at % ITEM == 0:   # the most recent match continues best in practice
-                    start = at // ITEM + n
+                    start = at // ITEM + n + skip
                     return history[start:start + k].tolist()
                 end = at + len(tail) - 1   # straddles tokens: look further back
         return []

@@ -196,23 +196,26 @@ class SuffixProposer:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
         self.cache = SuffixCache(max_depth, max_cached_requests)
 
-    def _limit(self, match_len: int, k: int) -> int:
-        return min(k, max(1, int(self.max_spec_factor * match_len)), self.max_depth - match_len)
+    def _limit(self, match_len: int, k: int, skip: int = 0) -> int:
+        """Continuation tokens to follow: `skip` stand-ins, then at most `k` drafts, as many as the match
+        length allows (the stand-ins do not use up the drafts a match earns)."""
+        return min(min(k, max(1, int(self.max_spec_factor * match_len))) + skip, self.max_depth - match_len)
 
-    def propose(self, token_ids, k: int) -> list[int]:
-        """Up to `k` draft tokens continuing `token_ids` (a list or a `token_history`)."""
+    def propose(self, token_ids, k: int, skip: int = 0) -> list[int]:
+        """Up to `k` draft tokens continuing `token_ids` (a list or a `token_history`) after its first `skip`
+        continuation tokens (which stand for tokens still in flight)."""
         if k <= 0 or len(token_ids) < 2:
             return []
         history = token_history(token_ids)
-        own, own_score = self.propose_own(history, k)
+        own, own_score = self.propose_own(history, k, skip)
         node, match_len = self.cache.match(history)
         if match_len:
-            other, score = self.cache.draft(node, self._limit(match_len, k), self.min_token_prob)
-            if score > own_score:
-                return other
-        return own
+            other, score = self.cache.draft(node, self._limit(match_len, k, skip), self.min_token_prob)
+            if score > own_score and len(other) > skip:
+                return other[skip:]
+        return own[skip:]
 
-    def propose_own(self, history: array, k: int) -> tuple[list[int], float]:
+    def propose_own(self, history: array, k: int, skip: int = 0) -> tuple[list[int], float]:
         """The draft from the sequence's own tokens, and its score."""
         n = len(history)
         data = history.tobytes()
@@ -235,7 +238,7 @@ class SuffixProposer:
                 high = mid - 1
         if low == 0:
             return [], 0.0
-        limit = self._limit(low, k)
+        limit = self._limit(low, k, skip)
         continuations, stop = [], end
         while len(continuations) < MAX_OCCURRENCES and (at := latest(low, stop)) >= 0:
             continuations.append(history[at + low:min(n, at + low + limit)])
