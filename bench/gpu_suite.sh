@@ -118,7 +118,7 @@ run_suite() {
       --merge-into "$OUT/serve_$GPU.json"
     step safetensors_load 150 python3 bench/safetensors_load.py --model llama-3-8b --out "$OUT" \
       --merge-into "$OUT/serve_$GPU.json" ;;
-  tp_faults) gpu_tests tp_faults 400 tests/test_tp.py -k "not default_model" ;;
+  tp_faults) gpu_tests tp_faults 400 tests/test_tp.py -v -k "not default_model" ;;
   tp_default) gpu_tests tp_default 240 tests/test_tp.py -k default_model ;;
   tp4) step tp4 420 python3 bench/tp_bench.py --skip-8b --big-tp 4 --out "$OUT" ;;
   w1) step throughput_w1 240 python3 bench/throughput.py --skip-peer --out "$OUT" ;;

@@ -33,7 +33,8 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea and the
 SMALL_POOL = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128, max_num_seqs=6)
 
 
-@pytest.mark.parametrize("heads,kv_heads,ranks", [(9, 3, 2), (32, 8, 2), (32, 8, 3), (8, 2, 4), (64, 8, 8)])
+@pytest.mark.parametrize("heads,kv_heads,ranks", [(9, 3, 2), (32, 8, 2), (32, 8, 3), (8, 2, 4), (64, 8, 8),
+                                                   (9, 3, 4), (9, 3, 5), (8, 2, 8)])
 def test_head_partition_covers_every_head_once_with_its_kv_head(heads, kv_heads, ranks):
     group = heads // kv_heads
     seen = []
@@ -41,14 +42,16 @@ def test_head_partition_covers_every_head_once_with_its_kv_head(heads, kv_heads,
         q0, nq, kv0, nkv = attention_head_partition(heads, kv_heads, rank, ranks)
         assert nq > 0 and nkv > 0
         seen += range(q0, q0 + nq)
-        assert all(kv0 <= h // group < kv0 + nkv for h in range(q0, q0 + nq))  # each q head sees its KV head
-        assert nq == nkv * group or nkv == 1
+        assert nq % nkv == 0   # the kernels' mapping: local q head j reads local KV head j // (nq // nkv)
+        assert all(kv0 + j // (nq // nkv) == (q0 + j) // group for j in range(nq))
     assert seen == list(range(heads))
 
 
 def test_head_partition_rejects_splits_that_do_not_fit():
     with pytest.raises(ValueError, match="tensor_parallel_size 3"):
-        attention_head_partition(8, 2, 0, 3)
+        attention_head_partition(8, 2, 0, 3)   # rank 1's heads 3-5 read KV head 0 once and KV head 1 twice
+    with pytest.raises(ValueError, match="tensor_parallel_size 4"):
+        attention_head_partition(3, 1, 0, 4)   # more ranks than query heads
 
 
 def test_split_evenly_tiles_the_range():
@@ -117,6 +120,14 @@ def _tiny_greedy(folder, tp: int, **options) -> tuple[list[list[int]], object, i
                 0 if graphs is None else len(graphs.graphs))
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tp4_replicates_kv_heads_split_across_ranks_like_tp1(tmp_path):
+    """SmolLM2's head layout (9 query heads, 3 KV heads) at TP = 4: ranks hold 3, 2, 2, 2 query heads and one
+    rank reads two KV heads, the others one (replicas of a KV head on two ranks)."""
+    make_tiny_hf_checkpoint(tmp_path, "llama3", hidden_size=72, num_attention_heads=9, num_key_value_heads=3)
+    options = dict(kv_cache_memory=4 << 20)
+    assert _tiny_greedy(tmp_path, 4, **options)[0] == _tiny_greedy(tmp_path, 1, **options)[0]
 
 
 def test_tp2_shards_biases_and_tied_embeddings_like_tp1(tmp_path):

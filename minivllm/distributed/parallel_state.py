@@ -141,18 +141,26 @@ def attention_head_partition(num_heads: int, num_kv_heads: int, rank: int | None
 
     KV heads split across ranks, each taking the query heads of its KV groups (so a query head always
     sits with its KV head; with 3 KV heads on 2 ranks one rank gets 2 groups, the other 1). With fewer
-    KV heads than ranks, query heads split evenly and each rank keeps a replica of the one KV head its
-    query heads read."""
+    KV heads than ranks, query heads split evenly and each rank keeps replicas of the KV heads its query
+    heads read (SmolLM2's 9 heads and 3 KV heads on 4 ranks: 3, 2, 2, 2 query heads reading KV heads
+    {0}, {1}, {1, 2}, {2}). The attention kernels map a rank's query heads to its KV heads in equal runs,
+    so a split that would give one KV head more of a rank's query heads than another is refused."""
     rank = get_tp_rank() if rank is None else rank
     size = get_tp_size() if size is None else size
     group = num_heads // num_kv_heads
     if num_kv_heads >= size:
         kv_start, kv_count = split_evenly(num_kv_heads, size, rank)
         return kv_start * group, kv_count * group, kv_start, kv_count
-    if size % num_kv_heads or num_heads % size:
-        raise ValueError(f"tensor_parallel_size {size} does not fit {num_heads} heads with {num_kv_heads} KV "
-                         "heads: with fewer KV heads than ranks, the rank count must be a multiple of the KV "
-                         "head count and divide the head count")
-    q_count = num_heads // size
-    q_start = rank * q_count
-    return q_start, q_count, q_start // group, 1
+    for r in range(size):   # every rank's split must fit, not only this one's
+        q_start, q_count = split_evenly(num_heads, size, r)
+        kv_start = q_start // group
+        kv_count = (q_start + q_count - 1) // group + 1 - kv_start if q_count else 0
+        runs = [min(q_start + q_count, (kv + 1) * group) - max(q_start, kv * group)
+                for kv in range(kv_start, kv_start + kv_count)]
+        if not q_count or len(set(runs)) != 1:
+            raise ValueError(f"tensor_parallel_size {size} does not fit {num_heads} heads with {num_kv_heads} KV "
+                             f"heads: rank {r}'s query heads would not read its KV heads in equal runs "
+                             "(choose a size that divides the head count or the KV head count)")
+        if r == rank:
+            result = q_start, q_count, kv_start, kv_count
+    return result
