@@ -32,6 +32,10 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
 _BACKEND: str | None = None
 _ABORT_DONE: threading.Event | None = None   # set once the NCCL abort (started at most once) has returned
+# The process groups of an NCCL group this process has left, kept for the life of the process: dropping the last
+# reference runs the NCCL group's destructor, which waits for its communicator, and with a rank lost the
+# driver's shutdown blocked there on H200s (its main thread stuck at the reset of these globals).
+_RETIRED: list = []
 _PROGRESS_KEY = "minivllm/progress/{}"
 
 
@@ -102,6 +106,7 @@ def destroy_distributed(wait_s: float = 10.0) -> None:
     if _BACKEND == "nccl":
         if not abort_distributed(wait_s):
             logger.error("the NCCL abort did not return within %.0f s; leaving the group without it", wait_s)
+        _RETIRED.extend(group for group in (_TP_GROUP, _CPU_GROUP) if group is not None)
     elif dist.is_initialized():
         dist.destroy_process_group()
     _RANK, _SIZE, _TP_GROUP, _CPU_GROUP, _BACKEND, _ABORT_DONE = 0, 1, None, None, None, None

@@ -246,12 +246,14 @@ class LLMEngine:
             timed = self.spec is not None or self.scheduler.step_costs is not None
             pending = self.runner.execute_async(scheduler_output, bitmask, timed)
             launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch)
-            if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
-                self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
-            if waited_for_verify:   # the device idled from the read-back until now (see SpeculationController.chains)
-                self.spec.observe_host_gap(time.perf_counter() - self._read_back_at)
-            if self.spec is not None:   # the device is busy: the suffix cache's inserts wait for nothing
-                self.spec.work_after_launch()
+            # (A controller swapped in between runs, as bench/spec_decode.py does, may find the previous one's
+            # step in flight, hence the checks of self.spec.)
+            if self.spec is not None:
+                if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
+                    self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
+                if waited_for_verify:   # the device idled from the read-back until now (SpeculationController.chains)
+                    self.spec.observe_host_gap(time.perf_counter() - self._read_back_at)
+                self.spec.work_after_launch()   # the device is busy: the suffix cache's inserts wait for nothing
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
             read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
@@ -310,7 +312,7 @@ class LLMEngine:
             if not dropped:
                 self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
                 self.num_generation_tokens += len(samples)
-        if scheduler_output.spec_token_ids:
+        if scheduler_output.spec_token_ids and self.spec is not None:
             for seq, drafts, samples, dropped in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
                                                      model_output.sampled_token_ids, discarded):
                 if drafts and samples and not dropped and not seq.is_finished:   # (not aborted meanwhile)
