@@ -188,6 +188,8 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
     startup = StartupTimes()
     sock = bind_socket(host, port)
     startup.lap("bind_socket")
+    import minivllm.engine.llm_engine  # noqa: F401  (the engine stack's modules: timed as their own phase)
+    startup.lap("engine_imports")
     engine = AsyncEngine.from_config(engine_config)
     startup.lap("engine_init")
     startup.phases.update(getattr(engine.engine, "startup_seconds", {}))
@@ -219,9 +221,10 @@ def _process_age() -> float | None:
 class StartupTimes:
     """Seconds of each phase of `minivllm serve`'s start, logged as one JSON line (`startup phases (s): {...}`)
     and exported as `minivllm:startup_phase_seconds{phase=...}` once the server accepts requests. "imports" runs
-    from the process's creation to `run_server` (interpreter, torch, transformers, the package); the engine's
-    phases (resolve_model, tokenizer, load_weights, profile_run, kv_cache_allocation, cuda_graph_capture) lie
-    inside "engine_init"; "total" runs from the process's creation to serving."""
+    from the process's creation to `run_server` (interpreter, torch, transformers, the server's modules),
+    "engine_imports" imports the engine stack (runner, models, kernels); the engine's phases (resolve_model,
+    tokenizer, cuda_init, load_weights, profile_run, kv_cache_allocation, cuda_graph_capture) lie inside
+    "engine_init"; "total" runs from the process's creation to serving."""
 
     def __init__(self) -> None:
         age = _process_age()

@@ -75,6 +75,10 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         # Seconds of each start-up phase (the engine and server add theirs; `minivllm serve` logs them).
         self.startup_seconds: dict[str, float] = {}
+        if self.device.type == "cuda":   # the CUDA context, timed apart from the weights that follow
+            started = time.perf_counter()
+            torch.empty(0, device=self.device)
+            self.startup_seconds["cuda_init"] = time.perf_counter() - started
         started = time.perf_counter()
         self.model = load_model(source, self.dtype, self.device, config.load_format, config.seed,
                                 config.quantization)
