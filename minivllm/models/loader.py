@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +18,6 @@ import torch
 import transformers
 from torch import nn
 
-from minivllm.distributed import get_tp_size
 from minivllm.layers.fusion import fuse_input_quantization
 from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
 from minivllm.models.kv_cache_scales import extract_kv_cache_scales, set_kv_cache_scales
@@ -158,41 +155,11 @@ def safetensors_files(weights_dir: str) -> list[Path]:
     return files
 
 
-# Tensors read ahead of the one being loaded. Reading a tensor pages it in from the file, and moving it to the
-# device copies it with the GIL released, so several readers keep the disk and the copy engine busy at once;
-# the window bounds the device memory held by tensors read but not yet loaded.
-LOAD_THREADS = 8
-LOAD_WINDOW = 2 * LOAD_THREADS
-
-
-def iterate_safetensors(weights_dir: str, device: torch.device | str | None = None,
-                        num_threads: int = LOAD_THREADS) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every shard's tensors, in file order, on the host; or, with `device`, moved there by
-    `num_threads` threads in parallel, so the weight loaders copy on the device."""
-    files = safetensors_files(weights_dir)
-    if num_threads <= 1 or device is None:   # host tensors: the weight loaders' copies are the work
-        for file in files:
-            with open_safetensors(file) as f:
-                for name in f.keys():
-                    yield name, _read_tensor(f, name, device)
-        return
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(num_threads, "minivllm-load") as pool:
-        handles = [stack.enter_context(open_safetensors(file)) for file in files]
-        pending: deque = deque()
-        for f in handles:
+def iterate_safetensors(weights_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(weights_dir):
+        with open_safetensors(file) as f:
             for name in f.keys():
-                pending.append((name, pool.submit(_read_tensor, f, name, device)))
-                if len(pending) >= LOAD_WINDOW:
-                    name_done, future = pending.popleft()
-                    yield name_done, future.result()
-        while pending:
-            name_done, future = pending.popleft()
-            yield name_done, future.result()
-
-
-def _read_tensor(handle, name: str, device: torch.device | str | None) -> torch.Tensor:
-    tensor = handle.get_tensor(name)
-    return tensor if device is None else tensor.to(device)
+                yield name, f.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -245,12 +212,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model.load_weights(gguf_quantized_weights(source.gguf_file, source.weights_dir, source.hf_config.to_dict()))
     else:
         kv_cache_scales: dict[int, dict[str, float]] = {}   # an fp8 KV cache's per-layer scales, if stored
-        # Dense weights go to the device as they are read; a quantized format's loaders repack on the host, and
-        # a tensor-parallel rank copies only its shard.
-        direct = quant_config is None and torch.device(device).type == "cuda" and get_tp_size() == 1
-        read_to = device if direct else None
-        weights = iterate_safetensors(source.weights_dir, read_to)
-        model.load_weights(extract_kv_cache_scales(weights, kv_cache_scales))
+        model.load_weights(extract_kv_cache_scales(iterate_safetensors(source.weights_dir), kv_cache_scales))
         set_kv_cache_scales(model, kv_cache_scales)
     process_weights_after_loading(model)
     fuse_input_quantization(model)
