@@ -1,5 +1,6 @@
-"""The fused MoE Triton kernel against its PyTorch reference (under TRITON_INTERPRET=1 without CUDA):
-odd token counts, every expert hit, some experts empty, and the sort/pad bookkeeping on its own."""
+"""The fused MoE Triton kernels against their PyTorch reference (under TRITON_INTERPRET=1 without CUDA):
+the grouped path and the few-token GEMV path, odd token counts and shapes, every expert hit, some experts
+empty, every token on the same experts, and the sort/pad bookkeeping on its own."""
 import os
 
 import torch
@@ -11,7 +12,7 @@ import pytest  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
-    fused_experts, fused_experts_reference, moe_align_block_size)
+    GEMV_TILES, fused_experts, fused_experts_reference, moe_align_block_size)
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,6 +52,33 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
     ours = fused_experts(x, w13, w2, weights, ids)
     expected = fused_experts_reference(x, w13, w2, weights, ids)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[0], GEMV_TILES[-1]])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, allowed", [
+    (1, 8, 2, None),            # one token: two experts hit, six empty
+    (3, 6, 3, {1, 4, 5}),       # every token on the same three experts (over-full), three empty
+    (5, 8, 2, {0, 7}),          # two experts take every slot
+])
+def test_both_paths_match_the_reference_on_few_tokens(num_tokens, num_experts, top_k, allowed, tile):
+    hidden, inter = 72, 40   # not multiples of any tile
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32)
+    x, weights, ids = _routing(num_tokens, num_experts, top_k, hidden, torch.float32, allowed)
+    ours = fused_experts(x, w13, w2, weights, ids, tile=tile)
+    torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_few_token_path_rounds_like_the_grouped_path_in_bf16():
+    """bf16: the GEMV path rounds the gate/up products and the activation where the grouped path does, so
+    the two agree to a bf16 ulp or so, and both to the fp32 computation within bf16 rounding."""
+    w13, w2 = _weights(8, 64, 48, torch.bfloat16)
+    x, weights, ids = _routing(4, 8, 2, 64, torch.bfloat16)
+    gemv = fused_experts(x, w13, w2, weights, ids, tile=GEMV_TILES[1])
+    grouped = fused_experts(x, w13, w2, weights, ids, tile="grouped")
+    assert gemv.dtype == torch.bfloat16
+    torch.testing.assert_close(gemv.float(), grouped.float(), rtol=1e-2, atol=1e-2)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(gemv.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_fused_experts_bf16_rounds_like_a_linear_layer():

@@ -14,6 +14,14 @@ Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate
    act[slot] @ w2[e]^T scaled by the routing weight -> [slots, H]; the top_k slots of each token are
    summed at the end. fp32 accumulation, one rounding to the model dtype per GEMM, like a linear layer.
 
+A few tokens (decode) take another path: with `top_k` slots a token and up to `GEMV_MAX_SLOTS` slots, the
+sort, the padding to whole tiles and the tensor-core tiles cost more than they save, since each expert sees
+one or two rows. `_moe_gate_up_gemv_kernel` reads each slot's expert id straight from `topk_ids` (no sort, no
+host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU-and-mul fused; then
+`_moe_down_gemv_kernel` streams its down rows and applies the routing weight. Which path runs is timed per
+slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles), with the
+grouped path among the candidates, so the few-token path is only used where it measures faster.
+
 `fused_experts_reference` is the plain-PyTorch computation (the loop over experts HF uses); the MoE
 layer runs it on CPU and the tests compare the kernel against it.
 """
@@ -24,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.kernels import tuning
 from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 
@@ -121,17 +130,84 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
         DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_upcast_dot(a.dtype), **config)
 
 
-def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Same contract as `fused_experts_reference`, in two grouped-GEMM launches."""
+@triton.jit
+def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn, stride_om,
+                             TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
+    slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu)."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + I * stride_wn
+    x_row = x_ptr + (slot // TOP_K) * stride_xm
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + slot * stride_om + offs_n, activated.to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
+                          stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot, n] = weight[slot] * (a[slot] . w2[e, n]) for the slot's expert e."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    a_row = a_ptr + slot * stride_am
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                      .to(tl.float32) * a, axis=1)
+    acc = acc * tl.load(weights_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + slot * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+GEMV_MAX_SLOTS = 128   # 16 tokens of top-8 routing: above this the grouped path is the only candidate
+# (BLOCK_N, BLOCK_K, num_warps) of the few-token path; None is the grouped path.
+GEMV_TILES = ((16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 8))
+
+
+def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, tile: tuple[int, int, int]) -> torch.Tensor:
+    """`fused_experts` for a few tokens: one GEMV pair per (token, expert) slot (see the module docstring)."""
+    block_n, block_k, num_warps = tile
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    ids = topk_ids.reshape(-1).contiguous()
+    activated = torch.empty((num_slots, inter), dtype=hidden_states.dtype, device=hidden_states.device)
+    _moe_gate_up_gemv_kernel[(num_slots, triton.cdiv(inter, block_n))](
+        hidden_states, w13, ids, activated, inter, hidden, hidden_states.stride(0), w13.stride(0), w13.stride(1),
+        activated.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
+    _moe_down_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
+        activated, w2, ids, topk_weights.reshape(-1).contiguous().float(), down, hidden, inter, activated.stride(0),
+        w2.stride(0), w2.stride(1), down.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden {hidden}")
-    if num_tokens == 0:
-        return torch.zeros_like(hidden_states)
-    hidden_states = hidden_states.contiguous()
     num_slots = num_tokens * top_k
     config = _tile_config(num_slots, num_experts)
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
@@ -141,3 +217,30 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     _grouped_gemm(activated, w2, down, topk_weights.contiguous().float(), sorted_ids, expert_ids, 1, config)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile=None) -> torch.Tensor:
+    """Same contract as `fused_experts_reference`: the few-token path or the grouped GEMMs, whichever the tuner
+    timed faster for this slot count (`tile` forces one: a GEMV_TILES entry, or "grouped")."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden {hidden}")
+    if num_tokens == 0:
+        return torch.zeros_like(hidden_states)
+    hidden_states = hidden_states.contiguous()
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        w13, w2 = w13.contiguous(), w2.contiguous()
+    num_slots = num_tokens * top_k
+    if tile is None and num_slots <= GEMV_MAX_SLOTS:
+        def run(candidate, w13_copy, w2_copy):
+            return fused_experts(hidden_states, w13_copy, w2_copy, topk_weights, topk_ids, candidate or "grouped")
+        # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
+        default = GEMV_TILES[0] if num_slots <= 32 else None
+        key = ("moe_experts", hidden_states.dtype, num_slots, num_experts, two_i, hidden)
+        tile = tuning.pick(key, (None, *GEMV_TILES), run, default, weights=(w13, w2)) or "grouped"
+    if tile is None or tile == "grouped":
+        return _grouped_experts(hidden_states, w13, w2, topk_weights, topk_ids)
+    return _few_token_experts(hidden_states, w13, w2, topk_weights, topk_ids, tile)
