@@ -131,15 +131,21 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
 
 
 @triton.jit
+def _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N: tl.constexpr):
+    """This program's slot, its BLOCK_N output columns (and their mask) and the pointers to those rows of the
+    slot's expert's weight."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slot, offs_n, offs_n < N, w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+
+
+@triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn, stride_om,
                              TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
     slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu)."""
-    slot = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    slot, offs_n, n_mask, gate_rows = _slot_rows(w_ptr, ids_ptr, I, stride_we, stride_wn, BLOCK_N)
     up_rows = gate_rows + I * stride_wn
     x_row = x_ptr + (slot // TOP_K) * stride_xm
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -161,11 +167,7 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, st
 def _moe_down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                           stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[slot, n] = weight[slot] * (a[slot] . w2[e, n]) for the slot's expert e."""
-    slot = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    slot, offs_n, n_mask, rows = _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N)
     a_row = a_ptr + slot * stride_am
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
