@@ -8,11 +8,11 @@ length k_i (0 for most under load) to maximise expected tokens per second:
 
 with a_i the sequence's acceptance rate per draft (accepted / (accepted + rejected)) and h_i the share of
 its tries in which the proposer had anything to propose (lookups often find nothing), each with a prior
-from all sequences; costs come from `StepCosts` (core/step_costs.py), measured on the device. The j-th draft of
-sequence i gains h_i a_i^j tokens, so the drafts of all sequences are taken in order of that gain and the
-best prefix of that order wins: at batch 1, where a verify step costs about a plain one, every likely draft
-goes; at a larger batch only the sequences whose drafts are accepted often enough to pay for their verify
-rows do; and when no prefix beats plain decoding by 2%, nobody speculates. While nobody does,
+from all sequences; costs come from `StepCosts` (core/step_costs.py), measured on the device. The j-th
+draft of sequence i gains h_i a_i^j tokens, so the drafts of all sequences are taken in order of that gain
+and the best prefix of that order wins: at batch 1, where a verify step costs about a plain one, every
+likely draft goes; at a larger batch only the sequences whose drafts are accepted often enough to pay for
+their verify rows do; and when no prefix beats plain decoding by 2%, nobody speculates. While nobody does,
 speculation is tried again after `EXPLORE_EVERY` plain steps, by `EXPLORE_SEQS` sequences (in turn): a
 try costs a few tokens, not a verify step of the whole batch (at 256 x 512 -> 256 on an H100, whole-batch
 tries cost 4.6% of throughput). Each try that does not switch speculation back on doubles the wait (up to
@@ -24,8 +24,8 @@ steps, at batches of `QUIET_BATCH` or more (where an estimate costs the host a f
 0.6 ms at 256 sequences on the H100's host) for `QUIET_STEPS_LARGE_BATCH`, a wait that doubles while the
 answer stays 0 (up to `MAX_QUIET_STEPS`). The wait ends early when the batch it was chosen for is gone:
 a small batch that changes size, or a large one that shrinks below `QUIET_BATCH`, and when a try brings
-new measurements. A quiet step and a
-k = 0 `propose` touch no sequence (only those given drafts the step before). Likewise, when every draft wins by over a quarter on measured costs, that answer stands for
+new measurements. A quiet step and a k = 0 `propose` touch no sequence (only those given drafts the step
+before). Likewise, when every draft wins by over a quarter on measured costs, that answer stands for
 `SURE_STEPS` more steps while the batch keeps its size.
 
 Host proposers (n-gram, suffix) run here (they need only token ids). They do not wait for the step in
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
+from minivllm.core.step_costs import StepCosts
 from minivllm.spec_decode.chaining import ChainPolicy
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer, token_history
-from minivllm.core.step_costs import StepCosts
 from minivllm.spec_decode.suffix import SuffixProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
