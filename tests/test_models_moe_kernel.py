@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
     GEMV_TILES, fused_experts, fused_experts_reference, moe_align_block_size)
+from minivllm.kernels.quant_rows import quantize_rows_reference  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,6 +80,29 @@ def test_few_token_path_rounds_like_the_grouped_path_in_bf16():
     torch.testing.assert_close(gemv.float(), grouped.float(), rtol=1e-2, atol=1e-2)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(gemv.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def _codes(weight, dtype):
+    """8-bit codes [E, rows, cols] and row scales [E, rows] of stacked expert weights."""
+    codes, scale = quantize_rows_reference(weight.reshape(-1, weight.shape[-1]), dtype)
+    return codes.view(weight.shape), scale.view(weight.shape[:2])
+
+
+@pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[1]])
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_8bit_experts_match_the_reference_on_both_paths(code_dtype, tile):
+    """Codes widened as loaded, each output row times its scale: the reference on the dequantized weights."""
+    w13, w2 = _weights(6, 72, 40, torch.float32)
+    (w13q, s13), (w2q, s2) = _codes(w13, code_dtype), _codes(w2, code_dtype)
+    x, weights, ids = _routing(5, 6, 2, 72, torch.float32, {0, 2, 3})
+    ours = fused_experts(x, w13q, w2q, weights, ids, tile=tile, w13_scale=s13, w2_scale=s2)
+    expected = fused_experts_reference(x, w13q, w2q, weights, ids, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    dequantized = fused_experts_reference(x, (w13q.float() * s13[..., None]), (w2q.float() * s2[..., None]),
+                                          weights, ids)
+    torch.testing.assert_close(expected, dequantized, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="row scales"):
+        fused_experts(x, w13q, w2q, weights, ids, w13_scale=s13)
 
 
 def test_fused_experts_bf16_rounds_like_a_linear_layer():

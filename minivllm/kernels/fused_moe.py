@@ -22,6 +22,10 @@ host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU
 slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles), with the
 grouped path among the candidates, so the few-token path is only used where it measures faster.
 
+8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row) run through the
+same kernels: each weight is widened to the activations' dtype as it is loaded and each output row's sum is
+multiplied by its scale (`w13_scale`, `w2_scale` [E, rows]).
+
 `fused_experts_reference` is the plain-PyTorch computation (the loop over experts HF uses); the MoE
 layer runs it on CPU and the tests compare the kernel against it.
 """
@@ -37,15 +41,25 @@ from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 
 
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """8-bit expert codes [E, rows, cols] times their row scales [E, rows], in `dtype` (unchanged without scales)."""
+    return weight if scale is None else (weight.float() * scale[..., None]).to(dtype)
+
+
 def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                            w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [M, top_k] -> [M, H], computed
-    expert by expert as transformers does (so fp32 results agree to rounding)."""
+    expert by expert as transformers does (so fp32 results agree to rounding); 8-bit experts dequantized."""
     out = torch.zeros_like(hidden_states)
     for expert in topk_ids.unique().tolist():
         token_idx, k_idx = torch.where(topk_ids == expert)
         x = hidden_states[token_idx]
-        y = F.linear(silu_and_mul_reference(F.linear(x, w13[expert])), w2[expert])
+        gate_up = dequantize_experts(w13[expert:expert + 1], None if w13_scale is None else w13_scale[expert:expert + 1],
+                                     x.dtype)[0]
+        down = dequantize_experts(w2[expert:expert + 1], None if w2_scale is None else w2_scale[expert:expert + 1],
+                                  x.dtype)[0]
+        y = F.linear(silu_and_mul_reference(F.linear(x, gate_up)), down)
         y = y * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
@@ -79,9 +93,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 # The slot count changes every eager step; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["num_slots"])
-def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-                      N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-                      ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr,
+                      N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
+                      ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile."""
@@ -103,7 +117,11 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_i
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if SCALED:   # 8-bit codes: widened to the activations' dtype (exact for fp8 e4m3 and int8 in bf16)
+            b = b.to(a_ptr.dtype.element_ty)
         acc += _dot(a, b, DOT_PRECISION, UPCAST)
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -121,13 +139,14 @@ def _tile_config(num_slots: int, num_experts: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
 
 
-def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict) -> None:
+def _grouped_gemm(a, b, c, weights, scale, sorted_ids, expert_ids, rows_per_a: int, config: dict) -> None:
     num_experts, n, k = b.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
-        a, b, c, c if weights is None else weights, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
-        b.stride(1), b.stride(2), c.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
-        DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_upcast_dot(a.dtype), **config)
+        a, b, c, c if weights is None else weights, c if scale is None else scale, sorted_ids, expert_ids, n, k,
+        c.shape[0], a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+        0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
+        SCALED=scale is not None, DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_upcast_dot(a.dtype), **config)
 
 
 @triton.jit
@@ -141,8 +160,9 @@ def _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn, stride_om,
-                             TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn,
+                             stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
     slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu)."""
     slot, offs_n, n_mask, gate_rows = _slot_rows(w_ptr, ids_ptr, I, stride_we, stride_wn, BLOCK_N)
@@ -157,6 +177,10 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, st
         x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
         up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    if SCALED:
+        scales = scale_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_se + offs_n
+        gate = gate * tl.load(scales, mask=n_mask, other=0.0)
+        up = up * tl.load(scales + I, mask=n_mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
@@ -164,8 +188,9 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, st
 
 
 @triton.jit
-def _moe_down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
-                          stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_down_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we,
+                          stride_wn, stride_om, stride_se, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
     """out[slot, n] = weight[slot] * (a[slot] . w2[e, n]) for the slot's expert e."""
     slot, offs_n, n_mask, rows = _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N)
     a_row = a_ptr + slot * stride_am
@@ -176,6 +201,9 @@ def _moe_down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, str
         a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         acc += tl.sum(tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                       .to(tl.float32) * a, axis=1)
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_se + offs_n, mask=n_mask,
+                            other=0.0)
     acc = acc * tl.load(weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -186,7 +214,8 @@ GEMV_TILES = ((16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 
 
 
 def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, tile: tuple[int, int, int]) -> torch.Tensor:
+                       topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                       tile: tuple[int, int, int]) -> torch.Tensor:
     """`fused_experts` for a few tokens: one GEMV pair per (token, expert) slot (see the module docstring)."""
     block_n, block_k, num_warps = tile
     num_tokens, hidden = hidden_states.shape
@@ -194,19 +223,23 @@ def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
     inter, top_k = two_i // 2, topk_ids.shape[1]
     num_slots = num_tokens * top_k
     ids = topk_ids.reshape(-1).contiguous()
+    scaled = w13_scale is not None
     activated = torch.empty((num_slots, inter), dtype=hidden_states.dtype, device=hidden_states.device)
     _moe_gate_up_gemv_kernel[(num_slots, triton.cdiv(inter, block_n))](
-        hidden_states, w13, ids, activated, inter, hidden, hidden_states.stride(0), w13.stride(0), w13.stride(1),
-        activated.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        hidden_states, w13, w13_scale if scaled else w13, ids, activated, inter, hidden, hidden_states.stride(0),
+        w13.stride(0), w13.stride(1), activated.stride(0), w13_scale.stride(0) if scaled else 0, TOP_K=top_k,
+        SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     _moe_down_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
-        activated, w2, ids, topk_weights.reshape(-1).contiguous().float(), down, hidden, inter, activated.stride(0),
-        w2.stride(0), w2.stride(1), down.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        activated, w2, w2_scale if scaled else w2, ids, topk_weights.reshape(-1).contiguous().float(), down, hidden,
+        inter, activated.stride(0), w2.stride(0), w2.stride(1), down.stride(0), w2_scale.stride(0) if scaled else 0,
+        SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
+                     topk_ids: torch.Tensor, w13_scale: torch.Tensor | None,
+                     w2_scale: torch.Tensor | None) -> torch.Tensor:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -214,15 +247,16 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     config = _tile_config(num_slots, num_experts)
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
-    _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config)
+    _grouped_gemm(hidden_states, w13, gate_up, None, w13_scale, sorted_ids, expert_ids, top_k, config)
     activated = silu_and_mul(gate_up)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
-    _grouped_gemm(activated, w2, down, topk_weights.contiguous().float(), sorted_ids, expert_ids, 1, config)
+    _grouped_gemm(activated, w2, down, topk_weights.contiguous().float(), w2_scale, sorted_ids, expert_ids, 1, config)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile=None) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile=None,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `fused_experts_reference`: the few-token path or the grouped GEMMs, whichever the tuner
     timed faster for this slot count (`tile` forces one: a GEMV_TILES entry, or "grouped")."""
     num_tokens, hidden = hidden_states.shape
@@ -230,6 +264,9 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     top_k = topk_ids.shape[1]
     if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
         raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden {hidden}")
+    if (w13_scale is None) != (w2_scale is None) or (w13_scale is not None and (
+            w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2])):
+        raise ValueError("8-bit experts need row scales for both w13 [E, 2I] and w2 [E, H]")
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     hidden_states = hidden_states.contiguous()
@@ -238,11 +275,12 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     num_slots = num_tokens * top_k
     if tile is None and num_slots <= GEMV_MAX_SLOTS:
         def run(candidate, w13_copy, w2_copy):
-            return fused_experts(hidden_states, w13_copy, w2_copy, topk_weights, topk_ids, candidate or "grouped")
+            return fused_experts(hidden_states, w13_copy, w2_copy, topk_weights, topk_ids, candidate or "grouped",
+                                 w13_scale, w2_scale)
         # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
         default = GEMV_TILES[0] if num_slots <= 32 else None
-        key = ("moe_experts", hidden_states.dtype, num_slots, num_experts, two_i, hidden)
+        key = ("moe_experts", hidden_states.dtype, w13.dtype, num_slots, num_experts, two_i, hidden)
         tile = tuning.pick(key, (None, *GEMV_TILES), run, default, weights=(w13, w2)) or "grouped"
     if tile is None or tile == "grouped":
-        return _grouped_experts(hidden_states, w13, w2, topk_weights, topk_ids)
-    return _few_token_experts(hidden_states, w13, w2, topk_weights, topk_ids, tile)
+        return _grouped_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return _few_token_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tile)

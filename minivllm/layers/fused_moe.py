@@ -18,6 +18,7 @@ from torch import nn
 
 from minivllm.distributed import get_tp_rank, get_tp_size, split_evenly, tensor_model_parallel_all_reduce
 from minivllm.layers.fusion import fusions_enabled
+from minivllm.quantization import current_moe_method
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -54,6 +55,11 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size),
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        # 8-bit experts (quantization/moe_8bit.py) end up with codes in w13/w2_weight and per-row
+        # w13/w2_scale buffers [E, rows]; None: experts in the model's dtype.
+        self.quant_method = current_moe_method(self)
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
         self.use_triton = fusions_enabled()
 
     def expected_shards(self, param_name: str) -> set:
@@ -91,5 +97,6 @@ class FusedMoE(nn.Module):
             from minivllm.kernels.fused_moe import fused_experts
         else:
             from minivllm.kernels.fused_moe import fused_experts_reference as fused_experts
-        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                            w13_scale=getattr(self, "w13_scale", None), w2_scale=getattr(self, "w2_scale", None))
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out

@@ -75,6 +75,12 @@ def current_quant_method(layer):
     return None if config is None else config.get_quant_method(layer)
 
 
+def current_moe_method(layer):
+    """The method the active config gives a FusedMoE layer's experts, or None (the model's dtype)."""
+    config = _current[-1]
+    return None if config is None else config.get_moe_method(layer)
+
+
 def current_lm_head_method(layer):
     """The method for the LM head: only where the active config quantizes it (GPTQ's `lm_head: true`)."""
     config = _current[-1]

@@ -35,6 +35,10 @@ class QuantizationConfig:
         """The LinearMethod for `layer` (a LinearBase)."""
         raise NotImplementedError
 
+    def get_moe_method(self, layer: nn.Module):
+        """The method for a FusedMoE layer's experts, or None: experts in the model's dtype."""
+        return None
+
     def describe(self) -> str:
         return self.name
 

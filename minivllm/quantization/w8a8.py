@@ -23,6 +23,13 @@ class W8A8Config(QuantizationConfig):
 
     def __init__(self, serialized: bool):
         self.serialized = serialized   # the checkpoint holds 8-bit weights (else: quantize at load)
+        self.dummy = False             # random weights made directly in the format (benchmarks)
+
+    @classmethod
+    def for_dummy(cls) -> "W8A8Config":
+        config = super().for_dummy()
+        config.dummy = True
+        return config
 
     @classmethod
     def from_config(cls, config: dict) -> "W8A8Config":
@@ -33,6 +40,14 @@ class W8A8Config(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module):
         return W8A8LinearMethod(self)
+
+    def get_moe_method(self, layer: nn.Module):
+        """8-bit experts when quantizing at load or making dummy weights; a checkpoint's own experts load as
+        stored (in the model's dtype; 8-bit experts in a checkpoint are refused by the MoE models' loader)."""
+        if self.serialized and not self.dummy:
+            return None
+        from minivllm.quantization.moe_8bit import Moe8BitMethod
+        return Moe8BitMethod(self.weight_dtype, self.serialized)
 
 
 def _scale_loader(layer: nn.Module):
