@@ -13,7 +13,8 @@
 #                 Llama-3-70B int4/fp8 on one GPU (quant_70b)
 #   quality       perplexity over 100k held-out tokens per variant (quant_quality), needs .carry/p/{heldout,calib}.txt;
 #   quality-int4  appends the slower int4 rows (awq, sequential gptq) to it
-#   models        model-family GPU tests; dummy Qwen3-30B-A3B and GPT-2 XL, the fused MoE kernel (models)
+#   models        model-family GPU tests; dummy Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the fused MoE kernel
+#                 (models); the MoE models with 8-bit weights, experts included (models_fp8)
 #   features      structured outputs (structured) and swap-to-CPU preemption (swap) with their GPU tests
 #   soak          256 streaming clients for 5 minutes (soak); the dashboard's cost (dashboard_cost)
 #   latency       a Poisson rate sweep with goodput, --max-itl-ms $ITL_MS against a baseline server without it; cold
@@ -98,7 +99,10 @@ run_suite() {
     fi ;;
   models)
     gpu_tests models 300 tests/test_models_families.py tests/test_models_moe_kernel.py
-    step models 480 python3 bench/models_bench.py --out "$OUT" ;;
+    step models 540 python3 bench/models_bench.py --models qwen3-30b-a3b,mixtral-8x7b,gpt2-xl --out "$OUT"
+    step models_fp8 480 python3 bench/models_bench.py --models qwen3-30b-a3b,mixtral-8x7b --quantization fp8 \
+      --skip-kernel --out "$LOGS/fp8"
+    renamed "$LOGS/fp8/models_$GPU.json" "$OUT/models_fp8_$GPU.json" ;;
   features)
     gpu_tests features 300 tests/test_structured_output.py tests/test_structured_spec_decode.py tests/test_swap.py
     step structured 300 python3 bench/structured_bench.py --out "$OUT"

@@ -36,8 +36,12 @@ from bench.throughput import (Workload, build_llm, free_device_memory, kv_cache_
 
 W1 = Workload(64, 512, 256)
 SINGLE = Workload(1, 512, 128)
+BATCH8 = Workload(8, 512, 128)
 QUICK_W1 = Workload(4, 32, 8)
 QUICK_SINGLE = Workload(1, 32, 4)
+QUICK_BATCH8 = Workload(2, 32, 4)
+# models whose ratios to the floor also go to the top level, under these names
+HEADLINE_NAMES = {"qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral"}
 KERNEL_TOKENS = (1, 8, 16, 64, 512, 4096)
 QUICK_KERNEL_TOKENS = (1, 7)
 
@@ -125,7 +129,7 @@ def floor_seconds(cost: StepCost, workload: Workload, bandwidth: float, matmul_r
 
 # ---- sections -----------------------------------------------------------------------------------------------
 def run_model(args, model: str, roofline: dict, device: torch.device) -> dict:
-    w1, single = (QUICK_W1, QUICK_SINGLE) if args.quick else (W1, SINGLE)
+    w1, single, batch8 = (QUICK_W1, QUICK_SINGLE, QUICK_BATCH8) if args.quick else (W1, SINGLE, BATCH8)
     hf_config = load_hf_config(model)
     cost = StepCost.of_model(hf_config, torch_dtype(args))
     bandwidth, matmul_rate = roofline["copy_bandwidth_bytes_per_s"], roofline["matmul_flops_per_s"]
@@ -133,8 +137,12 @@ def run_model(args, model: str, roofline: dict, device: torch.device) -> dict:
     args.model = model   # build_llm reads it
     print(f"\n{model}: W1 {w1}, single stream {single}")
     llm = build_llm(args, max_num_seqs=w1.num_requests,
-                    max_model_len=max(w1.prompt_len + w1.output_len, single.prompt_len + single.output_len))
-    result: dict = {"model": model, "dtype": args.dtype, "step_cost": asdict(cost),
+                    max_model_len=max(w1.prompt_len + w1.output_len, single.prompt_len + single.output_len),
+                    quantization=args.quantization)
+    result: dict = {"model": model, "dtype": args.dtype, "quantization": args.quantization,
+                    "floors": f"{args.dtype} weights" + (f" (the run's weights are {args.quantization})"
+                                                         if args.quantization else ""),
+                    "step_cost": asdict(cost),
                     "weight_bytes_loaded": llm.llm_engine.runner.weight_bytes,
                     "expected_experts_per_moe_layer": {"decode_w1": cost.expected_experts(w1.num_requests),
                                                        "single_stream": cost.expected_experts(1)}}
@@ -157,6 +165,14 @@ def run_model(args, model: str, roofline: dict, device: torch.device) -> dict:
                                "achieved_over_floor": floor_ms / run1["median_tpot_ms"],
                                "ttft_s": run1["median_ttft_s"], "outputs_verified": run1["outputs_verified"]}
     print(f"  single stream {run1['median_tpot_ms']:.2f} ms/token, floor {floor_ms:.2f} ms/token")
+    run8 = timed_generate(llm, random_prompts(batch8, vocab, seed=2), batch8.output_len)
+    _, decode8 = floor_seconds(cost, batch8, bandwidth, matmul_rate)
+    floor8_ms = 1e3 * decode8 / (batch8.output_len - 1)
+    result["batch8"] = {"workload": str(batch8), "ms_per_step": run8["median_tpot_ms"],
+                        "output_tokens_per_s": batch8.num_requests * 1e3 / run8["median_tpot_ms"],
+                        "floor_ms_per_step": floor8_ms, "achieved_over_floor": floor8_ms / run8["median_tpot_ms"],
+                        "outputs_verified": run8["outputs_verified"]}
+    print(f"  batch 8 {run8['median_tpot_ms']:.2f} ms/step, floor {floor8_ms:.2f} ms/step")
     result["kv_cache"] = kv_cache_info(llm, args)
     del llm
     free_device_memory(device)
@@ -228,6 +244,8 @@ def parse_args(argv):
                         help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--quick", action="store_true", help="tiny workloads and kernel shapes (smoke test)")
     parser.add_argument("--skip-kernel", action="store_true")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                        help="the models' weights (experts included) in 8 bits; results keyed <model>-<quantization>")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cpu-kv-cache-memory", type=int, default=64 * 2**20)
@@ -265,7 +283,13 @@ def main(argv: list[str] | None = None) -> dict:
                 if row["tokens"] == 4096:
                     result["moe_kernel_m4096_tflops"] = row["fused_tflops"]
         else:
-            result["models"][name] = value
+            key = f"{name}-{args.quantization}" if args.quantization else name
+            result["models"][key] = value
+            headline = HEADLINE_NAMES.get(name)
+            if headline and "error" not in value:
+                headline += f"_{args.quantization}" if args.quantization else ""
+                for part, label in (("single_stream", "single"), ("batch8", "b8"), ("w1", "w1")):
+                    result[f"{headline}_{label}_over_floor"] = value[part]["achieved_over_floor"]
         write_json(path, result)
     summary = []
     for name, value in result["models"].items():

@@ -28,13 +28,19 @@ def test_models_bench_quick_writes_every_section(tmp_path):
     for path in paths:
         model = result["models"][path]
         assert "error" not in model, model
-        for section in ("w1", "single_stream"):
+        for section in ("w1", "single_stream", "batch8"):
             assert model[section]["outputs_verified"] is True
             assert model[section]["achieved_over_floor"] > 0
         assert model["weight_bytes_loaded"] > 0
     kernel = result["moe_kernel"]
     assert [row["tokens"] for row in kernel] == [1, 7]
     assert all(row["max_abs_diff_vs_looped"] < 1e-4 and row["floor_us"] > 0 for row in kernel)
+    # 8-bit weights, experts included: about half the bytes loaded, keyed by the format
+    main(["--device", "cpu", "--quick", "--models", paths[1], "--quantization", "fp8", "--skip-kernel",
+          "--out", str(tmp_path / "fp8")])
+    fp8 = json.loads((tmp_path / "fp8" / "models_cpu.json").read_text())["models"][f"{paths[1]}-fp8"]
+    assert "error" not in fp8, fp8
+    assert fp8["weight_bytes_loaded"] < 0.75 * result["models"][paths[1]]["weight_bytes_loaded"]
 
 
 def test_moe_step_cost_counts_touched_experts():
