@@ -88,19 +88,43 @@ def _codes(weight, dtype):
     return codes.view(weight.shape), scale.view(weight.shape[:2])
 
 
-@pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[1]])
+def _dequantized_rows(x, dtype):
+    """x as the W8A8 GEMMs see it: quantized per row to `dtype` and back (fp32)."""
+    codes, scale = quantize_rows_reference(x, dtype)
+    return codes.float() * scale
+
+
+def _w8a8_reference(x, w13, w2, weights, ids, code_dtype):
+    """The grouped path's W8A8 arithmetic on dequantized values: each GEMM's input rows rounded to the experts'
+    8-bit format first."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token_idx, k_idx = torch.where(ids == expert)
+        gate_up = _dequantized_rows(x[token_idx], code_dtype) @ w13[expert].T
+        inter = gate_up.shape[1] // 2
+        activated = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = _dequantized_rows(activated, code_dtype) @ w2[expert].T
+        out.index_add_(0, token_idx, y * weights[token_idx, k_idx, None])
+    return out
+
+
 @pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.int8])
-def test_8bit_experts_match_the_reference_on_both_paths(code_dtype, tile):
-    """Codes widened as loaded, each output row times its scale: the reference on the dequantized weights."""
+def test_8bit_experts_w8a8_on_the_grouped_path_and_weight_only_on_the_few_token_path(code_dtype):
+    """Grouped GEMMs: 8-bit activations times 8-bit weights, scaled per row and column (W8A8). Few-token
+    GEMVs: the codes widened against the activations as they are (weight-only). Each against its reference."""
     w13, w2 = _weights(6, 72, 40, torch.float32)
     (w13q, s13), (w2q, s2) = _codes(w13, code_dtype), _codes(w2, code_dtype)
+    w13d, w2d = w13q.float() * s13[..., None], w2q.float() * s2[..., None]
     x, weights, ids = _routing(5, 6, 2, 72, torch.float32, {0, 2, 3})
-    ours = fused_experts(x, w13q, w2q, weights, ids, tile=tile, w13_scale=s13, w2_scale=s2)
+    grouped = fused_experts(x, w13q, w2q, weights, ids, tile="grouped", w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(grouped, _w8a8_reference(x, w13d, w2d, weights, ids, code_dtype), rtol=1e-4,
+                               atol=1e-4)
+    gemv = fused_experts(x, w13q, w2q, weights, ids, tile=GEMV_TILES[1], w13_scale=s13, w2_scale=s2)
     expected = fused_experts_reference(x, w13q, w2q, weights, ids, w13_scale=s13, w2_scale=s2)
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
-    dequantized = fused_experts_reference(x, (w13q.float() * s13[..., None]), (w2q.float() * s2[..., None]),
-                                          weights, ids)
-    torch.testing.assert_close(expected, dequantized, rtol=0, atol=0)
+    torch.testing.assert_close(gemv, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(expected, fused_experts_reference(x, w13d, w2d, weights, ids), rtol=0, atol=0)
+    # activation rounding is the only difference between the two paths
+    assert 0 < (grouped - gemv).abs().max() < 0.05 * gemv.abs().max()
     with pytest.raises(ValueError, match="row scales"):
         fused_experts(x, w13q, w2q, weights, ids, w13_scale=s13)
 

@@ -22,14 +22,19 @@ host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU
 slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles), with the
 grouped path among the candidates, so the few-token path is only used where it measures faster.
 
-8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row) run through the
-same kernels: each weight is widened to the activations' dtype as it is loaded and each output row's sum is
-multiplied by its scale (`w13_scale`, `w2_scale` [E, rows]).
+8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row, `w13_scale`,
+`w2_scale` [E, rows]) run through both paths. The grouped GEMMs run them as W8A8, as the dense 8-bit layers
+do: each GEMM's input rows are quantized per row to the experts' format (the SiLU-and-mul kernel does it for
+the down GEMM's), the tensor cores multiply 8-bit codes, and the sum is scaled by the row's and the column's
+scales. The few-token GEMVs, bound by the weights' bytes, keep the activations: they widen each code as they
+load it and scale each output row's sum.
 
 `fused_experts_reference` is the plain-PyTorch computation (the loop over experts HF uses); the MoE
 layer runs it on CPU and the tests compare the kernel against it.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +43,8 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
+from minivllm.kernels.quant_rows import quantize_rows
+from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 
 
@@ -93,9 +100,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 # The slot count changes every eager step; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["num_slots"])
-def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr,
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, sorted_ids_ptr, expert_ids_ptr,
                       N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
+                      IS_INT: tl.constexpr, WIDEN: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile."""
@@ -110,18 +118,22 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, sorted_ids_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b_base = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
+    ZERO: tl.constexpr = 0 if IS_INT else 0.0
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if SCALED:   # 8-bit codes: widened to the activations' dtype (exact for fp8 e4m3 and int8 in bf16)
-            b = b.to(a_ptr.dtype.element_ty)
-        acc += _dot(a, b, DOT_PRECISION, UPCAST)
-    if SCALED:
-        acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
+                    mask=row_mask[:, None] & k_mask[None, :], other=ZERO)
+        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
+        if SCALED:
+            acc += dot_8bit(a, b, IS_INT, WIDEN)
+        else:
+            acc += _dot(a, b, DOT_PRECISION, UPCAST)
+    if SCALED:   # the scales factor out of the sum over K
+        a_scale = tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)
+        b_scale = tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
+        acc = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -139,14 +151,18 @@ def _tile_config(num_slots: int, num_experts: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
 
 
-def _grouped_gemm(a, b, c, weights, scale, sorted_ids, expert_ids, rows_per_a: int, config: dict) -> None:
+def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict, scale=None,
+                  a_scale=None) -> None:
+    """c[slot] = a[slot // rows_per_a] @ b[expert]^T (* weights[slot]); with `scale`, a and b are 8-bit codes
+    with row scales `a_scale` [rows of a] and `scale` [E, N]."""
     num_experts, n, k = b.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
-        a, b, c, c if weights is None else weights, c if scale is None else scale, sorted_ids, expert_ids, n, k,
-        c.shape[0], a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+        a, b, c, c if weights is None else weights, c if scale is None else scale, c if a_scale is None else a_scale,
+        sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
         0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
-        SCALED=scale is not None, DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_upcast_dot(a.dtype), **config)
+        SCALED=scale is not None, IS_INT=b.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
+        DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype), **config)
 
 
 @triton.jit
@@ -247,10 +263,17 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     config = _tile_config(num_slots, num_experts)
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
-    _grouped_gemm(hidden_states, w13, gate_up, None, w13_scale, sorted_ids, expert_ids, top_k, config)
-    activated = silu_and_mul(gate_up)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
-    _grouped_gemm(activated, w2, down, topk_weights.contiguous().float(), w2_scale, sorted_ids, expert_ids, 1, config)
+    weights = topk_weights.contiguous().float()
+    if w13_scale is None:
+        _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config)
+        _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, sorted_ids, expert_ids, 1, config)
+    else:   # W8A8: each GEMM's input quantized per row to the experts' format
+        x_codes, x_scales = quantize_rows(hidden_states, w13.dtype)
+        _grouped_gemm(x_codes, w13, gate_up, None, sorted_ids, expert_ids, top_k, config, w13_scale, x_scales)
+        activated = silu_and_mul(gate_up, quant_dtype=w2.dtype)
+        _grouped_gemm(activated.codes, w2, down, weights, sorted_ids, expert_ids, 1, config, w2_scale,
+                      activated.scales)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

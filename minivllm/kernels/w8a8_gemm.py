@@ -50,6 +50,17 @@ def w8a8_library(x_codes, x_scale, w_codes, w_scale, out_dtype) -> torch.Tensor:
 
 
 @triton.jit
+def dot_8bit(x, w, IS_INT: tl.constexpr, WIDEN: tl.constexpr):
+    """x @ w of 8-bit codes: int32 sums for int8, fp32 for fp8."""
+    if WIDEN:   # the interpreter has no 8-bit products: the same sums over widened codes
+        return tl.dot(x.to(tl.float32), w.to(tl.float32)).to(tl.int32 if IS_INT else tl.float32)
+    elif IS_INT:
+        return tl.dot(x, w, out_dtype=tl.int32)
+    else:
+        return tl.dot(x, w, out_dtype=tl.float32)
+
+
+@triton.jit
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, tickets_ptr, M, N, K, k_per_split,
                       stride_xm, stride_wn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -69,12 +80,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, y_ptr, ti
                     other=ZERO)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=ZERO)
-        if WIDEN:   # the interpreter has no 8-bit products: the same sums over widened codes
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32)).to(acc.dtype)
-        elif IS_INT:
-            acc += tl.dot(x, w, out_dtype=tl.int32)
-        else:
-            acc += tl.dot(x, w, out_dtype=tl.float32)
+        acc += dot_8bit(x, w, IS_INT, WIDEN)
     # Scaled here (the scales factor out of the sum over K); one split stores y, several store partials.
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)

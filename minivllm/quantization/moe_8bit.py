@@ -1,8 +1,9 @@
 """8-bit expert weights for FusedMoE (`quantization="fp8"` or `"int8"` on a plain checkpoint, or dummy weights
 made in the format): each expert's rows stored as fp8 (e4m3) or int8 codes with one fp32 scale per output row,
-as the dense W8A8 layers store theirs. The activations stay in the model's dtype: the MoE kernels widen each
-code as they load it and scale each output row after its dot product (weight-only 8-bit), which halves the bytes
-a decode step streams for every touched expert. Checkpoints that store 8-bit experts are refused.
+as the dense W8A8 layers store theirs. The MoE kernels' grouped GEMMs run them as W8A8 (inputs quantized per
+row, 8-bit tensor-core products); their few-token GEMVs widen each code against the activations as they are
+(kernels/fused_moe.py). Either way a step streams half the bytes of every touched expert. Checkpoints that
+store 8-bit experts are refused. Elsewhere than CUDA the reference computes with the dequantized weights.
 
 Loaded weights are quantized expert by expert, so the transient fp32 copy stays one expert's size.
 """
