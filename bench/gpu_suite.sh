@@ -28,7 +28,8 @@
 #   spec_tests    speculation GPU tests (needs the GGUF)
 #   spec_compare  off / n-gram / suffix per workload and batch on the real model (spec_decode, compare part)
 #   spec_load     n-gram under load on dummy Llama-3-8B and the idle speculator's cost (spec_decode_load)
-#   kernels       attention microbenchmark, decode split-K, the prefill attention launch configs
+#   kernels       attention microbenchmark (and decode with one TP rank's heads), decode split-K, the prefill
+#                 attention launch configs
 #   gemm          the int4 and W8A8 tile sweeps at M = 1 and the int4 sweep at W1 sizes
 #   tune          one-row int4 GEMV tiles searched in the whole decode step ($OUT/configs/<device>.json, the file
 #                 minivllm/kernels/configs/ ships), the Gluon GEMV tiles timed cold, PDL on/off
@@ -36,7 +37,7 @@
 # `timeout` (a hang costs that step's limit; the suite goes on); its log is $LOGS/<step>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,35p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,$(( $(grep -n "^set -uo" "$0" | cut -d: -f1) - 1 ))p" "$0"; exit 2; }
 source bench/gpu_setup.sh
 OUT=${OUT:-bench/results}; LOGS=${LOGS:-/tmp/minivllm_logs}; mkdir -p "$OUT" "$LOGS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -137,6 +138,7 @@ run_suite() {
     step tp 540 python3 bench/tp_bench.py --out "$OUT" ;;
   kernels)
     step attention_bench 200 python3 bench/kernels/attention_bench.py --no-flex --out "$OUT"
+    step attention_bench_tp 120 python3 bench/kernels/attention_bench.py --no-flex --tp-ranks 1,2,4 --out "$OUT"
     step decode_split 180 python3 bench/kernels/decode_split_sweep.py --out "$OUT"
     step prefill_sm90_sweep 200 python3 bench/kernels/prefill_sm90_sweep.py --out "$OUT"
     step prefill_attention_sweep 200 python3 bench/kernels/prefill_attention_sweep.py --out "$OUT" ;;

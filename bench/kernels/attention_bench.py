@@ -11,6 +11,11 @@ triton.testing.do_bench (which flushes L2 between runs). SDPA and flex read cont
 they are the "no paging" bar, not the same memory access pattern.
 
     python bench/kernels/attention_bench.py [--quick] [--out bench/results]
+    python bench/kernels/attention_bench.py --tp-ranks 1,2,4 --out DIR    # decode only, one rank's heads
+
+`--tp-ranks` times decode alone at W1's shape in steady decoding (64 sequences, 640-token contexts) with the
+heads one tensor-parallel rank of Llama-3-8B holds at each size (32/8 query/KV heads at 1, 16/4 at 2, 8/2 at
+4): a rank's attention should take its share of the KV bytes at the same GB/s.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for attention_bench_<gpu>.json (not written when omitted)")
     parser.add_argument("--no-flex", action="store_true", help="skip flex_attention")
+    parser.add_argument("--tp-ranks", default=None,
+                        help="decode only, with one rank's heads at these tensor-parallel sizes (e.g. 1,2,4)")
     return parser.parse_args(argv)
 
 
@@ -354,6 +361,12 @@ def main(argv=None) -> None:
     prefill_shapes = [(8, 512, 512), (1, 4096, 4096), (1, 4096, 512), (8, 1024, 512)]
     verify_shapes = [(64, 4096, 6)]   # 64 sequences verifying k = 5 drafts (+ 1) after 4,096 tokens
     rows = [copy_bandwidth(args.quick)]
+    if args.tp_ranks:   # one rank's heads at each size, W1's steady decode shape; nothing else
+        decode_shapes, prefill_shapes, verify_shapes = [], [], []
+        for ranks in (int(r) for r in args.tp_ranks.split(",")):
+            rows += [dict(row, tp_ranks=ranks) for row in
+                     bench_decode(64, 640, num_heads // ranks, num_kv_heads // ranks, head_dim, args.quick, flex)]
+            torch.cuda.empty_cache()
     for batch, context in decode_shapes:
         rows += bench_decode(batch, context, num_heads, num_kv_heads, head_dim, args.quick, flex)
         torch.cuda.empty_cache()
@@ -371,7 +384,7 @@ def main(argv=None) -> None:
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "torch": torch.__version__, "command": run_command(), "quick": args.quick, "block_size": BLOCK_SIZE,
                   "results": rows}
-        path = args.out / f"attention_bench_{device_slug(device)}.json"
+        path = args.out / f"attention_bench{'_tp' if args.tp_ranks else ''}_{device_slug(device)}.json"
         path.write_text(json.dumps(report, indent=2))
         print(f"wrote {path}")
 
