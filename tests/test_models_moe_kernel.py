@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
     GEMV_TILES, fused_experts, fused_experts_reference, moe_align_block_size)
-from minivllm.kernels.quant_rows import quantize_rows_reference  # noqa: E402
+from minivllm.kernels.quant_rows import quantize_rows_reference, round_trip_rows  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,22 +88,16 @@ def _codes(weight, dtype):
     return codes.view(weight.shape), scale.view(weight.shape[:2])
 
 
-def _dequantized_rows(x, dtype):
-    """x as the W8A8 GEMMs see it: quantized per row to `dtype` and back (fp32)."""
-    codes, scale = quantize_rows_reference(x, dtype)
-    return codes.float() * scale
-
-
 def _w8a8_reference(x, w13, w2, weights, ids, code_dtype):
     """The grouped path's W8A8 arithmetic on dequantized values: each GEMM's input rows rounded to the experts'
-    8-bit format first."""
+    8-bit format and back first (fp32 inputs here, so the round trip adds no other rounding)."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         token_idx, k_idx = torch.where(ids == expert)
-        gate_up = _dequantized_rows(x[token_idx], code_dtype) @ w13[expert].T
+        gate_up = round_trip_rows(x[token_idx], code_dtype) @ w13[expert].T
         inter = gate_up.shape[1] // 2
         activated = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = _dequantized_rows(activated, code_dtype) @ w2[expert].T
+        y = round_trip_rows(activated, code_dtype) @ w2[expert].T
         out.index_add_(0, token_idx, y * weights[token_idx, k_idx, None])
     return out
 

@@ -246,8 +246,9 @@ class LLMEngine:
             timed = self.spec is not None or self.scheduler.step_costs is not None
             pending = self.runner.execute_async(scheduler_output, bitmask, timed)
             launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch)
-            # (A controller swapped in between runs, as bench/spec_decode.py does, may find the previous one's
-            # step in flight, hence the checks of self.spec.)
+            # A step can carry drafts with no controller set: bench/spec_decode.py's compare part, which switches
+            # controllers between runs, hit that on an H200 (how such a step arose is not established; the same
+            # run on the CPU with async scheduling does not). Verification needs no controller, only its counters.
             if self.spec is not None:
                 if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                     self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back

@@ -49,7 +49,8 @@ from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 
 
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """8-bit expert codes [E, rows, cols] times their row scales [E, rows], in `dtype` (unchanged without scales)."""
+    """8-bit expert codes [..., rows, cols] times their row scales [..., rows], in `dtype` (unchanged without
+    scales)."""
     return weight if scale is None else (weight.float() * scale[..., None]).to(dtype)
 
 
@@ -62,10 +63,8 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
     for expert in topk_ids.unique().tolist():
         token_idx, k_idx = torch.where(topk_ids == expert)
         x = hidden_states[token_idx]
-        gate_up = dequantize_experts(w13[expert:expert + 1], None if w13_scale is None else w13_scale[expert:expert + 1],
-                                     x.dtype)[0]
-        down = dequantize_experts(w2[expert:expert + 1], None if w2_scale is None else w2_scale[expert:expert + 1],
-                                  x.dtype)[0]
+        gate_up = dequantize_experts(w13[expert], None if w13_scale is None else w13_scale[expert], x.dtype)
+        down = dequantize_experts(w2[expert], None if w2_scale is None else w2_scale[expert], x.dtype)
         y = F.linear(silu_and_mul_reference(F.linear(x, gate_up)), down)
         y = y * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
