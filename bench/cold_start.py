@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from bench.common import git_commit, run_command  # noqa: E402
-from bench.serve import device_name, device_tag, free_port, stop_server  # noqa: E402
+from bench.serve import device_name, device_tag, free_port, start_server, stop_server  # noqa: E402
 
 PHASES_LINE = re.compile(r"startup phases \(s\): (\{.*\})")
 POLL_S = 0.02
@@ -59,28 +56,21 @@ def _first_token_seconds(url: str) -> float:
 def one_start(args, cache_dir: Path, log_path: Path) -> dict:
     """Launch the server, time /health and the first token, read its phases, stop it."""
     port = free_port()
-    command = [sys.executable, "-m", "minivllm.cli", "serve"] + ([args.model] if args.model else [])
-    command += ["--host", "127.0.0.1", "--port", str(port), "--load-format", args.load_format,
-                "--uvicorn-log-level", "warning"] + shlex.split(args.server_args)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        launched = time.perf_counter()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                   start_new_session=True)
-        try:
-            while _get(url + "/health") != 200:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-                if time.perf_counter() - launched > args.server_timeout:
-                    raise TimeoutError(f"no healthy /health within {args.server_timeout:.0f} s")
-                time.sleep(POLL_S)
-            healthy = time.perf_counter() - launched
-            first_request = _first_token_seconds(url)
-            first_token = time.perf_counter() - launched
-        finally:
-            stop_server(process)
+    launched = time.perf_counter()
+    process = start_server(args, port, log_path, env={"TRITON_CACHE_DIR": str(cache_dir)})
+    try:
+        while _get(url + "/health") != 200:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            if time.perf_counter() - launched > args.server_timeout:
+                raise TimeoutError(f"no healthy /health within {args.server_timeout:.0f} s")
+            time.sleep(POLL_S)
+        healthy = time.perf_counter() - launched
+        first_request = _first_token_seconds(url)
+        first_token = time.perf_counter() - launched
+    finally:
+        stop_server(process)
     match = PHASES_LINE.search(log_path.read_text())
     return {"launch_to_health_s": round(healthy, 3), "launch_to_first_token_s": round(first_token, 3),
             "first_request_ttft_s": round(first_request, 4),

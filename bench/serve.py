@@ -194,14 +194,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args, port: int, log_path: Path, server_args: str | None = None) -> subprocess.Popen:
+def start_server(args, port: int, log_path: Path, server_args: str | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`minivllm serve` on 127.0.0.1:`port` from this checkout (`env`: extra variables), logging to `log_path`."""
     command = [sys.executable, "-m", "minivllm.cli", "serve"] + ([args.model] if args.model else [])
     command += ["--host", "127.0.0.1", "--port", str(port), "--load-format", args.load_format,
                 "--uvicorn-log-level", "warning"]
     command += shlex.split(args.server_args if server_args is None else server_args)
     print("starting:", shlex.join(command), f"(log: {log_path})", flush=True)
     log = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **(env or {}),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                             start_new_session=True)
 
