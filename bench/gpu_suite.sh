@@ -15,6 +15,9 @@
 #   quality-int4  appends the slower int4 rows (awq, sequential gptq) to it
 #   models        model-family GPU tests; dummy Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the fused MoE kernel
 #                 (models); the MoE models with 8-bit weights, experts included (models_fp8)
+#   lora          LoRA GPU tests; the LoRA kernels per Llama-3-8B layer against the base GEMMs (lora_kernels); dummy
+#                 Llama-3-8B with 8 adapters against the base model (lora)
+#   imports       the engine's import profile (python -X importtime), slowest modules first
 #   features      structured outputs (structured) and swap-to-CPU preemption (swap) with their GPU tests
 #   soak          256 streaming clients for 5 minutes (soak); the dashboard's cost (dashboard_cost)
 #   latency       a Poisson rate sweep with goodput, --max-itl-ms $ITL_MS against a baseline server without it; cold
@@ -104,6 +107,13 @@ run_suite() {
     step models_fp8 480 python3 bench/models_bench.py --models qwen3-30b-a3b,mixtral-8x7b --quantization fp8 \
       --skip-kernel --out "$LOGS/fp8"
     renamed "$LOGS/fp8/models_$GPU.json" "$OUT/models_fp8_$GPU.json" ;;
+  lora)
+    gpu_tests lora 240 tests/test_lora.py tests/test_lora_kernels.py
+    step lora_kernels 150 python3 bench/kernels/lora_kernels.py --out "$OUT"
+    step lora 330 python3 bench/lora_bench.py --out "$OUT" ;;
+  imports)
+    python3 -X importtime -c 'import minivllm.server.api_server, minivllm.engine.llm_engine' 2> "$LOGS/importtime.log"
+    echo "== slowest imports (cumulative us, module)"; sort -t'|' -k2 -n "$LOGS/importtime.log" | tail -n 40 ;;
   features)
     gpu_tests features 300 tests/test_structured_output.py tests/test_structured_spec_decode.py tests/test_swap.py
     step structured 300 python3 bench/structured_bench.py --out "$OUT"

@@ -9,25 +9,34 @@ so one shrink computes every projection's x · A at once, and the expand adds pr
 shrunk[:, j*R:(j+1)*R] · B into its columns of y.
 
 Rows are grouped by slot, not padded per adapter: `sorted_token_ids` lists the rows that use an adapter,
-ordered by slot, and `slot_starts[s] : slot_starts[s + 1]` is slot s's run of it. The grids depend on the
-shapes only (rows, slots, columns), never on the step's mix, so the kernels are captured in CUDA graphs and
-a replay reads that step's mapping from the same buffers. A program whose block of its slot's run is empty
-returns at once; a decode row costs the same kernel as a prompt chunk's rows (Punica's segment-grouped
-form covers both). Rows without an adapter are never read or written.
+ordered by slot, and a block table cuts each slot's run of it into blocks of BLOCK_M rows (row `block_mapping`:
+slot, first and end index into `sorted_token_ids`; slot -1 past the last block). A step of T rows over any mix of
+adapters needs at most cdiv(T, BLOCK_M) + slots blocks, so the grids depend on the shapes only, never on the
+step's mix: the kernels are captured in CUDA graphs and a replay reads that step's table from the same buffers.
+Launching one program per possible block instead of one per (slot, block) keeps a long prompt chunk from
+launching `slots` times the programs it needs. A decode row costs the same kernel as a prompt chunk's rows
+(Punica's segment-grouped form covers both). Rows without an adapter are never read or written.
 
 The shrink splits K over programs (one token's A read by one program would take one SM's bandwidth); each
-split writes its own partial [split, rows, S * R] in fp32, and the expand sums the partials as it loads
-them, so no atomics and no zeroing are needed.
+split writes its own partial [split, rows, S * R] in fp32, and the expand loads all of a row block's partials
+in one 3-D load and sums them, so no atomics and no zeroing are needed. Both kernels launch with programmatic
+dependent launch on Hopper (kernels/pdl.py): at batch 1 they are eight of a layer's few-microsecond kernels.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
     import triton
     import triton.language as tl
+
+    from minivllm.kernels.pdl import launch_options, wait_for_previous
 except ImportError:   # CPU-only installs use the references
     triton = None
+
+DECODE_ROWS = 256     # steps of at most this many rows take the decode tiles (row blocks of 16, many K splits)
+BLOCK_MS = (16, 64)   # the row-block sizes the kernels use: the block tables LoRABatch keeps
 
 
 # ---- references ---------------------------------------------------------------------------------------------
@@ -54,27 +63,58 @@ def lora_expand_reference(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.T
     return y
 
 
+# ---- the step's mapping -------------------------------------------------------------------------------------
+def block_m_for(num_tokens: int) -> int:
+    return BLOCK_MS[0] if num_tokens <= DECODE_ROWS else BLOCK_MS[1]
+
+
+def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Blocks any mix of `num_tokens` rows over `num_slots` adapters can need: the grid's first dimension."""
+    return -(-num_tokens // block_m) + num_slots
+
+
+def sort_rows(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows using an adapter ordered by slot, each slot's row count)."""
+    rows = np.flatnonzero(token_slots >= 0)
+    slots = token_slots[rows]
+    return rows[np.argsort(slots, kind="stable")], np.bincount(slots, minlength=num_slots)
+
+
+def block_table(counts: np.ndarray, block_m: int, num_blocks: int) -> np.ndarray:
+    """[3, num_blocks] int32: per block its slot, first and end index into the sorted rows; slot -1 when unused."""
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    per_slot = -(-counts // block_m)
+    slot = np.repeat(np.arange(len(counts)), per_slot)
+    first = starts[slot] + block_m * (np.arange(slot.size) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot))
+    table = np.full((3, num_blocks), -1, dtype=np.int32)
+    table[1:] = 0
+    table[:, :slot.size] = slot, first, starts[slot + 1]
+    return table
+
+
 # ---- Triton -------------------------------------------------------------------------------------------------
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
 def shrink_split_k(num_tokens: int, k: int) -> int:
-    """K splits of the shrink: many for a few rows (a decode step reads A once, spread over SMs), few for long
-    chunks, where the row blocks already fill the GPU."""
-    per_split = 256 if num_tokens <= 16 else 1024
-    return max(1, min(32 if num_tokens <= 16 else 8, k // per_split))
+    """K splits of the shrink: many for a decode step (its A is read once, spread over SMs), few for long chunks,
+    where the row blocks already fill the GPU. The expand sums them all in one load, so they stay few."""
+    decode = num_tokens <= DECODE_ROWS
+    per_split = 256 if decode else 1024
+    return max(1, min(16 if decode else 8, k // per_split))
 
 
 if triton is not None:
     @triton.jit
-    def _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
-        """(row ids, their mask, whether any) of block pid_m of the slot's run in the sorted rows."""
-        row0 = tl.load(slot_starts_ptr + slot) + pid_m * BLOCK_M
-        end = tl.load(slot_starts_ptr + slot + 1)
+    def _block_rows(sorted_ids_ptr, table_ptr, stride_t, pid_b, BLOCK_M: tl.constexpr):
+        """(slot, row ids, their mask) of row block pid_b; slot < 0: no such block this step."""
+        slot = tl.load(table_ptr + pid_b)
+        row0 = tl.load(table_ptr + stride_t + pid_b)
+        end = tl.load(table_ptr + 2 * stride_t + pid_b)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < end
-        return tl.load(sorted_ids_ptr + offs_m, mask=mask_m, other=0).to(tl.int64), mask_m, row0 < end
+        return slot, tl.load(sorted_ids_ptr + offs_m, mask=mask_m, other=0).to(tl.int64), mask_m
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -84,13 +124,14 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ids_ptr, slot_starts_ptr, K, SR, k_per_split,
-                            stride_xm, stride_al, stride_ak, stride_os, stride_om,
+    def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ids_ptr, table_ptr, K, SR, k_per_split,
+                            stride_xm, stride_al, stride_ak, stride_os, stride_om, stride_t,
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                            IEEE: tl.constexpr):
-        pid_m, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        tokens, mask_m, has_rows = _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, pid_m, BLOCK_M)
-        if not has_rows:
+                            IEEE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)   # before the early return too (kernels/pdl.py)
+        pid_b, pid_k = tl.program_id(0), tl.program_id(1)
+        slot, tokens, mask_m = _block_rows(sorted_ids_ptr, table_ptr, stride_t, pid_b, BLOCK_M)
+        if slot < 0:
             return
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < SR
@@ -110,29 +151,30 @@ if triton is not None:
                  mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
-    def _lora_expand_kernel(shrunk_ptr, b_ptr, y_ptr, sorted_ids_ptr, slot_starts_ptr, R, width0, width1, width2,
-                            split_k, stride_ss, stride_sm, stride_bl, stride_br, stride_ym,
+    def _lora_expand_kernel(shrunk_ptr, b_ptr, y_ptr, sorted_ids_ptr, table_ptr, R, width0, width1, width2,
+                            split_k, stride_ss, stride_sm, stride_bl, stride_br, stride_ym, stride_t,
                             BLOCKS_PER_SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-        pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        tokens, mask_m, has_rows = _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, pid_m, BLOCK_M)
-        if not has_rows:
-            return
+                            BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
+        pid_b, pid_n = tl.program_id(0), tl.program_id(1)
+        slot, tokens, mask_m = _block_rows(sorted_ids_ptr, table_ptr, stride_t, pid_b, BLOCK_M)
         # Which packed projection this program's columns belong to: blocks never straddle two of them.
         piece = pid_n // BLOCKS_PER_SLICE
         block = pid_n % BLOCKS_PER_SLICE
         width = tl.where(piece == 0, width0, tl.where(piece == 1, width1, width2))
         column0 = tl.where(piece == 0, 0, tl.where(piece == 1, width0, width0 + width1))
-        if block * BLOCK_N >= width:
+        if (slot < 0) | (block * BLOCK_N >= width):
             return
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < width
-        shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        s_ptrs = shrunk_ptr + tokens[:, None] * stride_sm + piece * R + offs_r[None, :]
-        for split in range(0, split_k):
-            shrunk += tl.load(s_ptrs + split * stride_ss, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        offs_s = tl.arange(0, SPLITS)
+        partials = tl.load(shrunk_ptr + offs_s[:, None, None] * stride_ss + tokens[None, :, None] * stride_sm
+                           + piece * R + offs_r[None, None, :],
+                           mask=(offs_s < split_k)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :],
+                           other=0.0)
+        shrunk = tl.sum(partials, axis=0)
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br + column0 + offs_n[None, :],
                     mask=mask_r[:, None] & mask_n[None, :], other=0.0)
         delta = _dot(shrunk.to(b.dtype), b, IEEE)
@@ -142,44 +184,43 @@ if triton is not None:
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
-def _block_m(num_tokens: int) -> int:
-    return 16 if num_tokens <= 16 else 64
-
-
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.Tensor,
-                slot_starts: torch.Tensor) -> torch.Tensor:
-    """Partials [split, T, S*R] fp32 whose sum over splits is the reference's shrink, on the rows of
-    `sorted_token_ids[:slot_starts[-1]]`; other rows are left unwritten."""
+                table: torch.Tensor) -> torch.Tensor:
+    """Partials [split, T, S*R] fp32 whose sum over splits is the reference's shrink, on the rows the block
+    table (`block_table` for `block_m_for(T)`) covers; other rows are left unwritten."""
     num_tokens, k = x.shape
     num_slots, _, sr = lora_a.shape
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and lora_a.shape[1] == k
     split_k = shrink_split_k(num_tokens, k)
-    block_k = 64 if num_tokens <= 16 else 32
+    decode = num_tokens <= DECODE_ROWS
+    block_k = 64 if decode else 32
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
-    block_m = _block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), split_k, num_slots)
-    _lora_shrink_kernel[grid](x, lora_a, out, sorted_token_ids, slot_starts, k, sr, k_per_split,
+    block_m = block_m_for(num_tokens)
+    grid = (max_blocks(num_tokens, num_slots, block_m), split_k)
+    _lora_shrink_kernel[grid](x, lora_a, out, sorted_token_ids, table, k, sr, k_per_split,
                               x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1),
-                              BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(sr)),
-                              IEEE=x.dtype == torch.float32)
+                              table.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
+                              BLOCK_R=max(16, _next_power_of_2(sr)), IEEE=x.dtype == torch.float32,
+                              **launch_options(x.device))
     return out
 
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, sorted_token_ids: torch.Tensor,
-                slot_starts: torch.Tensor, slice_widths: tuple[int, ...]) -> torch.Tensor:
+                table: torch.Tensor, slice_widths: tuple[int, ...]) -> torch.Tensor:
     """y (in place) += the expand of `shrunk` (lora_shrink's partials) on the adapter rows."""
     num_tokens = y.shape[0]
     num_slots, rank, n = lora_b.shape
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and sum(slice_widths) == n and 1 <= len(slice_widths) <= 3
     widths = list(slice_widths) + [0] * (3 - len(slice_widths))
-    block_n = 128 if num_tokens <= 16 else 64
+    block_n = 128 if num_tokens <= DECODE_ROWS else 64
     blocks_per_slice = triton.cdiv(max(slice_widths), block_n)
-    block_m = _block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), blocks_per_slice * len(slice_widths), num_slots)
-    _lora_expand_kernel[grid](shrunk, lora_b, y, sorted_token_ids, slot_starts, rank, *widths, shrunk.shape[0],
+    block_m = block_m_for(num_tokens)
+    grid = (max_blocks(num_tokens, num_slots, block_m), blocks_per_slice * len(slice_widths))
+    _lora_expand_kernel[grid](shrunk, lora_b, y, sorted_token_ids, table, rank, *widths, shrunk.shape[0],
                               shrunk.stride(0), shrunk.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                              BLOCKS_PER_SLICE=blocks_per_slice, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_R=max(16, _next_power_of_2(rank)), IEEE=y.dtype == torch.float32)
+                              table.stride(0), BLOCKS_PER_SLICE=blocks_per_slice, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_R=max(16, _next_power_of_2(rank)), SPLITS=_next_power_of_2(shrunk.shape[0]),
+                              IEEE=y.dtype == torch.float32, **launch_options(y.device))
     return y

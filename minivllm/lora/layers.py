@@ -6,9 +6,9 @@ wrapper offers none of the base method's fused epilogues (rotary, SiLU-and-mul, 
 quantization): each would hand the next layer an output without the delta, so with LoRA those layers run
 their own kernels.
 
-`LoRABatch` holds which slot each row of the step uses in static device buffers: a CUDA graph captured once
-reads each replay's mapping from them, so adapter indices are graph inputs like token ids. It must not decide
-which adapter sits in which slot (manager.py does).
+`LoRABatch` holds which slot each row of the step uses, as kernels/lora.py's block tables, in static device
+buffers: a CUDA graph captured once reads each replay's mapping from them, so adapter indices are graph inputs
+like token ids. It must not decide which adapter sits in which slot (manager.py does).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
+from minivllm.kernels.lora import (BLOCK_MS, DECODE_ROWS, block_m_for, block_table, lora_expand,
+                                   lora_expand_reference, lora_shrink, lora_shrink_reference, max_blocks, sort_rows)
 from minivllm.layers.linear import LinearBase, PackedColumnLinear
 
 # The model's packed linear layers LoRA applies to, each with the checkpoint projections it packs in order.
@@ -25,38 +26,46 @@ LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
 
 
 class LoRABatch:
-    """Rows of the step that use an adapter, grouped by slot: `sorted_token_ids[slot_starts[s]:slot_starts[s+1]]`
-    are slot s's rows (kernels/lora.py). On the CPU the references read `token_slots` instead."""
+    """Rows of the step that use an adapter, grouped by slot, and each row-block size's block table over them
+    (kernels/lora.py). On the CPU the references read `token_slots` instead."""
 
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
         self.max_loras = max_loras
         self.use_triton = device.type == "cuda"
         self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
-        self.slot_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)  # all empty: capture
+        # Every block unused (slot -1) until the first mapping: what graph capture sees.
+        # Row blocks of 16 serve steps of up to DECODE_ROWS rows (kernels/lora.block_m_for), of 64 the rest.
+        self.tables = {bm: torch.full((3, max_blocks(min(max_num_tokens, DECODE_ROWS) if bm == BLOCK_MS[0]
+                                                     else max_num_tokens, max_loras, bm)), -1,
+                                      dtype=torch.int32, device=device) for bm in BLOCK_MS}
         self.token_slots: torch.Tensor | None = None   # [T] on the host; None: no row uses an adapter
 
     def set_mapping(self, token_slots: np.ndarray) -> None:
         """`token_slots[t]`: the slot of row t of the step, -1 for the base model."""
-        rows = np.flatnonzero(token_slots >= 0)
+        rows, counts = sort_rows(token_slots, self.max_loras)
         self.token_slots = torch.from_numpy(token_slots.astype(np.int32)) if rows.size else None
         if not self.use_triton:
             return
-        slots = token_slots[rows]
-        order = np.argsort(slots, kind="stable")
-        starts = np.zeros(self.max_loras + 1, dtype=np.int64)
-        np.cumsum(np.bincount(slots, minlength=self.max_loras), out=starts[1:])
-        packed = np.concatenate([rows[order], starts]).astype(np.int32)
+        # Whole tables, padding included: a graph padded past this step's rows reads blocks past its own. A
+        # step of more rows than DECODE_ROWS is never padded down into the 16-row tiles, which skip its table.
+        tables = [(table, block_table(counts, bm, table.shape[1])) for bm, table in self.tables.items()
+                  if bm != BLOCK_MS[0] or token_slots.size <= DECODE_ROWS]
+        packed = np.concatenate([rows.astype(np.int32)] + [host.ravel() for _, host in tables])
         # Pageable memory: CUDA stages it before returning, so the array may go at once.
-        staged = torch.from_numpy(packed).to(self.slot_starts.device, non_blocking=True)
+        staged = torch.from_numpy(packed).to(self.sorted_token_ids.device, non_blocking=True)
         self.sorted_token_ids[:rows.size].copy_(staged[:rows.size])
-        self.slot_starts.copy_(staged[rows.size:])
+        offset = rows.size
+        for table, _ in tables:
+            table.view(-1).copy_(staged[offset:offset + table.numel()])
+            offset += table.numel()
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  slice_widths: tuple[int, ...]) -> torch.Tensor:
         x = x if x.stride(-1) == 1 else x.contiguous()
         if self.use_triton:   # always launched: a graph captured with no adapter rows still serves steps with some
-            shrunk = lora_shrink(x, lora_a, self.sorted_token_ids, self.slot_starts)
-            return lora_expand(y, shrunk, lora_b, self.sorted_token_ids, self.slot_starts, slice_widths)
+            table = self.tables[block_m_for(x.shape[0])]
+            shrunk = lora_shrink(x, lora_a, self.sorted_token_ids, table)
+            return lora_expand(y, shrunk, lora_b, self.sorted_token_ids, table, slice_widths)
         if self.token_slots is None:
             return y
         shrunk = lora_shrink_reference(x, lora_a, self.token_slots)

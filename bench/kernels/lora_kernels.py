@@ -1,0 +1,86 @@
+"""The batched LoRA kernels (kernels/lora.py) against the base GEMMs they ride on, per Llama-3-8B layer.
+
+Each case times one layer's four LoRA'd projections (qkv, o, gate_up, down: a shrink and an expand each, rank 16,
+8 adapter slots, bf16) and, separately, the base model's four GEMMs on the same rows, both from CUDA graphs that
+walk through 32 layers' weights in turn (so weights come from HBM, as in a decode step). Cases: one decode row
+(single stream), 64 decode rows spread evenly over 8 adapters (W1's decode steps), 4,096 prompt rows over 8
+adapters (W1's prefill chunks). The floor is the adapter bytes the step must read (A and B of each used slot),
+over the copy bandwidth measured in the same run.
+
+    python bench/kernels/lora_kernels.py --out DIR      # -> lora_kernels_<gpu>.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import (device_slug, measure_copy_bandwidth, print_table, run_metadata,  # noqa: E402
+                          write_json)
+from minivllm.lora.layers import LoRABatch  # noqa: E402
+from minivllm.kernels.tuning import device_seconds  # noqa: E402
+
+LAYERS, HIDDEN, INTERMEDIATE, KV, RANK, SLOTS = 32, 4096, 14336, 1024, 16, 8
+# (name, K, slice widths) of Llama-3-8B's packed projections
+PROJECTIONS = (("qkv", HIDDEN, (HIDDEN, KV, KV)), ("o", HIDDEN, (HIDDEN,)),
+               ("gate_up", HIDDEN, (INTERMEDIATE, INTERMEDIATE)), ("down", INTERMEDIATE, (HIDDEN,)))
+CASES = (("single", 1, 1), ("w1_decode", 64, 8), ("w1_prefill", 4096, 8))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    bandwidth = measure_copy_bandwidth(device)
+    dtype = torch.bfloat16
+    layers = []
+    for _ in range(LAYERS):
+        layer = {}
+        for name, k, widths in PROJECTIONS:
+            layer[name] = (torch.randn(SLOTS, k, len(widths) * RANK, device=device, dtype=dtype) / k ** 0.5,
+                           torch.randn(SLOTS, RANK, sum(widths), device=device, dtype=dtype) * 0.01,
+                           torch.randn(sum(widths), k, device=device, dtype=dtype) / k ** 0.5)
+        layers.append(layer)
+    rows = []
+    for case, num_tokens, used_slots in CASES:
+        batch = LoRABatch(num_tokens, SLOTS, device)
+        batch.set_mapping(np.arange(num_tokens) % used_slots)   # rows spread evenly over the used slots
+        xs = {name: torch.randn(num_tokens, k, device=device, dtype=dtype) for name, k, _ in PROJECTIONS}
+        ys = {name: torch.zeros(num_tokens, sum(w), device=device, dtype=dtype) for name, _, w in PROJECTIONS}
+
+        def lora(names=tuple(n for n, _, _ in PROJECTIONS)):
+            for layer in layers:
+                for name in names:
+                    a, b, _ = layer[name]
+                    batch.add_lora(ys[name], xs[name], a, b, dict((n, w) for n, _, w in PROJECTIONS)[name])
+
+        def base():
+            for layer in layers:
+                for name, _, _ in PROJECTIONS:
+                    F.linear(xs[name], layer[name][2])
+        lora_us = device_seconds(lora, calls=2, repeats=10) / LAYERS * 1e6
+        base_us = device_seconds(base, calls=2, repeats=10) / LAYERS * 1e6
+        adapter_bytes = sum((a[0].nbytes + b[0].nbytes) * used_slots for a, b, _ in layers[0].values())
+        row = {"case": case, "rows": num_tokens, "adapters": used_slots, "lora_us_per_layer": lora_us,
+               "base_gemms_us_per_layer": base_us, "lora_over_base": lora_us / base_us,
+               "floor_us_per_layer": adapter_bytes / bandwidth * 1e6}
+        for name, _, _ in PROJECTIONS:
+            row[f"{name}_us"] = device_seconds(lambda: lora((name,)), calls=2, repeats=10) / LAYERS * 1e6
+        rows.append(row)
+    print_table(rows, "LoRA kernels per Llama-3-8B layer (rank 16, 8 slots, bf16)")
+    result = {**run_metadata(device), "copy_bandwidth_bytes_per_s": bandwidth, "rank": RANK, "slots": SLOTS,
+              "cases": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / f"lora_kernels_{device_slug(result['device'])}.json", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
