@@ -12,6 +12,7 @@ from minivllm import LLM, LoRARequest, SamplingParams
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
+from minivllm.lora import layers as lora_layers
 from tests.test_engine import runner_logits
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -93,6 +94,7 @@ def _tokens(outputs):
 
 
 def test_each_adapter_alone_matches_transformers_peft(llm, adapter_dir, prompt_ids, reference):
+    assert all(m.stacked is not None for m in llm.llm_engine.runner.lora_manager.methods.values())
     for name in ["ad1", "ad2", "ad3"]:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False,
                                lora_request=lora(adapter_dir, name))
@@ -166,9 +168,13 @@ def test_scheduler_admits_no_more_adapters_than_slots():
     assert [s.lora_int_id for s in scheduler.schedule().seqs if s.num_computed_tokens == 3] == [3, 0]
 
 
-def test_eviction_and_reload_with_two_slots_keep_outputs(adapter_dir, prompt_ids, reference):
+def test_eviction_and_reload_with_two_slots_keep_outputs(adapter_dir, prompt_ids, reference, monkeypatch):
+    """Also the separate shrink kernel's layout: no layer's A stacked under its weight here (the module's engine
+    stacks them all)."""
+    monkeypatch.setattr(lora_layers, "STACK_MAX_BYTES", 0)
     llm = LLM(kv_cache_memory=16 * 2**20, max_model_len=256, seed=0, enable_lora=True, max_loras=2,
               max_cpu_loras=2, max_lora_rank=16)
+    assert not any(m.stacked is not None for m in llm.llm_engine.runner.lora_manager.methods.values())
     short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for group in (["ad1", "ad2", "ad3", "ad4", "ad5"], [None, "ad5", "ad1", "ad3"]):   # more adapters than slots
         outputs = llm.generate([{"prompt_token_ids": prompt_ids[0]}] * len(group), short, use_tqdm=False,

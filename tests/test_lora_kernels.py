@@ -52,6 +52,21 @@ def test_shrink_and_expand_match_reference(num_tokens, k, widths, rank, num_slot
     assert torch.equal(ours[~used], y[~used]), "rows without an adapter must be left untouched"
 
 
+@pytest.mark.parametrize("num_tokens", [3, DECODE_ROWS + 9])
+def test_expand_reads_each_rows_own_slot_from_a_stacked_gemm(num_tokens):
+    """The dense layers' form: every slot's x · A sits beside y in one GEMM output, y a view of it."""
+    widths, rank, num_slots = (24, 8, 8), 4, 3
+    x, lora_a, lora_b, y, token_slots = _case(num_tokens, 40, widths, rank, num_slots, torch.float32, "cpu", seed=1)
+    n, sr = sum(widths), len(widths) * rank
+    out = torch.cat([y, torch.einsum("tk,skr->tsr", x, lora_a).reshape(num_tokens, num_slots * sr)], dim=1)
+    sorted_ids, table = _mapping(token_slots, num_slots)
+    ours = lora_expand(out[:, :n], out[:, n:], lora_b, sorted_ids, table, widths)
+    expected = lora_expand_reference(y.clone(), lora_shrink_reference(x, lora_a, token_slots), lora_b, token_slots,
+                                     widths)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    assert ours.data_ptr() == out.data_ptr(), "y is updated in place, in the GEMM's output"
+
+
 def test_no_adapter_rows_leave_the_output_unchanged():
     x, lora_a, lora_b, y, _ = _case(6, 32, (16,), 8, 2, torch.float32, "cpu")
     token_slots = torch.full((6,), -1, dtype=torch.int32)

@@ -19,7 +19,9 @@ launching `slots` times the programs it needs. A decode row costs the same kerne
 
 The shrink splits K over programs (one token's A read by one program would take one SM's bandwidth); each
 split writes its own partial [split, rows, S * R] in fp32, and the expand loads all of a row block's partials
-in one 3-D load and sums them, so no atomics and no zeroing are needed. Both kernels launch with programmatic
+in one 3-D load and sums them, so no atomics and no zeroing are needed. Where the shrink rode on the base GEMM
+(lora/layers.py stacks every slot's A under a dense weight), the expand reads the row's own slot's columns of
+that GEMM's output instead. Both kernels launch with programmatic
 dependent launch on Hopper (kernels/pdl.py): at batch 1 they are eight of a layer's few-microsecond kernels.
 """
 from __future__ import annotations
@@ -152,7 +154,7 @@ if triton is not None:
 
     @triton.jit
     def _lora_expand_kernel(shrunk_ptr, b_ptr, y_ptr, sorted_ids_ptr, table_ptr, R, width0, width1, width2,
-                            split_k, stride_ss, stride_sm, stride_bl, stride_br, stride_ym, stride_t,
+                            split_k, stride_ss, stride_sm, stride_sl, stride_bl, stride_br, stride_ym, stride_t,
                             BLOCKS_PER_SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
@@ -171,7 +173,7 @@ if triton is not None:
         mask_n = offs_n < width
         offs_s = tl.arange(0, SPLITS)
         partials = tl.load(shrunk_ptr + offs_s[:, None, None] * stride_ss + tokens[None, :, None] * stride_sm
-                           + piece * R + offs_r[None, None, :],
+                           + slot * stride_sl + piece * R + offs_r[None, None, :],
                            mask=(offs_s < split_k)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :],
                            other=0.0)
         shrunk = tl.sum(partials, axis=0)
@@ -209,18 +211,24 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.T
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, sorted_token_ids: torch.Tensor,
                 table: torch.Tensor, slice_widths: tuple[int, ...]) -> torch.Tensor:
-    """y (in place) += the expand of `shrunk` (lora_shrink's partials) on the adapter rows."""
+    """y (in place) += the expand of `shrunk` on the adapter rows. `shrunk` is lora_shrink's partials
+    [split, T, S*R], or [T, slots * S*R] with every slot's x · A side by side (a stacked GEMM's extra columns)."""
     num_tokens = y.shape[0]
     num_slots, rank, n = lora_b.shape
+    if shrunk.dim() == 2:   # one "split", and each slot's own columns
+        split_k, strides = 1, (0, shrunk.stride(0), shrunk.shape[1] // num_slots)
+        assert shrunk.stride(1) == 1 and shrunk.shape[1] % num_slots == 0
+    else:
+        split_k, strides = shrunk.shape[0], (shrunk.stride(0), shrunk.stride(1), 0)
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and sum(slice_widths) == n and 1 <= len(slice_widths) <= 3
     widths = list(slice_widths) + [0] * (3 - len(slice_widths))
     block_n = 128 if num_tokens <= DECODE_ROWS else 64
     blocks_per_slice = triton.cdiv(max(slice_widths), block_n)
     block_m = block_m_for(num_tokens)
     grid = (max_blocks(num_tokens, num_slots, block_m), blocks_per_slice * len(slice_widths))
-    _lora_expand_kernel[grid](shrunk, lora_b, y, sorted_token_ids, table, rank, *widths, shrunk.shape[0],
-                              shrunk.stride(0), shrunk.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                              table.stride(0), BLOCKS_PER_SLICE=blocks_per_slice, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_R=max(16, _next_power_of_2(rank)), SPLITS=_next_power_of_2(shrunk.shape[0]),
+    _lora_expand_kernel[grid](shrunk, lora_b, y, sorted_token_ids, table, rank, *widths, split_k, *strides,
+                              lora_b.stride(0), lora_b.stride(1), y.stride(0), table.stride(0),
+                              BLOCKS_PER_SLICE=blocks_per_slice, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_R=max(16, _next_power_of_2(rank)), SPLITS=_next_power_of_2(split_k),
                               IEEE=y.dtype == torch.float32, **launch_options(y.device))
     return y

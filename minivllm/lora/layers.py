@@ -6,6 +6,11 @@ wrapper offers none of the base method's fused epilogues (rotary, SiLU-and-mul, 
 quantization): each would hand the next layer an output without the delta, so with LoRA those layers run
 their own kernels.
 
+For a dense layer without bias, the shrink rides on the base GEMM: every slot's A, transposed, is stacked under
+the weight, so `x · [W; A_0ᵀ; ...]` yields y and each slot's x · A in one GEMM and only the expand is left
+(one kernel less per layer and step; the GEMM reads the extra rows of every slot, so only while they are few:
+STACK_MAX_BYTES). Otherwise (quantized weights, a bias, many wide slots) a separate shrink kernel runs.
+
 `LoRABatch` holds which slot each row of the step uses, as kernels/lora.py's block tables, in static device
 buffers: a CUDA graph captured once reads each replay's mapping from them, so adapter indices are graph inputs
 like token ids. It must not decide which adapter sits in which slot (manager.py does).
@@ -14,11 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.lora import (BLOCK_MS, DECODE_ROWS, block_m_for, block_table, lora_expand,
                                    lora_expand_reference, lora_shrink, lora_shrink_reference, max_blocks, sort_rows)
-from minivllm.layers.linear import LinearBase, PackedColumnLinear
+from minivllm.layers.linear import LinearBase, PackedColumnLinear, UnquantizedLinearMethod
+
+# Stack a layer's A columns under its dense weight while all slots' add at most this much to it: the GEMM then
+# reads them at every step, in place of a shrink kernel of about 3.5 us at batch 1 on an H200
+# (bench/results/lora_kernels_h200.json), in which time its HBM moves over 16 MB.
+STACK_MAX_BYTES = 8 << 20
 
 # The model's packed linear layers LoRA applies to, each with the checkpoint projections it packs in order.
 LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -59,6 +70,19 @@ class LoRABatch:
             table.view(-1).copy_(staged[offset:offset + table.numel()])
             offset += table.numel()
 
+    def expand_stacked(self, y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor,
+                       slice_widths: tuple[int, ...]) -> torch.Tensor:
+        """y (in place) += each adapter row's delta, from `shrunk` [T, slots * S * R]: every slot's x · A, as the
+        stacked GEMM left it beside y."""
+        if self.use_triton:
+            table = self.tables[block_m_for(y.shape[0])]
+            return lora_expand(y, shrunk, lora_b, self.sorted_token_ids, table, slice_widths)
+        if self.token_slots is None:
+            return y
+        per_slot = shrunk.view(shrunk.shape[0], self.max_loras, -1)
+        own = per_slot[torch.arange(shrunk.shape[0]), self.token_slots.long().clamp(min=0)].float()
+        return lora_expand_reference(y, own, lora_b, self.token_slots, slice_widths)
+
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  slice_widths: tuple[int, ...]) -> torch.Tensor:
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -73,8 +97,9 @@ class LoRABatch:
 
 
 class LoRALinearMethod:
-    """A linear layer's quant method plus every slot's adapter weights for that layer (kernels/lora.py's
-    layout: A [slots, K, S * R], B [slots, R, N] with the scaling folded in)."""
+    """A linear layer's quant method plus every slot's adapter weights for that layer: B [slots, R, N] with the
+    scaling folded in, and A either stacked under the dense weight ([slots, S * R, K], see above) or apart as
+    kernels/lora.py's shrink reads it ([slots, K, S * R])."""
 
     def __init__(self, base, batch: LoRABatch, layer: LinearBase, projections: tuple[str, ...], rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -85,22 +110,37 @@ class LoRALinearMethod:
         else:
             self.slice_widths = (layer.output_size,)
         assert len(self.slice_widths) == len(projections)
-        slots = batch.max_loras
-        self.lora_a = torch.zeros(slots, self.input_size, len(projections) * rank, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(slots, rank, sum(self.slice_widths), dtype=dtype, device=device)
+        slots, sr, n = batch.max_loras, len(projections) * rank, sum(self.slice_widths)
+        self.stacked: torch.Tensor | None = None
+        if (type(base) is UnquantizedLinearMethod and layer.bias is None and layer.weight.dtype == dtype
+                and slots * sr * self.input_size * dtype.itemsize <= STACK_MAX_BYTES):
+            self.stacked = torch.zeros(n + slots * sr, self.input_size, dtype=dtype, device=device)
+            self.stacked[:n].copy_(layer.weight)
+            layer.weight = nn.Parameter(self.stacked[:n], requires_grad=False)   # the base weight, now a view
+            self.lora_a = self.stacked[n:].view(slots, sr, self.input_size)
+        else:
+            self.lora_a = torch.zeros(slots, self.input_size, sr, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(slots, rank, n, dtype=dtype, device=device)
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Copy one adapter's (A, B) for this layer into `slot` (zeros where the adapter leaves it alone)."""
+        """Copy one adapter's (A [K, S * R], B) for this layer into `slot` (zeros where the adapter leaves it
+        alone)."""
         if weights is None:
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()
             return
-        self.lora_a[slot].copy_(weights[0], non_blocking=True)
+        a = weights[0].to(self.lora_a.device, non_blocking=True)
+        self.lora_a[slot].copy_(a.T if self.stacked is not None else a)
         self.lora_b[slot].copy_(weights[1], non_blocking=True)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.base.apply(layer, x, bias)
-        return self.batch.add_lora(y, x, self.lora_a, self.lora_b, self.slice_widths)
+        if self.stacked is None:
+            y = self.base.apply(layer, x, bias)
+            return self.batch.add_lora(y, x, self.lora_a, self.lora_b, self.slice_widths)
+        out = F.linear(x, self.stacked)
+        n = self.lora_b.shape[2]
+        # y stays a view with the slots' columns beside it: its consumers take a row stride, as q/k/v's do
+        return self.batch.expand_stacked(out[:, :n], out[:, n:], self.lora_b, self.slice_widths)
 
 
 def wrap_linear_layers(model: nn.Module, batch: LoRABatch, rank: int, dtype: torch.dtype,
