@@ -87,11 +87,15 @@ def test_mixed_steps_replay_cuda_graphs_and_stay_token_identical(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=256, max_num_seqs=8, max_num_batched_tokens=96)
     graphs = llm.llm_engine.runner.graph_runner
+    assert graphs.pending == [64] and list(graphs.mixed_graphs) == [96], "start-up captures the largest only"
     mixed_replays = []
     run = graphs.run
     graphs.run = lambda inputs: mixed_replays.append(not inputs.metadata.is_decode_only) or run(inputs)
     expected = _hf_greedy(reference, prompts, 24)
     assert _greedy(llm, prompts, 24) == expected
+    # 64 was captured when a step first needed it, between steps whose KV the next run reads from the cache:
+    # its warm-up pass must not have written any
+    assert graphs.pending == [] and sorted(graphs.mixed_graphs) == [64, 96]
     assert _greedy(llm, prompts, 24) == expected  # again, the shared prefix now read from the cache
     del graphs.run  # the counting wrapper refers back to the runner: drop it, or the engine outlives the test
     assert llm.llm_engine.block_manager.prefix_cache_hits > 0

@@ -101,6 +101,28 @@ def test_tokenizer_has_chat_template_and_round_trips(converted):
     assert load_tokenizer(None) is None
 
 
+def test_tokenizer_encodes_renders_and_decodes_as_autotokenizer(converted):
+    """load_tokenizer skips the Auto classes; what it loads must behave as AutoTokenizer's tokenizer."""
+    from transformers import AutoTokenizer
+    folder, _ = converted
+    ours, auto = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    texts = ["Hello, world!", "  leading spaces\tand tabs\n\nnew lines", "Ünïcödé 漢字 emoji 🙂 1234567",
+             "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2  # comment", ""]
+    for text in texts:
+        for special in (True, False):
+            ids = auto(text, add_special_tokens=special).input_ids
+            assert ours(text, add_special_tokens=special).input_ids == ids, (text, special)
+            assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+            assert ours.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    for generation_prompt in (True, False):
+        assert (ours.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+                == auto.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False))
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, len(ours)) == \
+        (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, len(auto))
+    assert ours.all_special_ids == auto.all_special_ids
+
+
 def test_sharded_hf_folder_loads_same_weights(tmp_path):
     reference = make_tiny_hf_checkpoint(tmp_path / "single", "llama3")
     reference.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")

@@ -1,11 +1,23 @@
-"""Tokenizer loading. Detokenization and chat formatting live elsewhere (engine/detokenizer, server)."""
+"""Tokenizer loading. Detokenization and chat formatting live elsewhere (engine/detokenizer, server).
+
+A folder with a `tokenizer.json` (every folder minivllm writes, and nearly every HF checkpoint) loads as
+`PreTrainedTokenizerFast`: the same `tokenizers` pipeline, special tokens and chat template AutoTokenizer
+would give it, without importing transformers' Auto classes, which on some transformers releases pull in the
+model and generation stacks (scikit-learn, torch._dynamo, sympy: seconds of a server's start). Other folders
+(a sentencepiece model only) go through AutoTokenizer.
+"""
 from __future__ import annotations
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
 def load_tokenizer(tokenizer_dir: str | None) -> PreTrainedTokenizerBase | None:
     """The fast tokenizer saved in `tokenizer_dir` (with its chat template), or None without one."""
     if tokenizer_dir is None:
         return None
+    if (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -18,6 +18,11 @@ per token: row t attends to its sequence's first `positions[t] + 1` tokens (its 
 before, as in any step), which is exactly causal attention. On SmolLM2-135M at batch 1 (H100) such a
 step took 2.0 ms of device time through the 64-token mixed graph against 1.1 ms for a decode step.
 
+At start-up only the decode graphs and the largest mixed graph (which sizes the shared pool) are captured; each
+other mixed size is captured the first time a step needs it, or earlier when the engine is idle
+(`capture_pending`): a server is up sooner, and a size no traffic needs is never captured. A capture between
+steps resets the static buffers first, so its warm-up pass writes no KV.
+
 Decode graphs of up to `LOGITS_IN_GRAPH_MAX_ROWS` rows also compute the logits (without tensor
 parallelism, whose LM head gathers to one rank). Such steps are bound by the host's launches: at batch 1
 on SmolLM2 the logits' own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host
@@ -98,6 +103,7 @@ class CUDAGraphRunner:
         self.logits: torch.Tensor | None = None   # [LOGITS_IN_GRAPH_MAX_ROWS, vocab], sized at capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pending: list[int] = []   # mixed sizes not captured yet, smallest (most often needed) first
         self.pool = None
 
     def _decode_metadata(self, batch: int) -> AttentionMetadata:
@@ -145,15 +151,27 @@ class CUDAGraphRunner:
         # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
         # sequence is a padding one: no query tokens, no context, nothing written.
         self.seq_lens.zero_()
-        for num_tokens in reversed(self.mixed_sizes):
-            self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
+        self.pending = sorted(self.mixed_sizes)
+        if self.pending:
+            self.capture_pending(self.pending[-1])
         for batch in reversed(self.sizes):
             self.seq_lens[:batch] = 1
             self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch), decode=True)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs)",
-                    self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes))
+        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of %s tokens (%d more mixed "
+                    "sizes as steps or idle time need them)", self.sizes, list(self.mixed_graphs), len(self.pending))
+
+    @torch.inference_mode()
+    def capture_pending(self, num_tokens: int | None = None) -> None:
+        """Capture the mixed graph of `num_tokens` (a padded size not captured yet), or the smallest left."""
+        num_tokens = self.pending[0] if num_tokens is None else num_tokens
+        self.pending.remove(num_tokens)
+        # Padding sequences only: the buffers hold the last step's slots, which the warm-up pass would write.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+        self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
 
     def _as_decode_rows(self, inputs: ModelInputs) -> bool:
         meta = inputs.metadata
@@ -175,6 +193,8 @@ class CUDAGraphRunner:
         rows = self._as_decode_rows(inputs)
         decode = meta.is_decode_only or rows
         padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)
+        if not decode and padded not in self.mixed_graphs:
+            self.capture_pending(padded)
         self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
