@@ -10,6 +10,7 @@ Does not know about HTTP; the server talks only to this class.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -109,8 +110,10 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncEngine:
+        """An engine that captures only some CUDA graph sizes before serving: its loop captures the rest
+        while idle."""
         from minivllm.engine.llm_engine import LLMEngine
-        return cls(LLMEngine(config))
+        return cls(LLMEngine(dataclasses.replace(config, defer_cuda_graphs=True)))
 
     # ---- what the server reads -------------------------------------------------------------
     @property

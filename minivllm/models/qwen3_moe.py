@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from minivllm.layers.fused_moe import FusedMoE
-from minivllm.layers.linear import ReplicatedLinear
+from minivllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from minivllm.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -23,10 +23,13 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, shared_expert: nn.Module | None = None):
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        # The router stays in the model's dtype under any weight quantization, as the checkpoints that ship
+        # quantized MoE models leave it: its logits pick the experts, and it is a sliver of the bytes.
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, quant_method=UnquantizedLinearMethod())
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False) if shared_expert else None
+        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, bias=False, quant_method=UnquantizedLinearMethod())
+                                   if shared_expert else None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden_states, self.gate(hidden_states))

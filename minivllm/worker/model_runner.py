@@ -179,7 +179,7 @@ class ModelRunner:
                                             self.hf_config.hidden_size, self.dtype, self.device,
                                             min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens),
                                             self.model.compute_logits if get_tp_size() == 1 else None)
-        self.graph_runner.capture()
+        self.graph_runner.capture(defer=self.config.defer_cuda_graphs)
         self.startup_seconds["cuda_graph_capture"] = time.perf_counter() - started
         logger.info("CUDA graph capture took %.1f s", self.startup_seconds["cuda_graph_capture"])
 
