@@ -83,9 +83,13 @@ def test_split_k_spreads_decode_rows_and_not_long_chunks():
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_block_table_covers_each_adapter_row_once_within_its_slot(block_m):
     generator = np.random.default_rng(0)
-    for num_tokens, num_slots in [(1, 8), (64, 8), (300, 3), (1000, 5)]:
-        token_slots = generator.integers(-1, num_slots, num_tokens)
+    cases = [(n, slots, generator.integers(-1, slots, n)) for n, slots in [(1, 8), (64, 8), (300, 3), (1000, 5)]]
+    for num_tokens, num_slots, token_slots in cases:
         token_slots[: num_tokens // 3] = num_slots - 1   # one long run next to short ones
+    # the most blocks T rows can need: every slot but one holds a single row, the last one the rest
+    cases += [(n, 8, np.concatenate([np.arange(7), np.full(n - 7, 7)])) for n in (block_m + 7, 2 * block_m + 8)]
+    cases.append((1, 8, np.array([5])))
+    for num_tokens, num_slots, token_slots in cases:
         rows, counts = sort_rows(token_slots, num_slots)
         num_blocks = max_blocks(num_tokens, num_slots, block_m)
         table = block_table(counts, block_m, num_blocks)

@@ -11,7 +11,7 @@ shrunk[:, j*R:(j+1)*R] · B into its columns of y.
 Rows are grouped by slot, not padded per adapter: `sorted_token_ids` lists the rows that use an adapter,
 ordered by slot, and a block table cuts each slot's run of it into blocks of BLOCK_M rows (row `block_mapping`:
 slot, first and end index into `sorted_token_ids`; slot -1 past the last block). A step of T rows over any mix of
-adapters needs at most cdiv(T, BLOCK_M) + slots blocks, so the grids depend on the shapes only, never on the
+adapters needs at most cdiv(T, BLOCK_M) + slots - 1 blocks, so the grids depend on the shapes only, never on the
 step's mix: the kernels are captured in CUDA graphs and a replay reads that step's table from the same buffers.
 Launching one program per possible block instead of one per (slot, block) keeps a long prompt chunk from
 launching `slots` times the programs it needs. A decode row costs the same kernel as a prompt chunk's rows
@@ -71,8 +71,10 @@ def block_m_for(num_tokens: int) -> int:
 
 
 def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
-    """Blocks any mix of `num_tokens` rows over `num_slots` adapters can need: the grid's first dimension."""
-    return -(-num_tokens // block_m) + num_slots
+    """Blocks any mix of `num_tokens` rows over `num_slots` adapters can need: the grid's first dimension. With
+    rows in k slots, each slot's last block may be partly filled, so at most cdiv(T, block_m) + k - 1, and
+    k <= min(slots, T): one block for a single decode row."""
+    return max(1, -(-num_tokens // block_m) + min(num_slots, num_tokens) - 1)
 
 
 def sort_rows(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
