@@ -37,9 +37,6 @@ class EngineConfig:
     # Steps with prompt tokens (prefill, chunks, prefix hits) of up to this many tokens also replay a
     # CUDA graph, padded to a captured size; longer ones run eagerly. 0: only decode steps use graphs.
     cuda_graph_max_tokens: int = 4096
-    # Capture only the power-of-two graph sizes (and the largest) at start-up and the rest while the engine is
-    # idle (worker/cuda_graph.py): the server does, to be up sooner; offline use captures all at once.
-    defer_cuda_graphs: bool = False
     # Schedule step N+1 while step N runs on the GPU (throughput, ITL) at the cost of about one step of
     # TTFT for requests that arrive meanwhile. None: on for CUDA, off for CPU (where nothing overlaps).
     async_scheduling: bool | None = None

@@ -33,10 +33,7 @@ class ScriptedEngine:
     max_model_len = 64
     tokenizer = None
 
-    def __init__(self, max_waiting: int | None = None, step_delay: float = 0.0, crash_at_step: int | None = None,
-                 pending_graphs: int = 0):
-        self.pending_graphs = pending_graphs   # CUDA graph sizes left for idle time, 0.05 s each
-        self.captures_while_busy = 0
+    def __init__(self, max_waiting: int | None = None, step_delay: float = 0.0, crash_at_step: int | None = None):
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
         self.threads: set[int] = set()
@@ -71,16 +68,6 @@ class ScriptedEngine:
         if not self.requests:
             self.num_idle_checks += 1
         return bool(self.requests)
-
-    def capture_pending_graph(self) -> bool:
-        self._enter("capture")
-        if self.requests:
-            self.captures_while_busy += 1
-            return True
-        if self.pending_graphs:
-            time.sleep(0.05)
-            self.pending_graphs -= 1
-        return self.pending_graphs > 0
 
     def step(self) -> list[RequestOutput]:
         self._enter("step")
@@ -222,31 +209,6 @@ def test_idle_loop_sleeps_and_pause_holds_requests_waiting():
         engine.resume()
         outputs = [out async for out in stream]
         assert outputs[-1].outputs[0].token_ids == [0, 1]
-        await engine.shutdown()
-
-    run(main())
-
-
-def test_idle_time_captures_the_graphs_left_for_later_and_requests_never_wait_for_all():
-    fake = ScriptedEngine(pending_graphs=20)   # 1 s of captures
-
-    async def main():
-        engine = AsyncEngine(fake)
-        engine.start()
-        await asyncio.sleep(0.12)
-        started = time.monotonic()
-        outputs = [out async for out in engine.generate([1], SamplingParams(max_tokens=3), "a")]
-        # served after at most the capture in progress, not after the remaining ones
-        assert outputs[-1].outputs[0].token_ids == [0, 1, 2] and time.monotonic() - started < 0.5
-        assert 0 < fake.pending_graphs < 19
-        for _ in range(100):
-            if fake.pending_graphs == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert fake.pending_graphs == 0 and fake.captures_while_busy == 0
-        captures = fake.calls.count("capture")
-        await asyncio.sleep(0.2)
-        assert fake.calls.count("capture") == captures, "once none are left, idle is asleep again"
         await engine.shutdown()
 
     run(main())

@@ -75,27 +75,6 @@ def test_small_decode_graphs_compute_their_rows_logits(tmp_path):
     assert {with_logits for rows, with_logits in seen if rows > LOGITS_IN_GRAPH_MAX_ROWS} == {False}
 
 
-def test_graphs_left_for_idle_time_pad_to_larger_ones_then_capture_without_touching_the_kv(tmp_path):
-    """The server's start-up: only power-of-two sizes (and the largest) captured; steps between captures of the
-    rest keep their prefix-cached KV intact and their tokens unchanged."""
-    reference = make_tiny_hf_checkpoint(tmp_path, "llama3").cuda()
-    g = torch.Generator().manual_seed(2)
-    prefix = torch.randint(3, 128, (40,), generator=g).tolist()
-    prompts = [prefix + torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 33, 70)]
-    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-              max_model_len=256, max_num_seqs=64, max_num_batched_tokens=320, defer_cuda_graphs=True)
-    graphs = llm.llm_engine.runner.graph_runner
-    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32, 64] and sorted(graphs.mixed_graphs) == [64, 128, 256, 320]
-    assert graphs.pending == [(48, False), (192, True)]
-    expected = _hf_greedy(reference, prompts, 16)
-    assert _greedy(llm, prompts, 16) == expected   # padded to the captured sizes
-    while llm.llm_engine.capture_pending_graph():   # between runs, as the server's idle loop does
-        assert _greedy(llm, prompts[:1], 16) == expected[:1]
-    assert not graphs.pending and sorted(graphs.mixed_graphs) == [64, 128, 192, 256, 320] and 48 in graphs.graphs
-    assert llm.llm_engine.block_manager.prefix_cache_hits > 0
-    assert _greedy(llm, prompts, 16) == expected
-
-
 def test_mixed_steps_replay_cuda_graphs_and_stay_token_identical(tmp_path):
     """Prompt chunks under a 96-token budget, decodes riding along with them, and prefix-cache hits all
     replay the mixed-step graphs (padded rows and sequences included); greedy output still equals

@@ -10,7 +10,6 @@ Does not know about HTTP; the server talks only to this class.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -110,10 +109,8 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncEngine:
-        """An engine that captures only some CUDA graph sizes before serving: its loop captures the rest
-        while idle."""
         from minivllm.engine.llm_engine import LLMEngine
-        return cls(LLMEngine(dataclasses.replace(config, defer_cuda_graphs=True)))
+        return cls(LLMEngine(config))
 
     # ---- what the server reads -------------------------------------------------------------
     @property
@@ -318,16 +315,12 @@ class AsyncEngine:
             logger.exception("engine shutdown failed")
 
     def _loop_until_stopped(self) -> None:
-        graphs_pending = True   # CUDA graph sizes start-up left for idle time (worker/cuda_graph.py)
         while True:
             # Sleep on the command queue when there is nothing to step: no busy spinning.
             idle = self._paused or not self.engine.has_unfinished_requests()
-            if self._apply_commands(block=idle and not graphs_pending):
+            if self._apply_commands(block=idle):
                 return
             if self._paused or not self.engine.has_unfinished_requests():
-                if graphs_pending and not self._paused:   # one size (~0.1 s), then look for commands again
-                    graphs_pending = self.engine.capture_pending_graph()
-                    continue
                 self._stats = self.engine.get_stats()  # adds/aborts changed it; no step will refresh it
                 self._snapshot_time = 0.0  # idle: the next snapshot is the last word until work arrives
                 self._maybe_snapshot()

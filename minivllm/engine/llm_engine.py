@@ -208,12 +208,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    def capture_pending_graph(self) -> bool:
-        """While idle, capture one CUDA graph size that start-up left for later; True while more remain."""
-        if self.has_unfinished_requests():
-            return True
-        return self.runner.capture_pending_graph()
-
     # ---- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that finished.

@@ -18,12 +18,6 @@ per token: row t attends to its sequence's first `positions[t] + 1` tokens (its 
 before, as in any step), which is exactly causal attention. On SmolLM2-135M at batch 1 (H100) such a
 step took 2.0 ms of device time through the 64-token mixed graph against 1.1 ms for a decode step.
 
-The server captures fewer graphs before it serves (`capture(defer=True)`): the power-of-two sizes of each family
-and its largest, 16 of 40 at the defaults. A step whose size is not captured yet replays the next larger
-graph (at most twice its rows), and the engine captures the rest one at a time while it is idle
-(`capture_pending`), decode sizes first. A capture between steps resets the static buffers first, so its
-warm-up pass writes no KV.
-
 Decode graphs of up to `LOGITS_IN_GRAPH_MAX_ROWS` rows also compute the logits (without tensor
 parallelism, whose LM head gathers to one rank). Such steps are bound by the host's launches: at batch 1
 on SmolLM2 the logits' own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host
@@ -104,7 +98,6 @@ class CUDAGraphRunner:
         self.logits: torch.Tensor | None = None   # [LOGITS_IN_GRAPH_MAX_ROWS, vocab], sized at capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pending: list[int] = []   # mixed sizes not captured yet, smallest (most often needed) first
         self.pool = None
 
     def _decode_metadata(self, batch: int) -> AttentionMetadata:
@@ -148,42 +141,19 @@ class CUDAGraphRunner:
         return graph
 
     @torch.inference_mode()
-    def capture(self, defer: bool = False) -> None:
-        """Capture every size, or (`defer`) the power-of-two sizes and the largest of each family now and leave
-        the rest in `pending` for `capture_pending`."""
-        def now(sizes: list[int]) -> list[int]:
-            return [s for s in sizes if not defer or s & (s - 1) == 0 or s == sizes[-1]]
-        self.pending = sorted([(n, False) for n in self.sizes if n not in now(self.sizes)]
-                              + [(n, True) for n in self.mixed_sizes if n not in now(self.mixed_sizes)],
-                              key=lambda p: (p[1], p[0]))   # decode sizes, then mixed, smallest first
+    def capture(self) -> None:
         # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
         # sequence is a padding one: no query tokens, no context, nothing written.
-        for num_tokens in reversed(now(self.mixed_sizes)):
-            self._capture_size(num_tokens, mixed=True)
-        for batch in reversed(now(self.sizes)):
-            self._capture_size(batch, mixed=False)
-        torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of %s tokens (%d sizes left "
-                    "for idle time)", sorted(self.graphs), sorted(self.mixed_graphs), len(self.pending))
-
-    @torch.inference_mode()
-    def capture_pending(self) -> None:
-        """Capture the next size `capture(defer=True)` left; until then its steps replay the next larger graph."""
-        num_tokens, mixed = self.pending.pop(0)
-        self._capture_size(num_tokens, mixed)
-
-    def _capture_size(self, num_tokens: int, mixed: bool) -> None:
-        # Padding sequences only: between steps the buffers hold the last step's slots, which the warm-up
-        # pass would write.
-        self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
-        self.query_start_loc.zero_()
-        if mixed:
+        for num_tokens in reversed(self.mixed_sizes):
             self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
-        else:
-            self.seq_lens[:num_tokens] = 1
-            self.graphs[num_tokens] = self._capture_one(num_tokens, self._decode_metadata(num_tokens), decode=True)
-            self.seq_lens.zero_()
+        for batch in reversed(self.sizes):
+            self.seq_lens[:batch] = 1
+            self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch), decode=True)
+        self.seq_lens.zero_()
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs)",
+                    self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes))
 
     def _as_decode_rows(self, inputs: ModelInputs) -> bool:
         meta = inputs.metadata
@@ -204,8 +174,7 @@ class CUDAGraphRunner:
         batch, num_tokens = meta.num_seqs, inputs.input_ids.shape[0]
         rows = self._as_decode_rows(inputs)
         decode = meta.is_decode_only or rows
-        graphs = self.graphs if decode else self.mixed_graphs
-        padded = min(s for s in graphs if s >= num_tokens)   # the largest of each family is always captured
+        padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)
         self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)

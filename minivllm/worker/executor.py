@@ -222,10 +222,6 @@ class MultiprocTPExecutor:
         self.driver.capture_cuda_graphs(max_num_seqs, max_model_len)
         set_collective_timeout(self.timeout_s)   # start-up is over: steps have the short deadline
 
-    def capture_pending_graph(self) -> bool:
-        self._send(("capture_pending",))
-        return self.driver.capture_pending_graph()
-
     def execute(self, scheduler_output, grammar_bitmask=None):
         return self.execute_async(scheduler_output, grammar_bitmask).result()
 

@@ -96,9 +96,6 @@ def serve(runner: ModelRunner, step_timeout_s: float) -> None:
             runner.capture_cuda_graphs(*message[1:])
             set_collective_timeout(step_timeout_s)   # start-up is over: steps have the short deadline
             continue
-        if kind == "capture_pending":   # the driver is idle and captures a graph size left for later
-            runner.capture_pending_graph()
-            continue
         steps += 1
         if fault is not None and steps == fault_step:
             logger.error("injected fault %r at step %d (%s)", fault, steps, FAULT_ENV)

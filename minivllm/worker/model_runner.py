@@ -179,19 +179,9 @@ class ModelRunner:
                                             self.hf_config.hidden_size, self.dtype, self.device,
                                             min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens),
                                             self.model.compute_logits if get_tp_size() == 1 else None)
-        self.graph_runner.capture(defer=self.config.defer_cuda_graphs)
+        self.graph_runner.capture()
         self.startup_seconds["cuda_graph_capture"] = time.perf_counter() - started
         logger.info("CUDA graph capture took %.1f s", self.startup_seconds["cuda_graph_capture"])
-
-    def capture_pending_graph(self) -> bool:
-        """Capture one mixed CUDA graph size left for later (cuda_graph.py), between steps; True while more
-        remain."""
-        if self.graph_runner is None or not self.graph_runner.pending:
-            return False
-        if self.lora_manager is not None:   # the last step's adapter rows may lie past the captured size
-            self.lora_manager.batch.set_mapping(np.empty(0, dtype=np.int64))
-        self.graph_runner.capture_pending()
-        return bool(self.graph_runner.pending)
 
     def release_cuda_graphs(self, synchronize: bool = True) -> None:
         """Drop the CUDA graphs and (`synchronize`) let the device finish. Under tensor parallelism NCCL keeps a
