@@ -9,8 +9,8 @@ so one shrink computes every projection's x · A at once, and the expand adds pr
 shrunk[:, j*R:(j+1)*R] · B into its columns of y.
 
 Rows are grouped by slot, not padded per adapter: `sorted_token_ids` lists the rows that use an adapter,
-ordered by slot, and a block table cuts each slot's run of it into blocks of BLOCK_M rows (row `block_mapping`:
-slot, first and end index into `sorted_token_ids`; slot -1 past the last block). A step of T rows over any mix of
+ordered by slot, and a block table (`block_table`) cuts each slot's run of it into blocks of BLOCK_M rows: per
+block its slot, first and end index into `sorted_token_ids`; slot -1 past the last block. A step of T rows over any mix of
 adapters needs at most cdiv(T, BLOCK_M) + slots - 1 blocks, so the grids depend on the shapes only, never on the
 step's mix: the kernels are captured in CUDA graphs and a replay reads that step's table from the same buffers.
 Launching one program per possible block instead of one per (slot, block) keeps a long prompt chunk from
@@ -21,8 +21,8 @@ The shrink splits K over programs (one token's A read by one program would take 
 split writes its own partial [split, rows, S * R] in fp32, and the expand loads all of a row block's partials
 in one 3-D load and sums them, so no atomics and no zeroing are needed. Where the shrink rode on the base GEMM
 (lora/layers.py stacks every slot's A under a dense weight), the expand reads the row's own slot's columns of
-that GEMM's output instead. Both kernels launch with programmatic
-dependent launch on Hopper (kernels/pdl.py): at batch 1 they are eight of a layer's few-microsecond kernels.
+that GEMM's output instead. Both kernels launch with programmatic dependent launch on Hopper (kernels/pdl.py):
+at batch 1 each is a few microseconds of launch and latency, not of bytes.
 """
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def block_table(counts: np.ndarray, block_m: int, num_blocks: int) -> np.ndarray
     per_slot = -(-counts // block_m)
     slot = np.repeat(np.arange(len(counts)), per_slot)
     first = starts[slot] + block_m * (np.arange(slot.size) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot))
-    table = np.full((3, num_blocks), -1, dtype=np.int32)
-    table[1:] = 0
+    table = np.zeros((3, num_blocks), dtype=np.int32)
+    table[0] = -1
     table[:, :slot.size] = slot, first, starts[slot + 1]
     return table
 

@@ -27,8 +27,9 @@ from minivllm.kernels.lora import (BLOCK_MS, DECODE_ROWS, block_m_for, block_tab
 from minivllm.layers.linear import LinearBase, PackedColumnLinear, UnquantizedLinearMethod
 
 # Stack a layer's A columns under its dense weight while all slots' add at most this much to it: the GEMM then
-# reads them at every step, in place of a shrink kernel of about 3.5 us at batch 1 on an H200
-# (bench/results/lora_kernels_h200.json), in which time its HBM moves over 16 MB.
+# reads them at every step, in place of a shrink kernel. At one row on an H200 a Llama-3-8B layer's LoRA added
+# 29.7 us with its four shrinks and 14.2 us without (bench/results/lora_kernels_h200.json): about 3.9 us a
+# shrink, in which the same run's 4.2 TB/s reads some 16 MB.
 STACK_MAX_BYTES = 8 << 20
 
 # The model's packed linear layers LoRA applies to, each with the checkpoint projections it packs in order.
@@ -44,11 +45,11 @@ class LoRABatch:
         self.max_loras = max_loras
         self.use_triton = device.type == "cuda"
         self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
-        # Every block unused (slot -1) until the first mapping: what graph capture sees.
-        # Row blocks of 16 serve steps of up to DECODE_ROWS rows (kernels/lora.block_m_for), of 64 the rest.
-        self.tables = {bm: torch.full((3, max_blocks(min(max_num_tokens, DECODE_ROWS) if bm == BLOCK_MS[0]
-                                                     else max_num_tokens, max_loras, bm)), -1,
-                                      dtype=torch.int32, device=device) for bm in BLOCK_MS}
+        # Row blocks of 16 serve steps of up to DECODE_ROWS rows (kernels/lora.block_m_for), of 64 the rest. Every
+        # block is unused (slot -1) until the first mapping: what graph capture sees.
+        rows_served = {BLOCK_MS[0]: min(max_num_tokens, DECODE_ROWS), BLOCK_MS[1]: max_num_tokens}
+        self.tables = {bm: torch.full((3, max_blocks(rows, max_loras, bm)), -1, dtype=torch.int32, device=device)
+                       for bm, rows in rows_served.items()}
         self.token_slots: torch.Tensor | None = None   # [T] on the host; None: no row uses an adapter
 
     def set_mapping(self, token_slots: np.ndarray) -> None:
