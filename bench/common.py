@@ -215,15 +215,16 @@ class ModelShape:
 
 
 def load_hf_config(model: str):
-    """The HF config of a shipped dummy model name (minivllm/models/configs/<name>.json) or a config path."""
-    import transformers
+    """The config of a shipped dummy model name (minivllm/models/configs/<name>.json) or a config path, as the
+    engine reads it."""
+    from minivllm.models.hf_config import read_config
     path = Path(model)
     if not path.is_file():
         path = CONFIGS_DIR / f"{model}.json"
     if not path.is_file():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
         raise ValueError(f"no config for model {model!r}; shipped configs: {known}")
-    return transformers.AutoConfig.for_model(**json.loads(path.read_text()))
+    return read_config(path)
 
 
 # ---- statistics and result files ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from bench.common import CONFIGS_DIR, device_slug, run_metadata  # noqa: E402
 from minivllm.models import loader  # noqa: E402
+from minivllm.models.hf_config import read_config  # noqa: E402
 
 SHARD_BYTES = 5 * 10**9
 
@@ -50,7 +51,7 @@ def hf_llama_shapes(hf) -> dict[str, tuple[int, ...]]:
 def write_checkpoint(folder: Path, config_path: Path, dtype: torch.dtype, seed: int = 0) -> int:
     """Write the folder; returns its tensor bytes."""
     from safetensors.torch import save_file
-    hf = loader._config_from_json(config_path)
+    hf = read_config(config_path)
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(config_path, folder / "config.json")
     generator = torch.Generator().manual_seed(seed)

@@ -167,10 +167,11 @@ def measure_roofline(device: torch.device, dtype: torch.dtype) -> dict:
 
 def run_peer(hf_config, prompts: list[list[int]], output_len: int, device: torch.device, dtype: torch.dtype) -> dict:
     """transformers `generate` on one static batch (all prompts the same length: no padding), sdpa attention."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
+    config = AutoConfig.for_model(**hf_config.to_dict())   # transformers' own config object from the same values
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     input_ids = torch.tensor(prompts, device=device)
     options = dict(do_sample=False, pad_token_id=0)
     with torch.inference_mode():

@@ -418,6 +418,63 @@ def test_rotary_in_place_matches_reference(dtype, num_heads, num_kv_heads, head_
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rotary_with_qk_norms_matches_norms_then_rotation(dtype, gemma):
+    """Qwen3's (and Gemma-3's `(1 + w)`) per-head q/k RMSNorm run in the rotation's kernel: equal to the norm
+    layers followed by the reference rotation, on strided views of one qkv tensor, v untouched."""
+    from minivllm.kernels.rotary import apply_rotary_
+    from minivllm.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from minivllm.layers.rotary import get_rope
+    num_heads, num_kv_heads, head_dim, tokens = 5, 2, 64, 6
+    rope = get_rope(head_dim, 128, 1e6, None).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    norms = [(GemmaRMSNorm if gemma else RMSNorm)(head_dim, eps=1e-6) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = (torch.randn(head_dim, generator=g) * 0.3 + (0.0 if gemma else 1.0)).to(dtype)
+        norm.to(DEVICE).use_triton = False
+    qkv = (3 * torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)).to(DEVICE, dtype)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    positions = torch.tensor([0, 3, 17, 64, 100, 127], device=DEVICE)
+    q_ref, k_ref = rope.forward_reference(positions, norms[0](q.clone()), norms[1](k.clone()))
+    apply_rotary_(positions, q, k, rope.cos_sin_cache, (norms[0].weight, norms[1].weight), 1e-6, gemma_norm=gemma)
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_rotary_stores_rotated_keys_and_values_in_the_paged_cache(norms):
+    """With a KV cache target the kernel also writes the rotated k and the untouched v at each token's slot, as
+    write_kv does after a separate rotation; slot -1 (a padding row) writes nothing."""
+    from minivllm.attention.torch_backend import write_kv_reference
+    from minivllm.kernels.rotary import apply_rotary_
+    from minivllm.layers.rotary import get_rope
+    num_heads, num_kv_heads, head_dim, tokens, block_size = 4, 2, 32, 5, 4
+    rope = get_rope(head_dim, 64, 10000.0, None).to(DEVICE)
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    weights = (1.0 + 0.2 * torch.randn(2, head_dim, generator=g)).to(DEVICE) if norms else None
+    positions = torch.tensor([3, 9, 0, 40, 12], device=DEVICE)
+    slots = torch.tensor([5, -1, 0, 13, 7], device=DEVICE)
+    k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rotary_(positions, q_ref, k_ref, rope.cos_sin_cache, None if weights is None else (weights[0], weights[1]),
+                  1e-6)
+    write_kv_reference(k_ref, v, expected_k, expected_v, slots)
+    apply_rotary_(positions, q, k, rope.cos_sin_cache, None if weights is None else (weights[0], weights[1]), 1e-6,
+                  value=v, kv_cache=(k_cache, v_cache, slots, num_kv_heads))
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("partition_size", [None, 512])

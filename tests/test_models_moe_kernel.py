@@ -161,3 +161,40 @@ def test_fused_experts_bf16_realistic_shapes(num_tokens):
     ours = fused_experts(x, w13, w2, weights, ids)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(ours.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
+    (1, 128, 8, True),     # Qwen3-30B-A3B at decode
+    (5, 8, 2, True),       # Mixtral
+    (7, 60, 4, False),     # Qwen2-MoE: experts not a power of two, no rescaling
+    (3, 6, 3, True),       # top_k not a power of two
+    (0, 8, 2, True),
+])
+def test_routing_kernel_matches_select_experts(num_tokens, num_experts, top_k, renormalize):
+    from minivllm.kernels.moe_routing import route
+    # fp32 logits: bf16 ones tie, and the order of tied experts is not part of either contract
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    weights, ids = route(logits, top_k, renormalize)
+    expected_weights, expected_ids = select_experts(logits, top_k, renormalize)
+    assert ids.dtype == expected_ids.dtype and weights.dtype == torch.float32
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    if renormalize and num_tokens:
+        torch.testing.assert_close(weights.sum(dim=1), torch.ones(num_tokens, device=DEVICE))
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m, allowed", [
+    (1, 128, 8, 16, None),      # decode, Qwen3's routing
+    (64, 128, 8, 16, None),     # several chunks of slots, most experts hit
+    (37, 8, 2, 32, {1, 6}),     # over-full experts, six empty
+    (9, 60, 4, 64, None),       # experts not a power of two
+])
+def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, allowed):
+    """The one-program bookkeeping writes exactly what the stable sort does: slot order within each group,
+    sentinels in the padding, -1 for tiles past the last group."""
+    from minivllm.kernels.fused_moe import align_block_size
+    _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
+    sorted_ids, expert_ids = align_block_size(ids, num_experts, block_m)
+    expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
+    assert torch.equal(sorted_ids, expected_sorted)
+    assert torch.equal(expert_ids, expected_experts)

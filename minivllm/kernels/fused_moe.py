@@ -18,9 +18,10 @@ A few tokens (decode) take another path: with `top_k` slots a token and up to `G
 sort, the padding to whole tiles and the tensor-core tiles cost more than they save, since each expert sees
 one or two rows. `_moe_gate_up_gemv_kernel` reads each slot's expert id straight from `topk_ids` (no sort, no
 host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU-and-mul fused; then
-`_moe_down_gemv_kernel` streams its down rows and applies the routing weight. Which path runs is timed per
-slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles), with the
-grouped path among the candidates, so the few-token path is only used where it measures faster.
+`_moe_down_combine_gemv_kernel` streams, per token, the down rows of all its top_k experts at once, applies the
+routing weights and sums them: two kernels for the whole MoE MLP. Which path runs, and which tiles, is timed per
+slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles) on uniform random
+routing, with the grouped path among the candidates, so the few-token path is only used where it measures faster.
 
 8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row, `w13_scale`,
 `w2_scale` [E, rows]) run through both paths. The grouped GEMMs run them as W8A8, as the dense 8-bit layers
@@ -34,6 +35,7 @@ layer runs it on CPU and the tests compare the kernel against it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -46,6 +48,7 @@ from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.quant_rows import quantize_rows
 from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -94,6 +97,63 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     tile_starts = torch.arange(0, max_rows, block_m, device=device)
     expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, num_rows,
+                  BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PDL: tl.constexpr):
+    """`moe_align_block_size` in one program: per chunk of BLOCK_S slots a one-hot [BLOCK_S, BLOCK_E] of their
+    experts gives the per-expert counts (first pass) and, through its running sum down the slots, each slot's
+    rank in its expert's group (second pass), so slots keep their order within a group, as the stable sort's."""
+    wait_for_previous(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for s0 in range(0, num_slots, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    for t0 in range(0, num_rows // BLOCK_M, BLOCK_T):   # a tile's expert: how many groups end at or before it
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_rows // BLOCK_M)
+    for r0 in range(0, num_rows, BLOCK_T * BLOCK_M):   # padding rows hold the sentinel
+        rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
+        tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots, mask=rows < num_rows)
+    tl.debug_barrier()   # the sentinels land before any slot's id overwrites one
+    cursor = ends - padded
+    for s0 in range(0, num_slots, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        in_range = offs < num_slots
+        onehot = (tl.load(ids_ptr + offs, mask=in_range, other=-1)[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - 1 + cursor[None, :]
+        destination = tl.sum(onehot * rank, axis=1)
+        tl.store(sorted_ids_ptr + destination, offs, mask=in_range)
+        cursor += tl.sum(onehot, axis=0)
+
+
+# One program's one-hot passes cost O(slots x experts): at Qwen3-30B-A3B's routing on an H200 (models_bench.py's
+# kernel table) the kernel beat the sort at 512 slots and lost to it at 4,096.
+ALIGN_KERNEL_MAX_SLOTS = 1024
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`moe_align_block_size` (same outputs), in one kernel up to ALIGN_KERNEL_MAX_SLOTS slots, where the tensor
+    operations are a dozen launches of a few microseconds each per MoE layer."""
+    num_slots = topk_ids.numel()
+    if num_slots > ALIGN_KERNEL_MAX_SLOTS or num_experts > 1024:
+        return moe_align_block_size(topk_ids, num_experts, block_m)
+    num_rows = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device)
+    expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=topk_ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, expert_ids, num_slots, num_experts, num_rows,
+                        BLOCK_M=block_m, BLOCK_S=max(16, min(128, 8192 // block_e)), BLOCK_E=block_e, BLOCK_T=64,
+                        **launch_options(topk_ids.device), num_warps=8)
     return sorted_ids, expert_ids
 
 
@@ -177,9 +237,10 @@ def _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N: tl.constexpr):
 @triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn,
                              stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
     slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu)."""
+    wait_for_previous(PDL)
     slot, offs_n, n_mask, gate_rows = _slot_rows(w_ptr, ids_ptr, I, stride_we, stride_wn, BLOCK_N)
     up_rows = gate_rows + I * stride_wn
     x_row = x_ptr + (slot // TOP_K) * stride_xm
@@ -203,53 +264,76 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, st
 
 
 @triton.jit
-def _moe_down_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we,
-                          stride_wn, stride_om, stride_se, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """out[slot, n] = weight[slot] * (a[slot] . w2[e, n]) for the slot's expert e."""
-    slot, offs_n, n_mask, rows = _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N)
-    a_row = a_ptr + slot * stride_am
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+def _moe_down_combine_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we,
+                                  stride_wn, stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
+                                  BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  PDL: tl.constexpr):
+    """out[token, n] = sum over the token's TOP_K slots of weight[slot] * (a[slot] . w2[e, n]), e the slot's expert.
+    All TOP_K experts' rows stream as one 3-D tile [TOP_K, BLOCK_N, BLOCK_K] per step, so the program keeps
+    TOP_K times the loads of a single GEMV in flight. Each slot's product is rounded to the output dtype before
+    the sum, where the grouped path rounds it."""
+    wait_for_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_TOPK)
+    k_valid = ks < TOP_K
+    slots = token * TOP_K + ks
+    experts = tl.load(ids_ptr + slots, mask=k_valid, other=0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = (w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn)
+    a_rows = a_ptr + slots[:, None] * stride_am
+    row_mask = k_valid[:, None, None] & n_mask[None, :, None]
+    acc = tl.zeros((BLOCK_TOPK, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                      .to(tl.float32) * a, axis=1)
+        a = tl.load(a_rows + offs_k[None, :], mask=k_valid[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
     if SCALED:
-        acc = acc * tl.load(scale_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_se + offs_n, mask=n_mask,
-                            other=0.0)
-    acc = acc * tl.load(weights_ptr + slot).to(tl.float32)
-    tl.store(out_ptr + slot * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        scales = scale_ptr + experts[:, None] * stride_se + offs_n[None, :]
+        acc = acc * tl.load(scales, mask=k_valid[:, None] & n_mask[None, :], other=0.0)
+    acc = acc * tl.load(weights_ptr + slots, mask=k_valid, other=0.0).to(tl.float32)[:, None]
+    dtype = out_ptr.dtype.element_ty
+    out = tl.sum(acc.to(dtype).to(tl.float32), axis=0)
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(dtype), mask=n_mask)
 
 
 GEMV_MAX_SLOTS = 128   # 16 tokens of top-8 routing: above this the grouped path is the only candidate
-# (BLOCK_N, BLOCK_K, num_warps) of the few-token path; None is the grouped path.
-GEMV_TILES = ((16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 8))
+# Few-token tiles: ((BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV, (BLOCK_N, BLOCK_K, num_warps) of the
+# down-and-combine GEMV, whose tile spans all top_k experts); None is the grouped path. Tiles that loop over K
+# and tiles that take a whole row of Qwen3-30B-A3B's experts at once (many small programs, which hide the
+# memory latency by their number), every pairing.
+GATE_UP_TILES = ((16, 512, 8), (32, 256, 4), (8, 1024, 4), (4, 2048, 4))
+DOWN_TILES = ((8, 256, 8), (16, 128, 4), (4, 1024, 8))
+GEMV_TILES = tuple(itertools.product(GATE_UP_TILES, DOWN_TILES))
 
 
 def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-                       tile: tuple[int, int, int]) -> torch.Tensor:
-    """`fused_experts` for a few tokens: one GEMV pair per (token, expert) slot (see the module docstring)."""
-    block_n, block_k, num_warps = tile
+                       tile: tuple) -> torch.Tensor:
+    """`fused_experts` for a few tokens: a gate/up GEMV per (token, expert) slot, then one down GEMV per token
+    over its top_k experts that also sums them (see the module docstring)."""
+    (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tile
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
     num_slots = num_tokens * top_k
     ids = topk_ids.reshape(-1).contiguous()
     scaled = w13_scale is not None
+    pdl = launch_options(hidden_states.device)
     activated = torch.empty((num_slots, inter), dtype=hidden_states.dtype, device=hidden_states.device)
-    _moe_gate_up_gemv_kernel[(num_slots, triton.cdiv(inter, block_n))](
+    _moe_gate_up_gemv_kernel[(num_slots, triton.cdiv(inter, up_n))](
         hidden_states, w13, w13_scale if scaled else w13, ids, activated, inter, hidden, hidden_states.stride(0),
         w13.stride(0), w13.stride(1), activated.stride(0), w13_scale.stride(0) if scaled else 0, TOP_K=top_k,
-        SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
-    _moe_down_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
-        activated, w2, w2_scale if scaled else w2, ids, topk_weights.reshape(-1).contiguous().float(), down, hidden,
-        inter, activated.stride(0), w2.stride(0), w2.stride(1), down.stride(0), w2_scale.stride(0) if scaled else 0,
-        SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+        SCALED=scaled, BLOCK_N=up_n, BLOCK_K=up_k, num_warps=up_warps, **pdl)
+    out = torch.empty((num_tokens, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
+    _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
+        activated, w2, w2_scale if scaled else w2, ids, topk_weights.reshape(-1).contiguous().float(), out, hidden,
+        inter, activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if scaled else 0,
+        TOP_K=top_k, SCALED=scaled, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down_n, BLOCK_K=down_k,
+        num_warps=down_warps, **pdl)
+    return out
 
 
 def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -260,7 +344,7 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     config = _tile_config(num_slots, num_experts)
-    sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.contiguous().float()
@@ -274,6 +358,13 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
         _grouped_gemm(activated.codes, w2, down, weights, sorted_ids, expert_ids, 1, config, w2_scale,
                       activated.scales)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _uniform_routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) of `num_tokens` tokens each sent to top_k distinct experts drawn uniformly (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.rand(num_tokens, num_experts, generator=g).argsort(dim=1)[:, :top_k]
+    return torch.full((num_tokens, top_k), 1.0 / top_k, device=device), ids.to(device)
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -296,8 +387,14 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         w13, w2 = w13.contiguous(), w2.contiguous()
     num_slots = num_tokens * top_k
     if tile is None and num_slots <= GEMV_MAX_SLOTS:
+        routing = []
+
         def run(candidate, w13_copy, w2_copy):
-            return fused_experts(hidden_states, w13_copy, w2_copy, topk_weights, topk_ids, candidate or "grouped",
+            # Timed on uniform random routing, not on this call's: a warm-up batch (or dummy weights) can send
+            # every token to the same few experts, where the grouped path wins and real traffic does not.
+            if not routing:
+                routing.append(_uniform_routing(num_tokens, num_experts, top_k, hidden_states.device))
+            return fused_experts(hidden_states, w13_copy, w2_copy, *routing[0], candidate or "grouped",
                                  w13_scale, w2_scale)
         # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
         default = GEMV_TILES[0] if num_slots <= 32 else None

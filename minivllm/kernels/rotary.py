@@ -15,24 +15,48 @@ from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
-def _rotate_heads(row_ptr, cos, sin, d, d_mask,
-                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate, in place, the NUM_HEADS contiguous heads (each 2 * HALF wide) starting at `row_ptr`."""
+def _rotate_heads(row_ptr, norm_ptr, eps, cos, sin, d, d_mask, cache_row_ptr, cache_stride_h, store_row,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                  STORE: tl.constexpr):
+    """Rotate, in place, the NUM_HEADS contiguous heads (each 2 * HALF wide) starting at `row_ptr`; with NORM, each
+    head is first RMS-normalised and scaled by the weight at `norm_ptr` (NORM 1: Llama's rounding, normalise,
+    round, scale, round; NORM 2: Gemma's, scale by 1 + w in fp32, round once). With STORE, the rotated heads also
+    go to the KV cache row at `cache_row_ptr` (if `store_row`: not a padding token)."""
     heads = tl.arange(0, BLOCK_H)
+    dtype = row_ptr.dtype.element_ty
+    if NORM > 0:
+        w1 = tl.load(norm_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     for start in tl.static_range(0, NUM_HEADS, BLOCK_H):
         h = start + heads
         mask = (h < NUM_HEADS)[:, None] & d_mask[None, :]
         ptr = row_ptr + h[:, None] * (2 * HALF) + d[None, :]
         x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptr, (x1 * cos - x2 * sin).to(row_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(row_ptr.dtype.element_ty), mask=mask)
+        if NORM > 0:
+            inv_rms = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+            if NORM == 1:
+                x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+                x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            else:
+                x1 = (x1 * inv_rms * (1.0 + w1)).to(dtype).to(tl.float32)
+                x2 = (x2 * inv_rms * (1.0 + w2)).to(dtype).to(tl.float32)
+        out1 = (x1 * cos - x2 * sin).to(dtype)
+        out2 = (x2 * cos + x1 * sin).to(dtype)
+        tl.store(ptr, out1, mask=mask)
+        tl.store(ptr + HALF, out2, mask=mask)
+        if STORE:
+            cache = cache_row_ptr + h[:, None] * cache_stride_h + d[None, :]
+            tl.store(cache, out1, mask=mask & store_row)
+            tl.store(cache + HALF, out2, mask=mask & store_row)
 
 
 @triton.jit
-def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride, k_stride, cos_sin_stride,
-                   NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, q_stride, k_stride,
+                   cos_sin_stride, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_block,
+                   cache_stride_row, cache_stride_h, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                   STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -40,23 +64,58 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride, k_stride,
     d_mask = d < HALF
     cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d, mask=d_mask, other=0.0)[None, :]
-    _rotate_heads(q_ptr + token * q_stride, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_H)
-    _rotate_heads(k_ptr + token * k_stride, cos, sin, d, d_mask, NUM_K_HEADS, HALF, BLOCK_H)
+    _rotate_heads(q_ptr + token * q_stride, q_norm_ptr, eps, cos, sin, d, d_mask, q_ptr, 0, False, NUM_Q_HEADS, HALF,
+                  BLOCK_H, NORM, False)
+    slot = 0
+    cache_row = 0
+    if STORE:   # k (rotated) and v into the paged cache, as kernels/kv_write.py stores them (slot -1: padding)
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        cache_row = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_row
+    _rotate_heads(k_ptr + token * k_stride, k_norm_ptr, eps, cos, sin, d, d_mask, k_cache_ptr + cache_row,
+                  cache_stride_h, slot >= 0, NUM_K_HEADS, HALF, BLOCK_H, NORM, STORE)
+    if STORE:
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, 2 * BLOCK_D)
+        for start in tl.static_range(0, NUM_K_HEADS, BLOCK_H):
+            h = start + heads
+            mask = (h < NUM_K_HEADS)[:, None] & (dims < 2 * HALF)[None, :]
+            value = tl.load(v_ptr + token * v_stride + h[:, None] * (2 * HALF) + dims[None, :], mask=mask)
+            tl.store(v_cache_ptr + cache_row + h[:, None] * cache_stride_h + dims[None, :], value,
+                     mask=mask & (slot >= 0))
 
 
-def apply_rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0,
+                  gemma_norm: bool = False, value: torch.Tensor | None = None,
+                  kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """query [T, H, D], key [T, KVH, D] (rows may be strided views of a fused qkv tensor; heads and
-    dims contiguous) rotated in place by `cos_sin_cache[positions]` ([max_pos, D] fp32: cos | sin)."""
+    dims contiguous) rotated in place by `cos_sin_cache[positions]` ([max_pos, D] fp32: cos | sin). With
+    `norm_weights` (q's and k's [D]), each head is RMS-normalised first (Qwen3's and Gemma-3's q/k norms,
+    `gemma_norm` for Gemma's `(1 + w)` form): one kernel where the norms and their copies of the strided
+    views took four more. With `kv_cache` (`Attention.kv_write_target`: k_cache, v_cache, slot_mapping, heads; a
+    cache in the query's dtype), the rotated keys and `value` [T, KVH, D] are also stored in the paged cache."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
     assert query.stride(2) == 1 and query.stride(1) == head_dim and key.stride(2) == 1 \
         and key.stride(1) == head_dim, "heads and dims must be contiguous"
     half = head_dim // 2
+    q_norm, k_norm = norm_weights if norm_weights is not None else (query, key)
+    if kv_cache is not None:
+        k_cache, v_cache, slot_mapping, _ = kv_cache
+        assert value is not None and value.shape == key.shape and value.stride(2) == 1 \
+            and value.stride(1) == head_dim and k_cache.dtype == key.dtype and k_cache.stride() == v_cache.stride()
+        store = dict(v_ptr=value, v_stride=value.stride(0), k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+                     slot_mapping_ptr=slot_mapping, cache_stride_block=k_cache.stride(0),
+                     cache_stride_row=k_cache.stride(1), cache_stride_h=k_cache.stride(2), STORE=True,
+                     BLOCK_SIZE=k_cache.shape[1])
+    else:
+        store = dict(v_ptr=key, v_stride=0, k_cache_ptr=key, v_cache_ptr=key, slot_mapping_ptr=positions,
+                     cache_stride_block=0, cache_stride_row=0, cache_stride_h=0, STORE=False, BLOCK_SIZE=1)
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            positions, query, key, cos_sin_cache, query.stride(0), key.stride(0), cos_sin_cache.stride(0),
-            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
+            positions, query, key, cos_sin_cache, q_norm, k_norm, eps, query.stride(0), key.stride(0),
+            cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
             BLOCK_H=min(16, triton.next_power_of_2(max(num_q_heads, num_k_heads))),
-            BLOCK_D=triton.next_power_of_2(half), **launch_options(query.device), num_warps=4)
+            BLOCK_D=triton.next_power_of_2(half), NORM=0 if norm_weights is None else 2 if gemma_norm else 1,
+            **store, **launch_options(query.device), num_warps=4)
     return query, key

@@ -46,14 +46,17 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def kv_write_target(self, dtype: torch.dtype) -> tuple | None:
-        """(k_cache, v_cache, slot_mapping, kv_heads) for a kernel that stores this step's one token's k and v
-        itself (layers/fusion.qkv_rotary), then `forward(kv_written=True)`; None where the cache is absent, not in
-        `dtype` (an fp8 cache's scales are this layer's) or the step has more than one token."""
+    def kv_write_target(self, dtype: torch.dtype, one_token: bool = True) -> tuple | None:
+        """(k_cache, v_cache, slot_mapping, kv_heads) for a kernel that stores this step's k and v itself (a GEMM's
+        epilogue, layers/fusion.qkv_rotary, for one token; the rotary kernel for any number), then
+        `forward(kv_written=True)`; None where the cache is absent, not in `dtype` (an fp8 cache's scales are this
+        layer's) or, with `one_token`, the step has more than one token."""
         if self.k_cache.numel() == 0 or self.k_cache.dtype != dtype:
             return None
         slot_mapping = get_forward_context().slot_mapping
-        return (self.k_cache, self.v_cache, slot_mapping, self.num_kv_heads) if slot_mapping.numel() == 1 else None
+        if one_token and slot_mapping.numel() != 1:
+            return None
+        return self.k_cache, self.v_cache, slot_mapping, self.num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]. `kv_written`: k and v are in the cache already

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from minivllm.layers.fusion import fusions_enabled
+from minivllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -54,13 +55,33 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
         self.use_triton = fusions_enabled()
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """positions [T]; query [T, H, D], key [T, KVH, D] -> rotated (same shapes and dtypes).
-        On CUDA the Triton kernel rotates q and k in place."""
-        if self.use_triton and query.is_cuda:
-            from minivllm.kernels.rotary import apply_rotary_
-            return apply_rotary_(positions, query, key, self.cos_sin_cache)
-        return self.forward_reference(positions, query, key)
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                norms: tuple[nn.Module, nn.Module] | None = None):
+        """positions [T]; query [T, H, D], key [T, KVH, D] -> rotated (same shapes and dtypes). `norms`: the
+        per-head RMSNorms of q and k that come before the rotation (Qwen3, Gemma-3). On CUDA the Triton kernel
+        normalises and rotates q and k in place."""
+        return self.rotate_and_store(positions, query, key, norms=norms)[:2]
+
+    def rotate_and_store(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor | None = None, norms: tuple[nn.Module, nn.Module] | None = None,
+                         kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`forward`, and with `kv_cache` (Attention.kv_write_target) the rotated keys and `value` also stored in
+        the paged cache where the Triton kernel runs: (query, key, whether k and v were stored)."""
+        fused_norms = norms is not None and type(norms[0]) is type(norms[1]) in (RMSNorm, GemmaRMSNorm) \
+            and norms[0].eps == norms[1].eps
+        triton_path = self.use_triton and query.is_cuda
+        if norms is not None and not (fused_norms and triton_path):
+            query, key = norms[0](query), norms[1](key)
+        if not triton_path:
+            return (*self.forward_reference(positions, query, key), False)
+        from minivllm.kernels.rotary import apply_rotary_
+        weights, eps, gemma = None, 0.0, False
+        if norms is not None and fused_norms:
+            weights, eps, gemma = (norms[0].weight, norms[1].weight), norms[0].eps, type(norms[0]) is GemmaRMSNorm
+        store = kv_cache is not None and value is not None
+        query, key = apply_rotary_(positions, query, key, self.cos_sin_cache, weights, eps, gemma_norm=gemma,
+                                   value=value if store else None, kv_cache=kv_cache if store else None)
+        return query, key, store
 
     def forward_reference(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)

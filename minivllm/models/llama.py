@@ -78,11 +78,14 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
-            q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.flatten(1), k.flatten(1), v, kv_written=rotated and kv_cache is not None)
+        if rotated:
+            kv_written = kv_cache is not None
+        else:   # one kernel: Qwen3's and Gemma-3's per-head q/k norms, the rotation, and k and v into the cache
+            q, k, kv_written = self.rotary_emb.rotate_and_store(
+                positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim),
+                None if self.q_norm is None else (self.q_norm, self.k_norm),
+                self.attn.kv_write_target(qkv.dtype, one_token=False))
+        out = self.attn(q.flatten(1), k.flatten(1), v, kv_written=kv_written)
         return self.o_proj(out)
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import transformers
 from torch import nn
 
 from minivllm.layers.fusion import fuse_input_quantization
 from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
+from minivllm.models.hf_config import ModelConfig, read_config
 from minivllm.models.kv_cache_scales import extract_kv_cache_scales, set_kv_cache_scales
 from minivllm.models.model_files import open_safetensors
 from minivllm.models.registry import get_model_class
@@ -36,7 +36,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 @dataclass
 class ModelSource:
-    hf_config: transformers.PretrainedConfig
+    hf_config: ModelConfig
     weights_dir: str | None     # folder of *.safetensors (None for dummy weights)
     tokenizer_dir: str | None   # folder AutoTokenizer.from_pretrained can load (None if none available)
     name: str                   # served model name
@@ -55,19 +55,12 @@ def default_model_path() -> str:
     return str(files[0])
 
 
-def _config_from_json(path: Path) -> transformers.PretrainedConfig:
-    values = json.loads(path.read_text())
-    if "model_type" not in values:
-        raise ValueError(f"{path} has no 'model_type'; not an HF config.json")
-    return transformers.AutoConfig.for_model(**values)
-
-
 def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in _TOKENIZER_FILES)
 
 
 def _hf_folder_source(folder: Path, name: str) -> ModelSource:
-    hf_config = transformers.AutoConfig.from_pretrained(str(folder))
+    hf_config = read_config(folder)
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
     return ModelSource(hf_config, str(folder), str(folder) if _has_tokenizer(folder) else None, name)
@@ -97,16 +90,16 @@ def _dummy_source(model: str | None) -> ModelSource:
         source = _gguf_source(Path(default_model_path()), DEFAULT_MODEL)
         return ModelSource(source.hf_config, None, source.tokenizer_dir, source.name)
     if model in DUMMY_CONFIGS:
-        hf_config = _config_from_json(CONFIGS_DIR / f"{model}.json")
+        hf_config = read_config(CONFIGS_DIR / f"{model}.json")
         return ModelSource(hf_config, None, _default_tokenizer_for(hf_config), model)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         source = _gguf_source(path, path.stem)
         return ModelSource(source.hf_config, None, source.tokenizer_dir, source.name)
     if path.is_file() and path.suffix == ".json":
-        hf_config, folder = _config_from_json(path), path.parent
+        hf_config, folder = read_config(path), path.parent
     elif (path / "config.json").is_file():
-        hf_config, folder = _config_from_json(path / "config.json"), path
+        hf_config, folder = read_config(path / "config.json"), path
     else:
         raise ValueError(f"dummy model {model!r} does not exist: expected one of {list(DUMMY_CONFIGS)}, "
                          "a config.json, or a folder holding one")

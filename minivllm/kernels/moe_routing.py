@@ -1,0 +1,58 @@
+"""Top-k routing of a Mixture-of-Experts layer in one kernel: softmax over the experts in fp32, the top_k
+probabilities in descending order and, where the model asks, their rescaling to sum to one.
+
+The plain-PyTorch form (`select_experts` in layers/fused_moe.py, the reference) is four kernels: softmax, topk,
+sum and divide. At decode a step runs them once per MoE layer on a handful of rows, where each costs a launch
+and a few microseconds of latency and nothing in bytes; here one program per token holds the token's logits in
+registers and picks the top_k by repeated argmax (ties go to the lower expert id).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.pdl import launch_options, wait_for_previous
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_lm + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    exps = tl.exp(logits - tl.max(logits, 0))
+    probs = exps / tl.sum(exps, 0)
+    remaining = tl.where(valid, probs, -1.0)   # probabilities are >= 0, so a taken or padded expert never wins
+    slots = tl.arange(0, BLOCK_K)
+    picked = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    picked_ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(remaining, 0, tie_break_left=True)
+        picked = tl.where(slots == k, tl.max(remaining, 0), picked)
+        picked_ids = tl.where(slots == k, best, picked_ids)
+        remaining = tl.where(experts == best, -1.0, remaining)
+    if RENORMALIZE:
+        picked = picked / tl.sum(picked, 0)   # padded slots hold 0
+    out = slots < TOP_K
+    tl.store(weights_ptr + token * TOP_K + slots, picked, mask=out)
+    tl.store(ids_ptr + token * TOP_K + slots, picked_ids.to(tl.int64), mask=out)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (fp32 weights, int64 expert ids), each [T, top_k], as `select_experts`."""
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must be in 1..num_experts ({num_experts})")
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                     RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+                                     **launch_options(router_logits.device), num_warps=4 if block_e >= 256 else 1)
+    return weights, ids
