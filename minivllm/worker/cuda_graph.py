@@ -127,22 +127,15 @@ class CUDAGraphRunner:
                 logits = self.compute_logits(self.hidden[:num_tokens])
                 if with_logits and self.logits is None:
                     self.logits = logits.new_empty(LOGITS_IN_GRAPH_MAX_ROWS, logits.shape[1])
+            torch.cuda.synchronize()
             # What the backend derived in the warm-up is recomputed inside the graph, or replays would
             # reuse the warm-up's values.
             metadata.backend_state.clear()
             graph = torch.cuda.CUDAGraph()
-            # Not `torch.cuda.graph(...)`: it synchronizes and empties the allocator's cache before every
-            # capture, so each warm-up's device work (a 4,096-token forward pass takes tens of milliseconds)
-            # could not overlap the next capture's host work and each warm-up allocated its activations anew.
-            # Capturing records work without running it, so nothing here needs the warm-up to have finished.
-            with torch.cuda.stream(self.capture_stream):
-                graph.capture_begin(pool=self.pool)
-                try:
-                    self.hidden[:num_tokens] = self.model(ids, positions)
-                    if with_logits:
-                        self.logits[:num_tokens] = self.compute_logits(self.hidden[:num_tokens])
-                finally:
-                    graph.capture_end()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.hidden[:num_tokens] = self.model(ids, positions)
+                if with_logits:
+                    self.logits[:num_tokens] = self.compute_logits(self.hidden[:num_tokens])
         if self.pool is None:
             self.pool = graph.pool()
         return graph
@@ -151,7 +144,6 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
         # sequence is a padding one: no query tokens, no context, nothing written.
-        self.capture_stream = torch.cuda.Stream()
         self.seq_lens.zero_()
         for num_tokens in reversed(self.mixed_sizes):
             self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
