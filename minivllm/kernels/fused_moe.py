@@ -8,7 +8,8 @@ Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate
    BLOCK_M, so every BLOCK_M-row tile belongs to a single expert; padding rows hold the sentinel
    `num_slots`. It uses only tensor ops with a size fixed by (slots, experts, BLOCK_M), so there is no
    host sync and the step stays capturable in a CUDA graph; tiles past the last group get expert -1
-   and exit at once.
+   and exit at once. Up to `ALIGN_KERNEL_MAX_SLOTS` slots `_align_kernel` writes the same in one program
+   (`align_block_size` picks), where the tensor ops would be a dozen launches per MoE layer.
 2. `_fused_moe_kernel` computes, per (tile, BLOCK_N columns), the tile's gathered input rows times its
    expert's weight: first hidden[slot // top_k] @ w13[e]^T -> [slots, 2I], then (after SiLU-and-mul)
    act[slot] @ w2[e]^T scaled by the routing weight -> [slots, H]; the top_k slots of each token are
