@@ -226,11 +226,12 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
         rows.append({"tokens": m, "experts_touched": touched, "fused_us": 1e6 * fused_s,
                      "grouped_us": 1e6 * grouped_s, "gemv_us": 1e6 * gemv[best_gemv] if gemv else None,
                      "gemv_tile": list(best_gemv) if best_gemv else None,
-                "gemv_us_by_tile": {str(tile): 1e6 * t for tile, t in gemv.items()}, "looped_us": 1e6 * looped_s,
+                     "gemv_us_by_tile": {str(tile): 1e6 * t for tile, t in gemv.items()}, "looped_us": 1e6 * looped_s,
                      "floor_us": 1e6 * floor_s, "speedup_over_looped": looped_s / fused_s,
                      "achieved_over_floor": floor_s / fused_s, "fused_tflops": flops / fused_s / 1e12,
                      "fused_gb_per_s": floor_bytes / fused_s / 1e9, "max_abs_diff_vs_looped": diff})
-    print_table([{k: v for k, v in row.items() if k != "gemv_us_by_tile"} for row in rows], f"fused MoE kernel: E {num_experts}, top {top_k}, hidden {hidden}, expert {inter}, {dtype}")
+    print_table([{k: v for k, v in row.items() if k != "gemv_us_by_tile"} for row in rows],
+                f"fused MoE kernel: E {num_experts}, top {top_k}, hidden {hidden}, expert {inter}, {dtype}")
     return rows
 
 

@@ -75,6 +75,12 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
     return out
 
 
+def _padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted, padded slot list: at most min(E, slots) groups are non-empty, each wasting fewer than
+    block_m rows. An upper bound that depends only on the shapes."""
+    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """topk_ids [M, top_k] -> (sorted_slot_ids [S], expert_ids [S // block_m]): slots grouped by
     expert, each group padded to a multiple of block_m with the sentinel M * top_k; a tile's expert is
@@ -91,8 +97,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     sorted_experts = flat[order]
     rank_in_group = torch.arange(num_slots, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
     destination = (padded_end - padded)[sorted_experts] + rank_in_group
-    # At most min(E, slots) groups are non-empty, each wasting fewer than block_m rows.
-    max_rows = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+    max_rows = _padded_rows(num_slots, num_experts, block_m)
     sorted_ids = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, destination, order.to(torch.int32))
     tile_starts = torch.arange(0, max_rows, block_m, device=device)
@@ -148,7 +153,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_slots = topk_ids.numel()
     if num_slots > ALIGN_KERNEL_MAX_SLOTS or num_experts > 1024:
         return moe_align_block_size(topk_ids, num_experts, block_m)
-    num_rows = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+    num_rows = _padded_rows(num_slots, num_experts, block_m)
     sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=topk_ids.device)
     block_e = triton.next_power_of_2(num_experts)

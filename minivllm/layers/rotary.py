@@ -76,7 +76,7 @@ class RotaryEmbedding(nn.Module):
             return (*self.forward_reference(positions, query, key), False)
         from minivllm.kernels.rotary import apply_rotary_
         weights, eps, gemma = None, 0.0, False
-        if norms is not None and fused_norms:
+        if fused_norms:
             weights, eps, gemma = (norms[0].weight, norms[1].weight), norms[0].eps, type(norms[0]) is GemmaRMSNorm
         store = kv_cache is not None and value is not None
         query, key = apply_rotary_(positions, query, key, self.cos_sin_cache, weights, eps, gemma_norm=gemma,
