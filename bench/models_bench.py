@@ -292,6 +292,11 @@ def main(argv: list[str] | None = None) -> dict:
                 headline += f"_{args.quantization}" if args.quantization else ""
                 for part, label in (("single_stream", "single"), ("batch8", "b8"), ("w1", "w1")):
                     result[f"{headline}_{label}_over_floor"] = value[part]["achieved_over_floor"]
+        # What the engine's tuner timed (us per candidate): the one-row GEMV against cuBLAS per weight shape, the
+        # few-token MoE tiles against the grouped path per slot count.
+        from minivllm.kernels import tuning
+        result["tuner_us"] = {repr(key): {repr(candidate): 1e6 * seconds for seconds, candidate in timed}
+                              for key, timed in tuning.measured.items() if key[0] in ("dense_gemv", "moe_experts")}
         write_json(path, result)
     summary = []
     for name, value in result["models"].items():

@@ -320,7 +320,7 @@ def run_step_cost(args) -> list[dict]:
               max_model_len=2048, speculative_config={**NGRAM, "adaptive": False}, **args.engine_options)
     engine = llm.llm_engine
     controller = engine.spec
-    controller.host_proposer.propose = lambda token_ids, n: [int(token_ids[-1])] * n   # dummy weights: few accepted
+    controller.host_proposer.propose = lambda token_ids, n, skip=0: [int(token_ids[-1])] * n   # dummy weights: few accepted
     rows = []
     max_k = controller.max_k
     for k in range(0, max_k + 1):

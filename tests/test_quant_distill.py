@@ -88,6 +88,7 @@ def served_copy(reference, folder, input_dtype=None):
     return model
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("method, options", [("rtn", {"sym": False}), ("gptq", {"w8a8": "fp8", "desc_act": True})])
 def test_distilled_folder_is_closer_to_the_unquantized_model(sharp_tiny_model, tmp_path, method, options):
     folder, reference, calib = sharp_tiny_model

@@ -114,6 +114,7 @@ def run_all(client, response_format: dict, max_tokens: int, template: str = "Des
             max_tokens=max_tokens, response_format=response_format, **sampling), jobs))
 
 
+@pytest.mark.long
 def test_json_schema_outputs_parse_and_validate(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     results = run_all(client, response_format, max_tokens=100)

@@ -35,6 +35,7 @@ from minivllm import envs
 logger = logging.getLogger(__name__)
 Config = TypeVar("Config")
 _chosen: dict[Hashable, object] = {}
+measured: dict[Hashable, list[tuple[float, object]]] = {}   # key -> (seconds, candidate) as timed (benchmarks report)
 
 
 def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -> float:
@@ -130,5 +131,6 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
     del copies
     best = min(timings, key=lambda t: t[0])[1] if timings else default
     _chosen[key] = best
+    measured[key] = timings
     logger.debug("tuning %s: chose %s", key, best)
     return best

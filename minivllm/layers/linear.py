@@ -17,6 +17,7 @@ from torch import nn
 
 from minivllm.distributed import (attention_head_partition, get_tp_rank, get_tp_size, split_evenly,
                                   tensor_model_parallel_all_reduce)
+from minivllm.kernels import dense_gemv
 from minivllm.quantization import current_quant_method
 
 
@@ -36,6 +37,8 @@ class UnquantizedLinearMethod:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if dense_gemv.supports(x, layer.weight):   # batch-1 decode: cuBLAS or a GEMV, as timed per shape
+            return dense_gemv.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
