@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
         target = Path(args.merge_into)
         merged = json.loads(target.read_text()) if target.exists() else {"device": device}
         merged.update(keys)
-        merged["cold_start"] = starts
+        merged["cold_start"] = {**{k: report[k] for k in ("commit", "date", "command")}, **starts}
         target.write_text(json.dumps(merged, indent=2) + "\n")
         print(f"merged {sorted(keys)} into {target}")
     return report

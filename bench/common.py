@@ -243,6 +243,14 @@ def percentiles(values: list[float], points: tuple[float, ...] = (50, 90, 99)) -
     return result
 
 
+def tuner_us(*kinds: str) -> dict:
+    """What the engine's tuner (kernels/tuning.py) timed so far for keys of these kinds: {key: {candidate: us}}
+    (the one-row GEMV against cuBLAS per weight shape, the few-token MoE tiles against the grouped path, ...)."""
+    from minivllm.kernels import tuning
+    return {repr(key): {repr(candidate): 1e6 * seconds for seconds, candidate in timed}
+            for key, timed in tuning.measured.items() if key[0] in kinds}
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=_to_json) + "\n")

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.common import (device_slug, load_hf_config, print_table, run_metadata, time_median,  # noqa: E402
-                          write_json)
+                          tuner_us, write_json)
 from bench.throughput import (Workload, build_llm, free_device_memory, kv_cache_info,  # noqa: E402
                               measure_roofline, random_prompts, timed_generate, torch_dtype, warm_up)
 
@@ -292,11 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
                 headline += f"_{args.quantization}" if args.quantization else ""
                 for part, label in (("single_stream", "single"), ("batch8", "b8"), ("w1", "w1")):
                     result[f"{headline}_{label}_over_floor"] = value[part]["achieved_over_floor"]
-        # What the engine's tuner timed (us per candidate): the one-row GEMV against cuBLAS per weight shape, the
-        # few-token MoE tiles against the grouped path per slot count.
-        from minivllm.kernels import tuning
-        result["tuner_us"] = {repr(key): {repr(candidate): 1e6 * seconds for seconds, candidate in timed}
-                              for key, timed in tuning.measured.items() if key[0] in ("dense_gemv", "moe_experts")}
+        result["tuner_us"] = tuner_us("dense_gemv", "moe_experts")
         write_json(path, result)
     summary = []
     for name, value in result["models"].items():

@@ -137,7 +137,8 @@ def main(argv=None) -> dict:
         target = Path(args.merge_into)
         merged = json.loads(target.read_text()) if target.exists() else {"device": meta["device"]}
         merged["safetensors_load_gb_s"] = report["safetensors_load_gb_s"]
-        merged["safetensors_load"] = {"model": args.model, "weight_bytes": num_bytes, "loads": loads}
+        merged["safetensors_load"] = {"commit": meta["commit"], "date": meta["date"], "model": args.model,
+                                      "weight_bytes": num_bytes, "loads": loads}
         target.write_text(json.dumps(merged, indent=2) + "\n")
     return report
 

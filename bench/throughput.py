@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.common import (ModelShape, device_slug, load_hf_config, measure_copy_bandwidth,  # noqa: E402
-                          measure_matmul_rate, percentiles, print_table, run_metadata, write_csv, write_json)
+                          measure_matmul_rate, percentiles, print_table, run_metadata, tuner_us, write_csv,
+                          write_json)
 
 FUSIONS_ENV = "MINIVLLM_DISABLE_FUSIONS"
 
@@ -252,6 +253,7 @@ def run_w1(args, sizes: Sizes, shape: ModelShape, hf_config, roofline: dict, dev
     print(f"  {run1['median_tpot_ms']:.2f} ms/token ({1e3 / run1['median_tpot_ms']:.1f} tok/s); "
           f"floor {floor_ms:.2f} ms/token")
     result["kv_cache"] = kv_cache_info(llm, args)
+    result["tuner_us"] = tuner_us("dense_gemv")
     del llm
     free_device_memory(device)
     return result

@@ -20,9 +20,10 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
-# (BLOCK_N, BLOCK_K, num_warps): one or two rows a program with long loads keeps the most bytes in flight on
-# small matrices; the wider tiles suit matrices with many rows (fewer, larger programs).
-GEMV_TILES = ((2, 2048, 2), (1, 1024, 1), (4, 1024, 4), (8, 512, 4), (16, 512, 8))
+# (BLOCK_N, BLOCK_K, num_warps): one or two rows a program keep the most loads in flight. Timed on an H200 against
+# cuBLAS for the attention, router and MLP shapes of Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, these three were the
+# fastest at every shape (bench/results/models_h200.json, `tuner_us`); each candidate costs start-up time to time.
+GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
 
 
 @triton.jit
