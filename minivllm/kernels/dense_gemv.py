@@ -21,8 +21,9 @@ from minivllm.kernels import tuning
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 # (BLOCK_N, BLOCK_K, num_warps): one or two rows a program keep the most loads in flight. Timed on an H200 against
-# cuBLAS for the attention, router and MLP shapes of Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, these three were the
-# fastest at every shape (bench/results/models_h200.json, `tuner_us`); each candidate costs start-up time to time.
+# cuBLAS for the attention, router and MLP shapes of Llama-3-8B, Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the
+# fastest tile at every shape was one of these three (`tuner_us` in bench/results/models_h200.json and
+# throughput_w1_h200.json); each candidate costs start-up time to time.
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
 
 
