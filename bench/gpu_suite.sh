@@ -14,7 +14,8 @@
 #   quality       perplexity over 100k held-out tokens per variant (quant_quality), needs .carry/p/{heldout,calib}.txt;
 #   quality-int4  appends the slower int4 rows (awq, sequential gptq) to it
 #   models        model-family GPU tests; dummy Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the fused MoE kernel
-#                 (models); the MoE models with 8-bit weights, experts included (models_fp8)
+#                 (models); the few-token MoE GEMVs' tiles timed apart (moe_gemv_sweep); the MoE models with 8-bit
+#                 weights, experts included (models_fp8)
 #   lora          LoRA GPU tests; the LoRA kernels per Llama-3-8B layer against the base GEMMs (lora_kernels); dummy
 #                 Llama-3-8B with 8 adapters against the base model (lora)
 #   imports       the engine's import profile (python -X importtime), slowest modules first
@@ -56,7 +57,7 @@ run_suite() {
   case "$1" in
   regression)
     gpu_tests regression 400 tests/test_kernels.py tests/test_gpu_engine.py tests/test_argmax.py tests/test_pdl.py \
-      tests/test_prefill_attention_sm90.py -k "not default"
+      tests/test_prefill_attention_sm90.py tests/test_dense_gemv.py -k "not default"
     step throughput_w1 200 python3 bench/throughput.py --skip-peer --out "$OUT"
     step serve 300 python3 bench/serve.py --model llama-3-8b --load-format dummy --concurrency 1,4,16,64 \
       --input-len 512 --output-len 256 --tag "$GPU" --out "$OUT" ;;
@@ -104,6 +105,7 @@ run_suite() {
   models)
     gpu_tests models 300 tests/test_models_families.py tests/test_models_moe_kernel.py
     step models 540 python3 bench/models_bench.py --models qwen3-30b-a3b,mixtral-8x7b,gpt2-xl --out "$OUT"
+    step moe_gemv_sweep 200 python3 bench/kernels/moe_gemv_sweep.py --out "$OUT"
     step models_fp8 480 python3 bench/models_bench.py --models qwen3-30b-a3b,mixtral-8x7b --quantization fp8 \
       --skip-kernel --out "$LOGS/fp8"
     renamed "$LOGS/fp8/models_$GPU.json" "$OUT/models_fp8_$GPU.json" ;;

@@ -40,3 +40,25 @@ def test_only_single_16bit_rows_take_the_gemv():
         assert not dense_gemv.supports(torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE), weight.to(DEVICE))
         assert not dense_gemv.supports(one_row.float().to(DEVICE), weight.float().to(DEVICE))
         assert not dense_gemv.supports(one_row.to(DEVICE), weight.to(DEVICE).t().contiguous().t())
+
+
+@pytest.mark.gpu
+def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
+    """On the GPU `linear` times cuBLAS against the GEMV tiles at a shape's first call and keeps the choice; its
+    output, replayed from a CUDA graph, equals F.linear's to bf16 rounding at attention, router and odd shapes."""
+    from minivllm.kernels import tuning
+    g = torch.Generator().manual_seed(1)
+    for n, k, with_bias in ((5120, 2048, False), (128, 2048, False), (1600, 1600, True), (37, 1100, True)):
+        weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
+        bias = torch.randn(n, generator=g).to("cuda", torch.bfloat16) if with_bias else None
+        x = torch.randn(1, k, generator=g).to("cuda", torch.bfloat16)
+        dense_gemv.linear(x, weight, bias)   # times the candidates (outside any capture)
+        key = ("dense_gemv", torch.bfloat16, (n, k), with_bias)
+        assert key in tuning._chosen and tuning._chosen[key] in (None, *dense_gemv.GEMV_TILES)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dense_gemv.linear(x, weight, bias)
+        x.copy_(torch.randn(1, k, generator=g).to("cuda", torch.bfloat16))
+        graph.replay()
+        expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
