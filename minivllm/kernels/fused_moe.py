@@ -309,8 +309,8 @@ GEMV_MAX_SLOTS = 128   # 16 tokens of top-8 routing: above this the grouped path
 # Few-token tiles: ((BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV, (BLOCK_N, BLOCK_K, num_warps) of the
 # down-and-combine GEMV, whose tile spans all top_k experts); None is the grouped path. At one token the GEMVs are
 # bound by how many loads are in flight, not by the work of a program: on an H200 at Qwen3-30B-A3B's shapes
-# (weights cold) one or two output rows a program, with a whole 2,048-wide row per load, beat four to eight rows
-# (gate/up 13.6-14.5 against 19.1 us, down 8.7-8.8 against 13.9 us). Wider tiles stay for the larger experts
+# (weights cold) one gate/up row and two down rows a program beat four and eight (gate/up 14.0 against 19.5 us,
+# down 9.3 against 14.2 us; bench/results/moe_gemv_sweep_h200.json). Wider tiles stay for the larger experts
 # (Mixtral) and slot counts; the tuner pairs every gate/up tile with every down tile.
 GATE_UP_TILES = ((2, 2048, 2), (1, 1024, 1), (4, 1024, 4), (8, 1024, 4), (16, 512, 8))
 DOWN_TILES = ((2, 256, 8), (1, 128, 4), (2, 256, 2), (8, 256, 8), (4, 1024, 8))
