@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import (announced_copy_bandwidth, device_slug, load_hf_config, print_table,  # noqa: E402
                           run_metadata, write_json)
 from minivllm.kernels import fused_moe  # noqa: E402
+from minivllm.kernels.activation import silu_and_mul_reference  # noqa: E402
 from minivllm.kernels.pdl import launch_options  # noqa: E402
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
@@ -67,9 +68,9 @@ def sweep(num_tokens: int, shapes: tuple[int, int, int, int], bandwidth: float, 
 
     w13, w2 = copies[0]
     expected = fused_moe.fused_experts_reference(x, w13, w2, weights, ids)
-    rows_w13 = w13[flat_ids].float()   # [slots, 2I, H]: each slot's expert
-    gate_ref, up_ref = (rows_w13 @ x.float().repeat_interleave(top_k, dim=0)[:, :, None])[..., 0].split(inter, dim=1)
-    expected_activated = torch.nn.functional.silu(gate_ref) * up_ref
+    slot_w13 = w13[flat_ids].float()   # [slots, 2I, H]: each slot's expert
+    slot_x = x.float().repeat_interleave(top_k, dim=0)[:, :, None]
+    expected_activated = silu_and_mul_reference((slot_w13 @ slot_x)[..., 0])
     rows = []
     for name, fn, grid, shipped, nbytes in (
             ("gate_up", gate_up, GATE_UP_GRID, fused_moe.GATE_UP_TILES, touched * 2 * inter * hidden * 2),
