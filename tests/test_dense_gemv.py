@@ -1,5 +1,7 @@
 """The one-row dense GEMV against F.linear (under TRITON_INTERPRET=1 without CUDA): every tile, odd row and column
-counts that no tile divides, with and without bias; and the dispatch rule that sends only single 16-bit rows to it."""
+counts that no tile divides, with and without bias; the norm folded in front of it (against the norm kernel's
+reference, residual stream and normed row included) and the SiLU-and-mul behind it; the dispatch rule that sends
+only single 16-bit rows to it; and decoder layers whose norms run in their GEMVs against the plain layers."""
 import os
 
 import torch
@@ -12,6 +14,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels import dense_gemv  # noqa: E402
+from minivllm.kernels.activation import silu_and_mul_reference  # noqa: E402
+from minivllm.kernels.rmsnorm import RowNorm, fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -29,6 +33,90 @@ def test_gemv_matches_linear(tile, with_bias):
     assert out.shape == (1, n) and out.dtype == torch.bfloat16
     # fp32 sums, one rounding to bf16 at the end (the bias added before it)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+
+
+def _assert_rounded_alike(ours, expected):
+    """Equal on the GPU. The interpreter's casts to bf16 truncate instead of rounding to nearest, so there a value
+    may sit a step or two away (the normed row is rounded twice, from a stream value already a step away)."""
+    if ours.is_cuda:
+        assert torch.equal(ours, expected)
+    else:
+        torch.testing.assert_close(ours.float(), expected.float(), rtol=2 ** -5, atol=0)
+
+
+def _row(k, seed, scale=1.0):
+    return (torch.randn(1, k, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE, torch.bfloat16)
+
+
+@pytest.mark.parametrize("tile", [dense_gemv.GEMV_TILES[0], dense_gemv.GEMV_TILES[-1]])
+@pytest.mark.parametrize("with_residual, write_normed, with_bias", [
+    (True, True, False), (True, False, True), (False, True, False)])
+def test_gemv_with_norm_matches_the_norm_then_the_linear(tile, with_residual, write_normed, with_bias):
+    """RMSNorm(x + residual) @ W^T in one kernel: the output against the norm's reference and F.linear, and the
+    residual stream and normed row it writes bit for bit against the norm's (each program writes a share)."""
+    n, k = 37, 1100
+    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    x, residual = _row(k, 1, 4.0), _row(k, 2, 4.0) if with_residual else None
+    norm_weight = (1.0 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(3))).to(DEVICE, torch.bfloat16)
+    bias = _row(n, 4)[0] if with_bias else None
+    stream = torch.empty_like(x) if with_residual else None
+    normed = torch.empty_like(x) if write_normed else None
+    out = dense_gemv.gemv(x, weight, bias, tile, norm=RowNorm(norm_weight, 1e-5, residual, stream, normed))
+    if with_residual:
+        expected_normed, expected_stream = fused_add_rms_norm_reference(x, residual, norm_weight, 1e-5)
+        _assert_rounded_alike(stream, expected_stream)
+    else:
+        expected_normed = rms_norm_reference(x, norm_weight, 1e-5)
+    if write_normed:
+        _assert_rounded_alike(normed, expected_normed)
+    expected = F.linear(expected_normed.float(), weight.float(), None if bias is None else bias.float())
+    # the GEMV multiplies the unrounded normed row: bf16 steps apart from the rounded one's products
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_gated_gemv_matches_linear_then_silu_and_mul(with_norm):
+    n, k = 2 * 45, 600   # 45 gate rows then 45 up rows
+    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(5)) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    x, residual = _row(k, 6), _row(k, 7)
+    norm_weight = (1.0 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(8))).to(DEVICE, torch.bfloat16)
+    norm = RowNorm(norm_weight, 1e-5, residual, torch.empty_like(x)) if with_norm else None
+    out = dense_gemv.gemv(x, weight, None, dense_gemv.GEMV_TILES[1], norm=norm, gated=True)
+    row = fused_add_rms_norm_reference(x, residual, norm_weight, 1e-5)[0] if with_norm else x
+    expected = silu_and_mul_reference(F.linear(row.float(), weight.float()).to(torch.bfloat16)).float()
+    assert out.shape == (1, n // 2)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    with pytest.raises(ValueError, match="gated"):
+        dense_gemv.gemv(x, weight[:-1], None, dense_gemv.GEMV_TILES[1], gated=True)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3-moe"])
+def test_decoder_layers_with_norms_in_their_gemvs_match_the_plain_layers(arch, tmp_path, monkeypatch):
+    """Decoding one token at a time, a model whose norms (and residual adds) run in the GEMVs after them (qkv_proj,
+    gate_up_proj with its SiLU folded in, an MoE block's router, which hands the normed row to the experts) gives
+    the logits of the plain layers and of transformers. The GEMV is let take the CPU's fp32 rows here."""
+    from tests.conftest import PagedRun, assert_logits_close, make_tiny_hf_checkpoint
+    from minivllm.models.loader import load_model, resolve_model
+    reference = make_tiny_hf_checkpoint(tmp_path, arch)
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    tokens = [3, 5, 7, 11, 13]
+    plain = PagedRun(model, 1, 8)
+    expected = torch.cat([plain.step([[t]])[0] for t in tokens])
+    calls = []
+
+    def counted(x, weight):
+        calls.append(tuple(weight.shape))
+        return x.numel() == x.shape[-1] and weight.dtype == x.dtype and weight.stride(1) == 1
+    monkeypatch.setattr(dense_gemv, "supports", counted)
+    layers = model.model.layers
+    assert all(layer.norms_in_gemvs(torch.zeros(1, 64)) == (True, True) for layer in layers)
+    assert layers[0].norms_in_gemvs(torch.zeros(2, 64)) == (False, False)
+    fused = PagedRun(model, 1, 8)
+    ours = torch.cat([fused.step([[t]])[0] for t in tokens])
+    assert calls   # the GEMV ran
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert_logits_close(ours, reference(torch.tensor([tokens])).logits[0])
 
 
 def test_only_single_16bit_rows_take_the_gemv():
@@ -62,3 +150,30 @@ def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
         graph.replay()
         expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_folded_norm_and_silu_are_timed_and_match_in_a_graph():
+    """On the GPU the GEMV with the norm folded in (residual stream and normed row written) and the gated GEMV are
+    timed over the tiles at their first call and, replayed from a CUDA graph, give the norm kernel's stream and row
+    exactly and the separate kernels' output to bf16 rounding."""
+    from minivllm.kernels.activation import silu_and_mul
+    from minivllm.kernels.rmsnorm import fused_add_rms_norm
+    g = torch.Generator().manual_seed(2)
+    for n, k, gated in ((5120, 2048, False), (128, 2048, False), (2 * 768, 2048, True)):
+        weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
+        norm_weight = (1.0 + 0.1 * torch.randn(k, generator=g)).to("cuda", torch.bfloat16)
+        x, residual = (torch.randn(1, k, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        stream, normed = torch.empty_like(x), torch.empty_like(x)
+        norm = RowNorm(norm_weight, 1e-6, residual, stream, normed)
+        dense_gemv.linear(x, weight, None, norm=norm, gated=gated)   # times the tiles (outside any capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dense_gemv.linear(x, weight, None, norm=norm, gated=gated)
+        x.copy_(torch.randn(1, k, generator=g).to("cuda", torch.bfloat16))
+        graph.replay()
+        expected_normed, expected_stream = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+        assert torch.equal(stream, expected_stream) and torch.equal(normed, expected_normed)
+        expected = F.linear(expected_normed, weight)
+        expected = (silu_and_mul(expected) if gated else expected).float()
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -8,7 +8,19 @@ streams them whole (BLOCK_K columns per load, fp32 sums), so the grid has N / BL
 does the layer. Whether it or cuBLAS runs, and with which tile, is timed per weight shape on the GPU
 (`kernels/tuning.pick`, cuBLAS among the candidates), so a shape where cuBLAS is faster keeps it.
 
-Reference: `torch.nn.functional.linear`.
+The kernels around a projection fold into it where that saves a launch, as the int4 GEMV's do:
+- `norm` (a RowNorm): x is a decoder layer's un-normed input, and the GEMV applies the layer's RMSNorm (of
+  x + residual, which it writes to the residual stream's next value) as it streams. The inverse RMS is a scalar
+  of the row, so it factors out of the sum: each program sums w * (x + residual) * norm weight and the squares of
+  x + residual in the same pass over K and scales at the end, with no second pass and no extra latency. The
+  normed row is not rounded to 16 bits before the products, as the norm kernel's output is; `normed` asks the
+  kernel to write that rounded row too, for the layer's other consumers (an MoE block's experts).
+- `gated`: the weight is a gate_up projection ([gate | up] rows) and each program streams matching gate and up
+  rows and writes silu(gate) * up, rounded where the SiLU-and-mul kernel rounds.
+Both run only through the GEMV (no cuBLAS candidate): the folded kernel is what they save.
+
+Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_reference`, before
+`activation.silu_and_mul_reference`).
 """
 from __future__ import annotations
 
@@ -19,6 +31,7 @@ import triton.language as tl
 
 from minivllm.kernels import tuning
 from minivllm.kernels.pdl import launch_options, wait_for_previous
+from minivllm.kernels.rmsnorm import RowNorm
 
 # (BLOCK_N, BLOCK_K, num_warps): one or two rows a program keep the most loads in flight. Timed on an H200 against
 # cuBLAS for the attention, router and MLP shapes of Llama-3-8B, Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the
@@ -28,32 +41,80 @@ GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
+                 eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                 GATED: tl.constexpr, WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    """out[n] = x . w[n] (+ b[n]); NORM: of RMSNorm(x (+ residual)) * norm weight; GATED: N output columns from
+    2N weight rows, silu(x . w[n]) * (x . w[N + n])."""
     wait_for_previous(PDL)
+    dtype = x_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        if NORM:
+            if ADD:   # the residual stream's next value, rounded as it is stored
+                x = (x + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            squares += x * x
+            x = x * tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        mask = n_mask[:, None] & k_mask[None, :]
+        acc += tl.sum(tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+        if GATED:
+            up += tl.sum(tl.load(rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+                         * x[None, :], axis=1)
+    if NORM:
+        inv_rms = tl.math.rsqrt(tl.sum(squares, 0) / K + eps)
+        acc *= inv_rms
+        up *= inv_rms
+        if ADD or WRITE_NORMED:   # this program's share of the row, for the kernels after this one
+            offs = tl.program_id(0) * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
+            inside = offs < K
+            row = tl.load(x_ptr + offs, mask=inside, other=0.0)
+            if ADD:
+                row = (row.to(tl.float32) + tl.load(residual_ptr + offs, mask=inside, other=0.0).to(tl.float32)).to(dtype)
+                tl.store(stream_ptr + offs, row, mask=inside)
+            if WRITE_NORMED:   # as kernels/rmsnorm.py rounds: normalised, rounded, scaled, rounded
+                normed = (row.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
+                normed *= tl.load(norm_weight_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+                tl.store(normed_ptr + offs, normed.to(dtype), mask=inside)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if GATED:   # rounded where gate_up's output and then the SiLU-and-mul kernel round
+        gate = acc.to(dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int]) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a [1, K] row (or [K]) with the given tile."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int],
+         norm: RowNorm | None = None, gated: bool = False) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a [1, K] row (or [K]) with the given tile; with `norm`, of x's RMSNorm (see
+    the module docstring); `gated`: silu_and_mul of it."""
     block_n, block_k, warps = tile
     n, k = weight.shape
+    if gated:
+        if n % 2 or bias is not None:
+            raise ValueError("a gated GEMV needs an even number of [gate | up] rows and no bias")
+        n //= 2
+    x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), weight, weight if bias is None else bias, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **launch_options(x.device))
+    grid = triton.cdiv(n, block_n)
+    residual = stream = normed = norm_weight = None
+    if norm is not None:
+        norm_weight, residual, stream, normed = norm.weight, norm.residual, norm.stream, norm.normed
+    _gemv_kernel[(grid,)](
+        x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
+        x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
+        n, k, weight.stride(0), 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None, NORM=norm is not None,
+        ADD=residual is not None, WRITE_NORMED=normed is not None, GATED=gated,
+        WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **launch_options(x.device))
     return out
 
 
@@ -63,11 +124,15 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape."""
-    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: RowNorm | None = None,
+           gated: bool = False) -> torch.Tensor:
+    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape;
+    with `norm` or `gated` (see `gemv`), through the GEMV with the tile timed fastest for that kind."""
+    fused = ("norm",) * (norm is not None) + ("gated",) * gated
+    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *fused)
 
     def run(candidate, w):
-        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate)
-    tile = tuning.pick(key, (None, *GEMV_TILES), run, None, weights=(weight,))
-    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile)
+        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm, gated)
+    tile = tuning.pick(key, GEMV_TILES if fused else (None, *GEMV_TILES), run, GEMV_TILES[0] if fused else None,
+                       weights=(weight,))
+    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm, gated)

@@ -42,9 +42,10 @@ from minivllm.kernels import tuning
 from minivllm.kernels.half_dequant import dequantize_pairs
 from minivllm.kernels.int4_gemv_half import int4_gemv_half_kernel
 from minivllm.kernels.int4_gemv_tma import GROUP_SIZES as TMA_GEMV_GROUP_SIZES
-from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES, Rotary, RowNorm, TmaGemvConfig, int4_gemv_tma, layout_split
+from minivllm.kernels.int4_gemv_tma import TMA_GEMV_TILES, Rotary, TmaGemvConfig, int4_gemv_tma, layout_split
 from minivllm.kernels.int4_gemv_tma import supported as tma_gemv_supported
 from minivllm.kernels.pdl import launch_options, prefetch_word_rows, rows_prefetchable, wait_for_previous
+from minivllm.kernels.rmsnorm import RowNorm
 from minivllm.kernels.split_k import (choose_split_k, k_slices, num_sms, partials_buffer, split_k_tile,
                                      store_row_slice, sum_partials, tile_tickets)
 
@@ -461,7 +462,7 @@ def weight_only_gemv_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales
                                   norm: RowNorm | None = None, zero_point: int | None = None) -> torch.Tensor | None:
     """silu(x @ W_gate) * (x @ W_up) [1, N / 2] for W = [gate | up] (gate_up_proj's columns) from one kernel: the
     Gluon GEMV with the activation in its epilogue, which saves the activation's launch and round trip; with
-    `norm`, RMSNorm(x [+ residual]) is what multiplies W (the norm's kernel saved too, int4_gemv_tma.RowNorm). None
+    `norm`, RMSNorm(x [+ residual]) is what multiplies W (the norm's kernel saved too, rmsnorm.RowNorm). None
     where that kernel does not serve the call (not one row of 16-bit x on an sm_90 GPU, 4-bit codes, aligned
     halves); the caller then runs the norm, the GEMM and the activation. zero_point: see `weight_only_gemm`."""
     if bits != 4 or not tma_gemv_supported(x, qweight, scales, zeros, group_size, gated=True, norm=norm):
@@ -478,7 +479,7 @@ def weight_only_gemv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     """x @ W [1, N] for qkv_proj's W (heads of rotary.head_dim columns) with the first rotary.rotated_heads
     heads (q and k) rotated at rotary.positions, from one kernel (the Gluon GEMV with the rotation in its
     epilogue: the rotary kernel's launch and round trip saved); with `norm`, of RMSNorm(x [+ residual])
-    (int4_gemv_tma.RowNorm). None where that kernel does not serve the call; the caller then runs the norm, the
+    (rmsnorm.RowNorm). None where that kernel does not serve the call; the caller then runs the norm, the
     GEMM and the rotary kernel. zero_point: see `weight_only_gemm`."""
     if (bits != 4 or qweight.shape[1] % rotary.head_dim
             or not tma_gemv_supported(x, qweight, scales, zeros, group_size, norm=norm)):

@@ -62,6 +62,7 @@ from minivllm.kernels.int4_gemv_half import (ADD_HALVES_ASM, HALVES_SUM_ASM, PAI
                                              WORD_ASM)
 from minivllm.kernels.pdl import gluon_wait_for_previous
 from minivllm.kernels.pdl import mode as pdl_mode
+from minivllm.kernels.rmsnorm import RowNorm
 from minivllm.kernels.split_k import num_sms
 
 
@@ -483,15 +484,6 @@ def _shared_layout(bits: int):
 @functools.lru_cache(maxsize=None)
 def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-class RowNorm(NamedTuple):
-    """An RMSNorm the kernel applies to x first: weight [K] in x's dtype, eps; where `residual` [1, K] is given,
-    of x + residual, which the kernel also writes to `stream` [1, K] (the residual stream's next value)."""
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    stream: torch.Tensor | None = None
 
 
 NORM_MAX_K = 16384   # the staged, normed row: 2 K bytes of shared memory a program

@@ -12,6 +12,8 @@ are one grid step apart. Owns only these functions; the layers decide where to u
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,18 @@ import triton.language as tl
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 from minivllm.kernels.quant_rows import (QuantizedRows, empty_quantized, quant_params, quantize_rows_reference,
                                          store_quantized_row)
+
+
+class RowNorm(NamedTuple):
+    """An RMSNorm that a one-row GEMV applies to its x first (kernels/dense_gemv.py, kernels/int4_gemv_tma.py):
+    weight [K] in x's dtype, eps; where `residual` [1, K] is given, of x + residual, which the kernel also writes
+    to `stream` [1, K] (the residual stream's next value); where `normed` [1, K] is given, the normed row is
+    written there too, as `rms_norm` computes it (the dense GEMV only)."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    stream: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

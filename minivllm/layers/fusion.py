@@ -57,6 +57,15 @@ class PendingNorm(NamedTuple):
     def of(cls, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> "PendingNorm":
         return cls(x, norm, residual, x if residual is None else torch.empty_like(x))
 
+    def row_norm(self, normed: torch.Tensor | None = None):
+        """This norm as the kernels' RowNorm over rows of [1, K] (`normed`: where the kernel writes the norm's
+        output too)."""
+        from minivllm.kernels.rmsnorm import RowNorm
+        if self.residual is None:
+            return RowNorm(self.norm.weight, self.norm.eps, normed=normed)
+        return RowNorm(self.norm.weight, self.norm.eps, self.residual.reshape(1, -1), self.stream.reshape(1, -1),
+                       normed)
+
 
 def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
     """x, or a PendingNorm's norm computed by the norm layer as the plain layer does (its stream filled)."""
@@ -81,6 +90,19 @@ def norms_in_gemvs(pairs, x: torch.Tensor) -> list[bool]:
             for norm, proj in pairs]
 
 
+def normed_linear(proj: nn.Module, x: torch.Tensor | PendingNorm, keep_input: bool = False):
+    """(proj(x), x as proj took it) for a plain projection: a PendingNorm is normed in proj's GEMV where its quant
+    method can (`apply_normed`), which with `keep_input` also writes the normed row for the layer's other consumers
+    (else None in its place); otherwise computed first."""
+    if isinstance(x, PendingNorm):
+        method = getattr(proj.quant_method, "apply_normed", None)
+        result = None if method is None else method(proj, x.x, x, keep_input)
+        if result is not None:
+            return result
+        x = computed(x)
+    return proj(x), x
+
+
 def _normed_call(method, layer: nn.Module, x: torch.Tensor | PendingNorm, *args, **kwargs):
     """(method's output or None, x): a PendingNorm is normed in method's kernel where it can be, else computed
     first (and x is then the norm's output)."""
@@ -102,7 +124,7 @@ def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | Pen
         out, x = _normed_call(method, gate_up, x)
         if out is not None:
             return out
-    return act(gate_up(computed(x)))
+    return act(normed_linear(gate_up, x)[0])
 
 
 def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
@@ -119,4 +141,4 @@ def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, 
                               kv_cache=kv_cache)
         if out is not None:
             return out, True
-    return qkv_proj(computed(x)), False
+    return normed_linear(qkv_proj, x)[0], False

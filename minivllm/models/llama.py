@@ -22,7 +22,7 @@ from torch import nn
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.fusion import PendingNorm, computed, gate_up_activation, norms_in_gemvs, qkv_rotary
+from minivllm.layers.fusion import PendingNorm, gate_up_activation, normed_linear, norms_in_gemvs, qkv_rotary
 from minivllm.layers.layernorm import RMSNorm, norm_layer_input
 from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
                                     RowParallelLinear)
@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
             qkv, rotated = qkv_rotary(self.qkv_proj, self.rotary_emb, positions, hidden_states, self.head_dim,
                                       self.num_heads + self.num_kv_heads, kv_cache)
         else:
-            qkv, rotated = self.qkv_proj(computed(hidden_states)), False
+            qkv, rotated = normed_linear(self.qkv_proj, hidden_states)[0], False
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -107,6 +107,10 @@ class LlamaMLP(nn.Module):
         """(producer, its only consumer) for layers/fusion.py."""
         return (("act_fn", "down_proj"),)
 
+    def norm_consumer(self) -> nn.Module:
+        """The projection that may take the norm before this MLP as a PendingNorm (layers/fusion.py)."""
+        return self.gate_up_proj
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, rotary_emb: nn.Module, mlp: nn.Module | None = None):
@@ -125,13 +129,14 @@ class LlamaDecoderLayer(nn.Module):
         return pairs
 
     def norms_in_gemvs(self, hidden_states: torch.Tensor) -> tuple[bool, bool]:
-        """Whether qkv_proj and gate_up_proj run this call's input and post-attention norms (and the residual adds
-        before them) in their GEMVs: one token, int4 on Hopper (layers/fusion.norms_in_gemvs)."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(mlp) is not LlamaMLP or attn.q_norm is not None:
+        """Whether qkv_proj and the MLP's first projection (`norm_consumer`: gate_up_proj, an MoE block's router) run
+        this call's input and post-attention norms (and the residual adds before them) in their GEMVs: one token,
+        int4 on Hopper or 16-bit weights on the GPU (layers/fusion.norms_in_gemvs)."""
+        consumer = getattr(self.mlp, "norm_consumer", None)
+        if consumer is None:
             return False, False
-        return tuple(norms_in_gemvs(((self.input_layernorm, attn.qkv_proj),
-                                     (self.post_attention_layernorm, mlp.gate_up_proj)), hidden_states))
+        return tuple(norms_in_gemvs(((self.input_layernorm, self.self_attn.qkv_proj),
+                                     (self.post_attention_layernorm, consumer())), hidden_states))
 
     def forward(self, positions, hidden_states, residual):
         """Returns (this layer's output, residual stream before it); the next norm adds the two."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from minivllm.layers.fused_moe import FusedMoE
+from minivllm.layers.fusion import PendingNorm, normed_linear
 from minivllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from minivllm.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -31,8 +32,14 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, bias=False, quant_method=UnquantizedLinearMethod())
                                    if shared_expert else None)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden_states, self.gate(hidden_states))
+    def norm_consumer(self) -> nn.Module:
+        """The router takes the norm before this block as a PendingNorm (layers/fusion.py) and hands the normed row
+        on to the experts: one kernel for the norm and the router's GEMV."""
+        return self.gate
+
+    def forward(self, hidden_states: torch.Tensor | PendingNorm) -> torch.Tensor:
+        router_logits, hidden_states = normed_linear(self.gate, hidden_states, keep_input=True)
+        out = self.experts(hidden_states, router_logits)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden_states))
             out = out + gate * self.shared_expert(hidden_states)

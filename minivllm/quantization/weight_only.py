@@ -103,13 +103,7 @@ class WeightOnlyLinearMethod:
     @staticmethod
     def _row_norm(pending):
         """A layers/fusion.PendingNorm as the kernel's RowNorm (rows of [1, K])."""
-        if pending is None:
-            return None
-        from minivllm.kernels.int4_gemv_tma import RowNorm
-        if pending.residual is None:
-            return RowNorm(pending.norm.weight, pending.norm.eps)
-        return RowNorm(pending.norm.weight, pending.norm.eps, pending.residual.reshape(1, -1),
-                       pending.stream.reshape(1, -1))
+        return None if pending is None else pending.row_norm()
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, norm=None) -> torch.Tensor | None:
         """silu(gate) * up of a bias-free gate_up layer ([gate | up] columns) from one kernel where the GEMM can
