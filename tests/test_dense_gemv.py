@@ -153,10 +153,11 @@ def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
 
 
 @pytest.mark.gpu
-def test_folded_norm_and_silu_are_timed_and_match_in_a_graph():
-    """On the GPU the GEMV with the norm folded in (residual stream and normed row written) and the gated GEMV are
-    timed over the tiles at their first call and, replayed from a CUDA graph, give the norm kernel's stream and row
-    exactly and the separate kernels' output to bf16 rounding."""
+def test_folded_gemvs_are_timed_against_the_kernels_they_replace_and_match_in_a_graph():
+    """On the GPU `folded` times the folded GEMV's tiles against the norm kernel, the projection and the SiLU kernel
+    apart, per shape, and declines (None) where those were faster; every tile, replayed from a CUDA graph, gives the
+    norm kernel's residual stream and normed row exactly and the separate kernels' output to bf16 rounding."""
+    from minivllm.kernels import tuning
     from minivllm.kernels.activation import silu_and_mul
     from minivllm.kernels.rmsnorm import fused_add_rms_norm
     g = torch.Generator().manual_seed(2)
@@ -166,14 +167,17 @@ def test_folded_norm_and_silu_are_timed_and_match_in_a_graph():
         x, residual = (torch.randn(1, k, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
         stream, normed = torch.empty_like(x), torch.empty_like(x)
         norm = RowNorm(norm_weight, 1e-6, residual, stream, normed)
-        dense_gemv.linear(x, weight, None, norm=norm, gated=gated)   # times the tiles (outside any capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = dense_gemv.linear(x, weight, None, norm=norm, gated=gated)
-        x.copy_(torch.randn(1, k, generator=g).to("cuda", torch.bfloat16))
-        graph.replay()
-        expected_normed, expected_stream = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
-        assert torch.equal(stream, expected_stream) and torch.equal(normed, expected_normed)
-        expected = F.linear(expected_normed, weight)
-        expected = (silu_and_mul(expected) if gated else expected).float()
-        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+        out = dense_gemv.folded(x, weight, None, norm=norm, gated=gated)
+        key = ("dense_gemv", torch.bfloat16, (n, k), False, "norm", "normed", *("gated",) * gated)
+        assert (out is None) == (tuning._chosen[key] is None)
+        for tile in dense_gemv.GEMV_TILES:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = dense_gemv.gemv(x, weight, None, tile, norm=norm, gated=gated)
+            x.copy_(torch.randn(1, k, generator=g).to("cuda", torch.bfloat16))
+            graph.replay()
+            expected_normed, expected_stream = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+            assert torch.equal(stream, expected_stream) and torch.equal(normed, expected_normed)
+            expected = F.linear(expected_normed, weight)
+            expected = (silu_and_mul(expected) if gated else expected).float()
+            torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

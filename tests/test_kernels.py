@@ -367,6 +367,11 @@ def test_rms_norm_matches_hf_semantics(dtype):
     if dtype != torch.bfloat16:  # the interpreter truncates fp32 -> bf16; fp16 rounds properly
         assert torch.equal(new_residual, expected_residual)   # one rounding of the sum, as torch
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)   # out of place
+    stream = torch.empty_like(x)   # a buffer a later kernel was promised (layers/fusion.PendingNorm's stream)
+    again, returned = fused_add_rms_norm(x, residual, weight, 1e-6, residual_out=stream)
+    assert returned.data_ptr() == stream.data_ptr() and torch.equal(stream, new_residual) and torch.equal(again, out)
+    with pytest.raises(ValueError, match="residual_out"):
+        fused_add_rms_norm(x, residual, weight, 1e-6, residual_out=torch.empty_like(x).transpose(0, 1))
 
 
 def test_rms_norm_promotes_to_fp32_weight_like_hf():

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
-    GEMV_TILES, fused_experts, fused_experts_reference, fused_moe, moe_align_block_size)
+    GEMV_TILES, fused_experts, fused_experts_reference, moe_align_block_size)
 from minivllm.kernels.quant_rows import quantize_rows_reference, round_trip_rows  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
@@ -181,27 +181,6 @@ def test_routing_kernel_matches_select_experts(num_tokens, num_experts, top_k, r
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
     if renormalize and num_tokens:
         torch.testing.assert_close(weights.sum(dim=1), torch.ones(num_tokens, device=DEVICE))
-
-
-@pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[0], GEMV_TILES[-1]])
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
-    (1, 128, 8, True),     # Qwen3-30B-A3B at decode
-    (3, 60, 4, False),     # Qwen2-MoE: experts not a power of two, no rescaling
-    (5, 6, 3, True),       # top_k not a power of two
-])
-def test_fused_moe_from_logits_routes_like_select_experts(tile, num_tokens, num_experts, top_k, renormalize):
-    """The whole MoE MLP from the router's logits: on the few-token path the gate/up GEMV routes each token itself
-    (and hands the down GEMV the routing weights); both paths equal select_experts followed by the expert loop."""
-    hidden, inter, dtype = 48, 40, torch.float32
-    w13, w2 = _weights(num_experts, hidden, inter, dtype)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
-    logits = torch.randn(num_tokens, num_experts, generator=g).to(DEVICE)
-    ours = fused_moe(x, w13, w2, logits, top_k, renormalize, tile=tile)
-    expected = fused_experts_reference(x, w13, w2, *select_experts(logits, top_k, renormalize))
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="router logits"):
-        fused_moe(x, w13, w2, logits[:, 1:], top_k, renormalize, tile=tile)
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m, allowed", [

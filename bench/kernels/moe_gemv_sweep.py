@@ -42,8 +42,7 @@ def sweep(num_tokens: int, shapes: tuple[int, int, int, int], bandwidth: float, 
                torch.randn(num_experts, hidden, inter, device=device, generator=g).mul_(0.02).to(dtype))
               for _ in range(COPIES)]
     x = torch.randn(num_tokens, hidden, device=device, generator=g).to(dtype)
-    logits = torch.randn(num_tokens, num_experts, device=device, generator=g)
-    weights, ids = select_experts(logits, top_k, True)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, device=device, generator=g), top_k, True)
     flat_ids, flat_weights = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous().float()
     slots = num_tokens * top_k
     touched = int(ids.unique().numel())
@@ -55,11 +54,9 @@ def sweep(num_tokens: int, shapes: tuple[int, int, int, int], bandwidth: float, 
     def gate_up(tile, w13=None):
         n, k, warps = tile
         w13 = copies[next(turn) % COPIES][0] if w13 is None else w13
-        fused_moe._moe_gate_up_gemv_kernel[(slots, triton.cdiv(inter, n))](   # routing itself, as fused_moe runs it
-            x, w13, w13, flat_ids, flat_weights, logits, activated, num_experts, inter, hidden, x.stride(0),
-            w13.stride(0), w13.stride(1), activated.stride(0), 0, logits.stride(0), TOP_K=top_k, SCALED=False,
-            ROUTE=True, RENORMALIZE=True, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=n, BLOCK_K=k, num_warps=warps, **pdl)
+        fused_moe._moe_gate_up_gemv_kernel[(slots, triton.cdiv(inter, n))](
+            x, w13, w13, flat_ids, activated, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+            activated.stride(0), 0, TOP_K=top_k, SCALED=False, BLOCK_N=n, BLOCK_K=k, num_warps=warps, **pdl)
 
     def down(tile, w2=None):
         n, k, warps = tile

@@ -17,7 +17,7 @@ The kernels around a projection fold into it where that saves a launch, as the i
   kernel to write that rounded row too, for the layer's other consumers (an MoE block's experts).
 - `gated`: the weight is a gate_up projection ([gate | up] rows) and each program streams matching gate and up
   rows and writes silu(gate) * up, rounded where the SiLU-and-mul kernel rounds.
-Both run only through the GEMV (no cuBLAS candidate): the folded kernel is what they save.
+Whether a folded GEMV runs is timed per weight shape like the tiles, against the kernels it replaces (`folded`).
 
 Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_reference`, before
 `activation.silu_and_mul_reference`).
@@ -124,15 +124,39 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: RowNorm | None = None,
-           gated: bool = False) -> torch.Tensor:
-    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape;
-    with `norm` or `gated` (see `gemv`), through the GEMV with the tile timed fastest for that kind."""
-    fused = ("norm",) * (norm is not None) + ("gated",) * gated
-    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *fused)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape."""
+    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None)
 
     def run(candidate, w):
-        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm, gated)
-    tile = tuning.pick(key, GEMV_TILES if fused else (None, *GEMV_TILES), run, GEMV_TILES[0] if fused else None,
-                       weights=(weight,))
-    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm, gated)
+        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate)
+    tile = tuning.pick(key, (None, *GEMV_TILES), run, None, weights=(weight,))
+    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile)
+
+
+def _apart(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RowNorm | None,
+           gated: bool) -> torch.Tensor:
+    """What the folded GEMV replaces, kernel by kernel: the norm kernel, `linear`, the SiLU-and-mul kernel."""
+    from minivllm.kernels.activation import silu_and_mul
+    from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    if norm is not None:
+        x = (rms_norm(x, norm.weight, norm.eps) if norm.residual is None else
+             fused_add_rms_norm(x, norm.residual, norm.weight, norm.eps, residual_out=norm.stream)[0])
+    y = linear(x, weight, bias)
+    return silu_and_mul(y) if gated else y
+
+
+def folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: RowNorm | None = None,
+           gated: bool = False) -> torch.Tensor | None:
+    """The GEMV with `norm` and/or `gated` folded in (see `gemv`), or None where the tuner timed the kernels it
+    replaces (`_apart`) faster for this weight shape; the caller then runs those. Folding saves a launch but
+    repeats the norm's loads and arithmetic in every program: it wins where the grid is small (an MoE router's
+    128 rows) and can lose where it is large (a 5,120-row qkv_proj)."""
+    kind = ("norm",) * (norm is not None) + ("normed",) * (norm is not None and norm.normed is not None) \
+        + ("gated",) * gated
+    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *kind)
+
+    def run(candidate, w):
+        return _apart(x, w, bias, norm, gated) if candidate is None else gemv(x, w, bias, candidate, norm, gated)
+    tile = tuning.pick(key, (None, *GEMV_TILES), run, GEMV_TILES[0], weights=(weight,))
+    return None if tile is None else gemv(x, weight, bias, tile, norm, gated)

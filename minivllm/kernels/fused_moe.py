@@ -17,12 +17,10 @@ Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate
 
 A few tokens (decode) take another path: with `top_k` slots a token and up to `GEMV_MAX_SLOTS` slots, the
 sort, the padding to whole tiles and the tensor-core tiles cost more than they save, since each expert sees
-one or two rows. `_moe_gate_up_gemv_kernel` finds each slot's expert (no sort, no host sync): from the router's
-logits, routing the token itself (`fused_moe`: the softmax, top-k and rescaling of kernels/moe_routing.py, a few
-hundred cycles of a program's start, where a routing kernel would cost a launch), or from given `topk_ids`
-(`fused_experts`); it streams that expert's gate and up rows once, as a GEMV, with SiLU-and-mul fused; then
+one or two rows. `_moe_gate_up_gemv_kernel` reads each slot's expert id straight from `topk_ids` (no sort, no
+host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU-and-mul fused; then
 `_moe_down_combine_gemv_kernel` streams, per token, the down rows of all its top_k experts at once, applies the
-routing weights and sums them: two kernels for the whole MoE MLP, routing included. Which path runs, and which tiles, is timed per
+routing weights and sums them: two kernels for the whole MoE MLP. Which path runs, and which tiles, is timed per
 slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles) on uniform random
 routing, with the grouped path among the candidates, so the few-token path is only used where it measures faster.
 
@@ -40,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +49,6 @@ from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.quant_rows import quantize_rows
 from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
-from minivllm.kernels.moe_routing import route, top_k_of_row
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
@@ -235,33 +231,25 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
 
 
 @triton.jit
-def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, num_experts, I, K,
-                             stride_xm, stride_we, stride_wn, stride_om, stride_se, stride_lm, TOP_K: tl.constexpr,
-                             SCALED: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
-                             BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
-    slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu). ROUTE: e is the
-    token's k-th expert by its router logits (moe_routing.top_k_of_row), which the slot's first program also
-    stores with its routing weight for the down kernel; else e is read from ids."""
-    wait_for_previous(PDL)
+def _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N: tl.constexpr):
+    """This program's slot, its BLOCK_N output columns (and their mask) and the pointers to those rows of the
+    slot's expert's weight."""
     slot = tl.program_id(0).to(tl.int64)
-    token = slot // TOP_K
-    if ROUTE:
-        routed_weights, routed_ids = top_k_of_row(logits_ptr + token * stride_lm, num_experts, TOP_K, RENORMALIZE,
-                                                  BLOCK_E, BLOCK_TOPK)
-        this_slot = tl.arange(0, BLOCK_TOPK) == slot % TOP_K
-        expert = tl.sum(tl.where(this_slot, routed_ids, 0), 0).to(tl.int64)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + slot, expert)
-            tl.store(weights_ptr + slot, tl.sum(tl.where(this_slot, routed_weights, 0.0), 0))
-    else:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    return slot, offs_n, offs_n < N, w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn,
+                             stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
+    slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu)."""
+    wait_for_previous(PDL)
+    slot, offs_n, n_mask, gate_rows = _slot_rows(w_ptr, ids_ptr, I, stride_we, stride_wn, BLOCK_N)
     up_rows = gate_rows + I * stride_wn
-    x_row = x_ptr + token * stride_xm
+    x_row = x_ptr + (slot // TOP_K) * stride_xm
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -272,7 +260,7 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, logi
         gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
         up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
     if SCALED:
-        scales = scale_ptr + expert * stride_se + offs_n
+        scales = scale_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_se + offs_n
         gate = gate * tl.load(scales, mask=n_mask, other=0.0)
         up = up * tl.load(scales + I, mask=n_mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
@@ -329,40 +317,27 @@ DOWN_TILES = ((2, 256, 8), (1, 128, 4), (2, 256, 2), (8, 256, 8), (4, 1024, 8))
 GEMV_TILES = tuple(itertools.product(GATE_UP_TILES, DOWN_TILES))
 
 
-def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       routing: tuple[torch.Tensor, torch.Tensor] | RouterLogits, w13_scale: torch.Tensor | None,
-                       w2_scale: torch.Tensor | None, tile: tuple) -> torch.Tensor:
+def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                       tile: tuple) -> torch.Tensor:
     """`fused_experts` for a few tokens: a gate/up GEMV per (token, expert) slot, then one down GEMV per token
-    over its top_k experts that also sums them (see the module docstring). `routing`: (weights, ids) [T, top_k], or
-    the router's logits, which the gate/up GEMV then routes itself."""
+    over its top_k experts that also sums them (see the module docstring)."""
     (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tile
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    device = hidden_states.device
-    routes_itself = isinstance(routing, RouterLogits)
-    if routes_itself:
-        top_k, logits = routing.top_k, routing.logits
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        ids = torch.empty(num_tokens * top_k, dtype=torch.int64, device=device)
-        weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=device)
-    else:
-        top_k, logits = routing[1].shape[1], hidden_states   # (logits unused)
-        weights, ids = routing[0].reshape(-1).contiguous().float(), routing[1].reshape(-1).contiguous()
+    inter, top_k = two_i // 2, topk_ids.shape[1]
     num_slots = num_tokens * top_k
+    ids = topk_ids.reshape(-1).contiguous()
     scaled = w13_scale is not None
-    pdl = launch_options(device)
-    activated = torch.empty((num_slots, inter), dtype=hidden_states.dtype, device=device)
+    pdl = launch_options(hidden_states.device)
+    activated = torch.empty((num_slots, inter), dtype=hidden_states.dtype, device=hidden_states.device)
     _moe_gate_up_gemv_kernel[(num_slots, triton.cdiv(inter, up_n))](
-        hidden_states, w13, w13_scale if scaled else w13, ids, weights, logits, activated, num_experts, inter, hidden,
-        hidden_states.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        w13_scale.stride(0) if scaled else 0, logits.stride(0), TOP_K=top_k, SCALED=scaled, ROUTE=routes_itself,
-        RENORMALIZE=routes_itself and routing.renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=up_n, BLOCK_K=up_k, num_warps=up_warps, **pdl)
-    out = torch.empty((num_tokens, hidden), dtype=hidden_states.dtype, device=device)
+        hidden_states, w13, w13_scale if scaled else w13, ids, activated, inter, hidden, hidden_states.stride(0),
+        w13.stride(0), w13.stride(1), activated.stride(0), w13_scale.stride(0) if scaled else 0, TOP_K=top_k,
+        SCALED=scaled, BLOCK_N=up_n, BLOCK_K=up_k, num_warps=up_warps, **pdl)
+    out = torch.empty((num_tokens, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
-        activated, w2, w2_scale if scaled else w2, ids, weights, out, hidden,
+        activated, w2, w2_scale if scaled else w2, ids, topk_weights.reshape(-1).contiguous().float(), out, hidden,
         inter, activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if scaled else 0,
         TOP_K=top_k, SCALED=scaled, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down_n, BLOCK_K=down_k,
         num_warps=down_warps, **pdl)
@@ -400,87 +375,39 @@ def _uniform_routing(num_tokens: int, num_experts: int, top_k: int, device) -> t
     return torch.full((num_tokens, top_k), 1.0 / top_k, device=device), ids.to(device)
 
 
-class RouterLogits(NamedTuple):
-    """A layer's routing not yet computed: the router's logits [T, E], the experts a token takes and whether their
-    weights are rescaled to sum to one (moe_routing.route's arguments)."""
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
-
-
-def _check_experts(hidden_states, w13, w2, w13_scale, w2_scale) -> None:
-    num_experts, two_i, _ = w13.shape
-    hidden = hidden_states.shape[1]
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden {hidden}")
-    if (w13_scale is None) != (w2_scale is None) or (w13_scale is not None and (
-            w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2])):
-        raise ValueError("8-bit experts need row scales for both w13 [E, 2I] and w2 [E, H]")
-
-
-def _pick_path(hidden_states, w13, w2, top_k: int, w13_scale, w2_scale):
-    """The few-token tile pair or "grouped", whichever the tuner timed faster for this slot count."""
-    num_tokens, hidden = hidden_states.shape
-    num_experts, two_i, _ = w13.shape
-    num_slots = num_tokens * top_k
-    if num_slots > GEMV_MAX_SLOTS:
-        return "grouped"
-    routing = []
-
-    def run(candidate, w13_copy, w2_copy):
-        # Timed on uniform random routing, not on this call's: a warm-up batch (or dummy weights) can send
-        # every token to the same few experts, where the grouped path wins and real traffic does not.
-        if not routing:
-            routing.append(_uniform_routing(num_tokens, num_experts, top_k, hidden_states.device))
-        return fused_experts(hidden_states, w13_copy, w2_copy, *routing[0], candidate or "grouped",
-                             w13_scale, w2_scale)
-    # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
-    default = GEMV_TILES[0] if num_slots <= 32 else None
-    key = ("moe_experts", hidden_states.dtype, w13.dtype, num_slots, num_experts, two_i, hidden)
-    return tuning.pick(key, (None, *GEMV_TILES), run, default, weights=(w13, w2)) or "grouped"
-
-
-def _prepared(hidden_states, w13, w2):
-    hidden_states = hidden_states.contiguous()
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        w13, w2 = w13.contiguous(), w2.contiguous()
-    return hidden_states, w13, w2
-
-
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile=None,
                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `fused_experts_reference`: the few-token path or the grouped GEMMs, whichever the tuner
     timed faster for this slot count (`tile` forces one: a GEMV_TILES entry, or "grouped")."""
-    _check_experts(hidden_states, w13, w2, w13_scale, w2_scale)
-    if hidden_states.shape[0] == 0:
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden {hidden}")
+    if (w13_scale is None) != (w2_scale is None) or (w13_scale is not None and (
+            w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2])):
+        raise ValueError("8-bit experts need row scales for both w13 [E, 2I] and w2 [E, H]")
+    if num_tokens == 0:
         return torch.zeros_like(hidden_states)
-    hidden_states, w13, w2 = _prepared(hidden_states, w13, w2)
-    if tile is None:
-        tile = _pick_path(hidden_states, w13, w2, topk_ids.shape[1], w13_scale, w2_scale)
-    if tile == "grouped":
+    hidden_states = hidden_states.contiguous()
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        w13, w2 = w13.contiguous(), w2.contiguous()
+    num_slots = num_tokens * top_k
+    if tile is None and num_slots <= GEMV_MAX_SLOTS:
+        routing = []
+
+        def run(candidate, w13_copy, w2_copy):
+            # Timed on uniform random routing, not on this call's: a warm-up batch (or dummy weights) can send
+            # every token to the same few experts, where the grouped path wins and real traffic does not.
+            if not routing:
+                routing.append(_uniform_routing(num_tokens, num_experts, top_k, hidden_states.device))
+            return fused_experts(hidden_states, w13_copy, w2_copy, *routing[0], candidate or "grouped",
+                                 w13_scale, w2_scale)
+        # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
+        default = GEMV_TILES[0] if num_slots <= 32 else None
+        key = ("moe_experts", hidden_states.dtype, w13.dtype, num_slots, num_experts, two_i, hidden)
+        tile = tuning.pick(key, (None, *GEMV_TILES), run, default, weights=(w13, w2)) or "grouped"
+    if tile is None or tile == "grouped":
         return _grouped_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    return _few_token_experts(hidden_states, w13, w2, (topk_weights, topk_ids), w13_scale, w2_scale, tile)
-
-
-def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
-              top_k: int, renormalize: bool, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, tile=None) -> torch.Tensor:
-    """The whole MoE MLP from the router's logits [T, E]: `moe_routing.route` then `fused_experts`, except on the
-    few-token path, whose gate/up GEMV routes each token itself (one kernel fewer a layer)."""
-    _check_experts(hidden_states, w13, w2, w13_scale, w2_scale)
-    if router_logits.shape != (hidden_states.shape[0], w13.shape[0]):
-        raise ValueError(f"router logits {tuple(router_logits.shape)} do not match {hidden_states.shape[0]} tokens "
-                         f"and {w13.shape[0]} experts")
-    if not 0 < top_k <= w13.shape[0]:
-        raise ValueError(f"top_k ({top_k}) must be in 1..num_experts ({w13.shape[0]})")
-    if hidden_states.shape[0] == 0:
-        return torch.zeros_like(hidden_states)
-    hidden_states, w13, w2 = _prepared(hidden_states, w13, w2)
-    if tile is None:
-        tile = _pick_path(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
-    if tile == "grouped":
-        return _grouped_experts(hidden_states, w13, w2, *route(router_logits, top_k, renormalize), w13_scale,
-                                w2_scale)
-    return _few_token_experts(hidden_states, w13, w2, RouterLogits(router_logits, top_k, renormalize), w13_scale,
-                              w2_scale, tile)
+    return _few_token_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tile)

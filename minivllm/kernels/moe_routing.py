@@ -4,8 +4,7 @@ probabilities in descending order and, where the model asks, their rescaling to 
 The plain-PyTorch form (`select_experts` in layers/fused_moe.py, the reference) is four kernels: softmax, topk,
 sum and divide. At decode a step runs them once per MoE layer on a handful of rows, where each costs a launch
 and a few microseconds of latency and nothing in bytes; here one program per token holds the token's logits in
-registers and picks the top_k by repeated argmax (ties go to the lower expert id). At a few tokens the MoE
-GEMVs route inside their own programs instead (`top_k_of_row`), and this kernel does not run.
+registers and picks the top_k by repeated argmax (ties go to the lower expert id).
 """
 from __future__ import annotations
 
@@ -17,14 +16,13 @@ from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
-def top_k_of_row(logits_row, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """One token's routing from its logits: (fp32 weights [BLOCK_K], int32 expert ids [BLOCK_K]), the first TOP_K
-    slots in descending order of probability (padded slots hold 0). The few-token MoE GEMV (kernels/fused_moe.py)
-    calls it too, so that each of its programs routes its own token instead of waiting for a routing kernel."""
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    logits = tl.load(logits_row + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + token * stride_lm + experts, mask=valid, other=-float("inf")).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, 0))
     probs = exps / tl.sum(exps, 0)
     remaining = tl.where(valid, probs, -1.0)   # probabilities are >= 0, so a taken or padded expert never wins
@@ -38,17 +36,6 @@ def top_k_of_row(logits_row, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.c
         remaining = tl.where(experts == best, -1.0, remaining)
     if RENORMALIZE:
         picked = picked / tl.sum(picked, 0)   # padded slots hold 0
-    return picked, picked_ids
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    picked, picked_ids = top_k_of_row(logits_ptr + token * stride_lm, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
-                                      BLOCK_K)
-    slots = tl.arange(0, BLOCK_K)
     out = slots < TOP_K
     tl.store(weights_ptr + token * TOP_K + slots, picked, mask=out)
     tl.store(ids_ptr + token * TOP_K + slots, picked_ids.to(tl.int64), mask=out)

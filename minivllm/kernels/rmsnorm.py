@@ -83,7 +83,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr,
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            quant_dtype: torch.dtype | None = None):
+            quant_dtype: torch.dtype | None = None, residual_out: torch.Tensor | None = None):
     hidden_size = x.shape[-1]
     if weight.shape != (hidden_size,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not match hidden size {hidden_size}")
@@ -103,7 +103,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         residual2 = residual.reshape(-1, hidden_size)
         if residual2.stride(-1) != 1:
             residual2 = residual2.contiguous()
-        new_residual = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        if residual_out is None:
+            new_residual = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or not residual_out.is_contiguous():
+            raise ValueError("residual_out must be a contiguous tensor like x")
+        else:
+            new_residual = residual_out.view(x2.shape)
     else:
         residual2 = new_residual = x2   # unused by the kernel
     if x2.shape[0] > 0:
@@ -123,7 +128,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: tor
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       quant_dtype: torch.dtype | None = None):
+                       quant_dtype: torch.dtype | None = None, residual_out: torch.Tensor | None = None):
     """-> (RMSNorm(x + residual) * weight, x + residual), as `fused_add_rms_norm_reference` (the first a
-    QuantizedRows with `quant_dtype`). Out of place: neither input is modified."""
-    return _launch(x, residual, weight, eps, quant_dtype)
+    QuantizedRows with `quant_dtype`). Out of place: neither input is modified; x + residual is written to
+    `residual_out` where given (a buffer a later kernel was promised), else to a new tensor."""
+    return _launch(x, residual, weight, eps, quant_dtype, residual_out)

@@ -3,8 +3,8 @@
 Expert weights live in two stacked parameters, `w13_weight` [E, 2I, H] (each expert's gate rows then
 up rows) and `w2_weight` [E, H, I], filled from the HF per-expert tensors by `weight_loader` with
 shard id (expert, "w1" | "w3" | "w2") (Mixtral's names; Qwen's gate/up/down map onto them). On CUDA
-Triton kernels route (minivllm.kernels.moe_routing; at a few tokens inside the experts' first GEMV) and run the
-experts (minivllm.kernels.fused_moe.fused_moe); elsewhere their PyTorch references.
+Triton kernels route (minivllm.kernels.moe_routing) and run the experts (minivllm.kernels.fused_moe); elsewhere
+their PyTorch references.
 The router's linear layer belongs to the model's MoE block, which passes its logits in.
 
 Tensor parallelism splits every expert's intermediate dimension across the ranks, as the dense MLP's
@@ -93,14 +93,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H]."""
-        scales = {"w13_scale": getattr(self, "w13_scale", None), "w2_scale": getattr(self, "w2_scale", None)}
         if self.use_triton and hidden_states.is_cuda:
-            from minivllm.kernels.fused_moe import fused_moe
-            out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, router_logits, self.top_k,
-                            self.renormalize, **scales)
+            from minivllm.kernels.fused_moe import fused_experts
+            from minivllm.kernels.moe_routing import route
+            topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
         else:
-            from minivllm.kernels.fused_moe import fused_experts_reference
+            from minivllm.kernels.fused_moe import fused_experts_reference as fused_experts
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-            out = fused_experts_reference(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                          **scales)
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                            w13_scale=getattr(self, "w13_scale", None), w2_scale=getattr(self, "w2_scale", None))
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out

@@ -73,9 +73,7 @@ def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return x
     if x.residual is None:
         return x.norm(x.x)   # the stream is x itself
-    normed, stream = x.norm(x.x, x.residual)
-    x.stream.copy_(stream)
-    return normed
+    return x.norm(x.x, x.residual, residual_out=x.stream)[0]
 
 
 def norms_in_gemvs(pairs, x: torch.Tensor) -> list[bool]:

@@ -35,17 +35,19 @@ class RMSNorm(nn.Module):
         # normalised output then comes quantized per row (a QuantizedRows), in the same kernel.
         self.quantize_output: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual) — the second
-        value is the running residual stream the next layer adds its output to."""
+        value is the running residual stream the next layer adds its output to, written to `residual_out`
+        where given (layers/fusion.PendingNorm's stream)."""
         if self.use_triton and x.is_cuda:
             from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm as triton_rms_norm
             if residual is None:
                 return triton_rms_norm(x, self.weight, self.eps, self.quantize_output)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.quantize_output)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.quantize_output, residual_out)
         if residual is None:
             return quantized_reference(rms_norm_reference(x, self.weight, self.eps), self.quantize_output)
-        x = x + residual
+        x = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
         return quantized_reference(rms_norm_reference(x, self.weight, self.eps), self.quantize_output), x
 
 
