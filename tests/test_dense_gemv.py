@@ -1,7 +1,7 @@
 """The one-row dense GEMV against F.linear (under TRITON_INTERPRET=1 without CUDA): every tile, odd row and column
 counts that no tile divides, with and without bias; the norm folded in front of it (against the norm kernel's
-reference, residual stream and normed row included) and the SiLU-and-mul behind it; the dispatch rule that sends
-only single 16-bit rows to it; and decoder layers whose norms run in their GEMVs against the plain layers."""
+reference, residual stream and normed row included); the dispatch rules that send only single 16-bit rows to it and
+norms only to small grids; and decoder layers whose norms run in their GEMVs against the plain layers."""
 import os
 
 import torch
@@ -14,7 +14,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels import dense_gemv  # noqa: E402
-from minivllm.kernels.activation import silu_and_mul_reference  # noqa: E402
 from minivllm.kernels.rmsnorm import RowNorm, fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,27 +73,11 @@ def test_gemv_with_norm_matches_the_norm_then_the_linear(tile, with_residual, wr
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("with_norm", [False, True])
-def test_gated_gemv_matches_linear_then_silu_and_mul(with_norm):
-    n, k = 2 * 45, 600   # 45 gate rows then 45 up rows
-    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(5)) / k ** 0.5).to(DEVICE, torch.bfloat16)
-    x, residual = _row(k, 6), _row(k, 7)
-    norm_weight = (1.0 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(8))).to(DEVICE, torch.bfloat16)
-    norm = RowNorm(norm_weight, 1e-5, residual, torch.empty_like(x)) if with_norm else None
-    out = dense_gemv.gemv(x, weight, None, dense_gemv.GEMV_TILES[1], norm=norm, gated=True)
-    row = fused_add_rms_norm_reference(x, residual, norm_weight, 1e-5)[0] if with_norm else x
-    expected = silu_and_mul_reference(F.linear(row.float(), weight.float()).to(torch.bfloat16)).float()
-    assert out.shape == (1, n // 2)
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-    with pytest.raises(ValueError, match="gated"):
-        dense_gemv.gemv(x, weight[:-1], None, dense_gemv.GEMV_TILES[1], gated=True)
-
-
 @pytest.mark.parametrize("arch", ["llama3", "qwen3-moe"])
 def test_decoder_layers_with_norms_in_their_gemvs_match_the_plain_layers(arch, tmp_path, monkeypatch):
     """Decoding one token at a time, a model whose norms (and residual adds) run in the GEMVs after them (qkv_proj,
-    gate_up_proj with its SiLU folded in, an MoE block's router, which hands the normed row to the experts) gives
-    the logits of the plain layers and of transformers. The GEMV is let take the CPU's fp32 rows here."""
+    gate_up_proj, an MoE block's router, which hands the normed row to the experts: the tiny model's grids are all
+    small) gives the logits of the plain layers and of transformers. The GEMV is let take the CPU's fp32 rows."""
     from tests.conftest import PagedRun, assert_logits_close, make_tiny_hf_checkpoint
     from minivllm.models.loader import load_model, resolve_model
     reference = make_tiny_hf_checkpoint(tmp_path, arch)
@@ -153,31 +136,29 @@ def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
 
 
 @pytest.mark.gpu
-def test_folded_gemvs_are_timed_against_the_kernels_they_replace_and_match_in_a_graph():
-    """On the GPU `folded` times the folded GEMV's tiles against the norm kernel, the projection and the SiLU kernel
-    apart, per shape, and declines (None) where those were faster; every tile, replayed from a CUDA graph, gives the
-    norm kernel's residual stream and normed row exactly and the separate kernels' output to bf16 rounding."""
-    from minivllm.kernels import tuning
-    from minivllm.kernels.activation import silu_and_mul
+def test_norm_folds_into_small_grids_only_and_matches_in_a_graph():
+    """On the GPU the norm folds into a router-sized GEMV and not into a qkv-sized one; with it folded in, every tile,
+    replayed from a CUDA graph, gives the norm kernel's residual stream and normed row exactly and the norm kernel
+    then the projection's output to bf16 rounding."""
     from minivllm.kernels.rmsnorm import fused_add_rms_norm
+    x = torch.zeros(1, 2048, dtype=torch.bfloat16, device="cuda")
+    assert not dense_gemv.folds_norm(x, torch.zeros(5120, 2048, dtype=torch.bfloat16, device="cuda"))
     g = torch.Generator().manual_seed(2)
-    for n, k, gated in ((5120, 2048, False), (128, 2048, False), (2 * 768, 2048, True)):
+    for n, k in ((128, 2048), (8, 4096)):   # Qwen3-30B-A3B's and Mixtral-8x7B's routers
         weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
         norm_weight = (1.0 + 0.1 * torch.randn(k, generator=g)).to("cuda", torch.bfloat16)
         x, residual = (torch.randn(1, k, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        assert dense_gemv.folds_norm(x, weight)
         stream, normed = torch.empty_like(x), torch.empty_like(x)
         norm = RowNorm(norm_weight, 1e-6, residual, stream, normed)
-        out = dense_gemv.folded(x, weight, None, norm=norm, gated=gated)
-        key = ("dense_gemv", torch.bfloat16, (n, k), False, "norm", "normed", *("gated",) * gated)
-        assert (out is None) == (tuning._chosen[key] is None)
+        dense_gemv.linear(x, weight, None, norm=norm)   # times the tiles (outside any capture)
         for tile in dense_gemv.GEMV_TILES:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = dense_gemv.gemv(x, weight, None, tile, norm=norm, gated=gated)
+                out = dense_gemv.gemv(x, weight, None, tile, norm=norm)
             x.copy_(torch.randn(1, k, generator=g).to("cuda", torch.bfloat16))
             graph.replay()
             expected_normed, expected_stream = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
             assert torch.equal(stream, expected_stream) and torch.equal(normed, expected_normed)
-            expected = F.linear(expected_normed, weight)
-            expected = (silu_and_mul(expected) if gated else expected).float()
+            expected = F.linear(expected_normed, weight).float()
             torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -8,19 +8,15 @@ streams them whole (BLOCK_K columns per load, fp32 sums), so the grid has N / BL
 does the layer. Whether it or cuBLAS runs, and with which tile, is timed per weight shape on the GPU
 (`kernels/tuning.pick`, cuBLAS among the candidates), so a shape where cuBLAS is faster keeps it.
 
-The kernels around a projection fold into it where that saves a launch, as the int4 GEMV's do:
-- `norm` (a RowNorm): x is a decoder layer's un-normed input, and the GEMV applies the layer's RMSNorm (of
-  x + residual, which it writes to the residual stream's next value) as it streams. The inverse RMS is a scalar
-  of the row, so it factors out of the sum: each program sums w * (x + residual) * norm weight and the squares of
-  x + residual in the same pass over K and scales at the end, with no second pass and no extra latency. The
-  normed row is not rounded to 16 bits before the products, as the norm kernel's output is; `normed` asks the
-  kernel to write that rounded row too, for the layer's other consumers (an MoE block's experts).
-- `gated`: the weight is a gate_up projection ([gate | up] rows) and each program streams matching gate and up
-  rows and writes silu(gate) * up, rounded where the SiLU-and-mul kernel rounds.
-Whether a folded GEMV runs is timed per weight shape like the tiles, against the kernels it replaces (`folded`).
+With `norm` (a RowNorm) x is a decoder layer's un-normed input and the GEMV applies the layer's RMSNorm (of
+x + residual, which it writes to the residual stream's next value) as it streams, saving the norm's kernel. The
+inverse RMS is a scalar of the row, so it factors out of the sum: each program sums w * (x + residual) * norm
+weight and the squares of x + residual in one pass over K and scales at the end. The normed row is not rounded to
+16 bits before the products, as the norm kernel's output is; `normed` asks for that rounded row too, for the
+layer's other consumers (an MoE block's experts). Every program repeats the norm's loads and arithmetic, so the
+fold pays only on a small grid (`NORM_FOLD_MAX_ROWS`).
 
-Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_reference`, before
-`activation.silu_and_mul_reference`).
+Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_reference` with a norm).
 """
 from __future__ import annotations
 
@@ -40,20 +36,25 @@ from minivllm.kernels.rmsnorm import RowNorm
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
 
 
+# The norm folds into projections of at most this many output rows. Measured in a Qwen3-30B-A3B decode step on an
+# H200 (each kernel's marginal time in the step, bench/kernels/layer_marginals.py): the router (128 rows) with the
+# norm folded in took 2.56 us against 2.17 + 1.41 for it and the norm kernel, while qkv_proj (5,120 rows) took 9.18
+# against 6.43 + 1.57, and Llama-3-8B's (6,144 rows) 16.6 against 13.6 + 1.8: on a large grid the repeated norm
+# costs more than the launch it saves.
+NORM_FOLD_MAX_ROWS = 1024
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
                  eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr,
-                 GATED: tl.constexpr, WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    """out[n] = x . w[n] (+ b[n]); NORM: of RMSNorm(x (+ residual)) * norm weight; GATED: N output columns from
-    2N weight rows, silu(x . w[n]) * (x . w[N + n])."""
+                 WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[n] = x . w[n] (+ b[n]); NORM: of RMSNorm(x (+ residual)) * norm weight."""
     wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -64,15 +65,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
                 x = (x + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             squares += x * x
             x = x * tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        mask = n_mask[:, None] & k_mask[None, :]
-        acc += tl.sum(tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
-        if GATED:
-            up += tl.sum(tl.load(rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-                         * x[None, :], axis=1)
+        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
     if NORM:
         inv_rms = tl.math.rsqrt(tl.sum(squares, 0) / K + eps)
         acc *= inv_rms
-        up *= inv_rms
         if ADD or WRITE_NORMED:   # this program's share of the row, for the kernels after this one
             offs = tl.program_id(0) * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
             inside = offs < K
@@ -86,22 +83,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
                 tl.store(normed_ptr + offs, normed.to(dtype), mask=inside)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if GATED:   # rounded where gate_up's output and then the SiLU-and-mul kernel round
-        gate = acc.to(dtype).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int],
-         norm: RowNorm | None = None, gated: bool = False) -> torch.Tensor:
+         norm: RowNorm | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [1, K] row (or [K]) with the given tile; with `norm`, of x's RMSNorm (see
-    the module docstring); `gated`: silu_and_mul of it."""
+    the module docstring)."""
     block_n, block_k, warps = tile
     n, k = weight.shape
-    if gated:
-        if n % 2 or bias is not None:
-            raise ValueError("a gated GEMV needs an even number of [gate | up] rows and no bias")
-        n //= 2
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     grid = triton.cdiv(n, block_n)
@@ -112,7 +102,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
         x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
         x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
         n, k, weight.stride(0), 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None, NORM=norm is not None,
-        ADD=residual is not None, WRITE_NORMED=normed is not None, GATED=gated,
+        ADD=residual is not None, WRITE_NORMED=normed is not None,
         WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, **launch_options(x.device))
     return out
@@ -124,39 +114,19 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape."""
-    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None)
+def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes a `norm` for this call: one row (`supports`) and a small grid (NORM_FOLD_MAX_ROWS)."""
+    return supports(x, weight) and weight.shape[0] <= NORM_FOLD_MAX_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           norm: RowNorm | None = None) -> torch.Tensor:
+    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape;
+    with `norm` (where `folds_norm`), through the GEMV with the tile timed fastest with the norm folded in."""
+    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *("norm",) * (norm is not None))
 
     def run(candidate, w):
-        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate)
-    tile = tuning.pick(key, (None, *GEMV_TILES), run, None, weights=(weight,))
-    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile)
-
-
-def _apart(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RowNorm | None,
-           gated: bool) -> torch.Tensor:
-    """What the folded GEMV replaces, kernel by kernel: the norm kernel, `linear`, the SiLU-and-mul kernel."""
-    from minivllm.kernels.activation import silu_and_mul
-    from minivllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-    if norm is not None:
-        x = (rms_norm(x, norm.weight, norm.eps) if norm.residual is None else
-             fused_add_rms_norm(x, norm.residual, norm.weight, norm.eps, residual_out=norm.stream)[0])
-    y = linear(x, weight, bias)
-    return silu_and_mul(y) if gated else y
-
-
-def folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: RowNorm | None = None,
-           gated: bool = False) -> torch.Tensor | None:
-    """The GEMV with `norm` and/or `gated` folded in (see `gemv`), or None where the tuner timed the kernels it
-    replaces (`_apart`) faster for this weight shape; the caller then runs those. Folding saves a launch but
-    repeats the norm's loads and arithmetic in every program: it wins where the grid is small (an MoE router's
-    128 rows) and can lose where it is large (a 5,120-row qkv_proj)."""
-    kind = ("norm",) * (norm is not None) + ("normed",) * (norm is not None and norm.normed is not None) \
-        + ("gated",) * gated
-    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *kind)
-
-    def run(candidate, w):
-        return _apart(x, w, bias, norm, gated) if candidate is None else gemv(x, w, bias, candidate, norm, gated)
-    tile = tuning.pick(key, (None, *GEMV_TILES), run, GEMV_TILES[0], weights=(weight,))
-    return None if tile is None else gemv(x, weight, bias, tile, norm, gated)
+        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
+    candidates = GEMV_TILES if norm is not None else (None, *GEMV_TILES)
+    tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
+    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)

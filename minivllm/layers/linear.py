@@ -41,29 +41,19 @@ class UnquantizedLinearMethod:
             return dense_gemv.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
-    # At one row on the GPU the GEMV may fold in the decoder layer's norm before it (layers/fusion.PendingNorm) and
-    # a gated MLP's activation after it (kernels/dense_gemv.folded), where the tuner times that faster per shape.
+    # At one row on the GPU, a projection with a small grid (an MoE router) runs the decoder layer's norm before
+    # it in its GEMV (layers/fusion.PendingNorm, kernels/dense_gemv.folds_norm).
     def norms_input(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        return dense_gemv.supports(x, layer.weight)
+        return dense_gemv.folds_norm(x, layer.weight)
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm, keep_input: bool = False):
-        """(layer(norm's output), that output if keep_input else None) from one GEMV, where x (the PendingNorm
-        `norm`'s un-normed x) is one row on the GPU and folding is faster at this shape; else None."""
-        if not dense_gemv.supports(x, layer.weight):
+        """(layer(norm's output), that output if keep_input else None) from one GEMV, where `norms_input` (x is the
+        PendingNorm `norm`'s un-normed x); else None."""
+        if not self.norms_input(layer, x):
             return None
         normed = torch.empty_like(x) if keep_input else None
         row_norm = norm.row_norm(None if normed is None else normed.view(1, -1))
-        out = dense_gemv.folded(x.view(1, -1), layer.weight, layer.bias, norm=row_norm)
-        return None if out is None else (out.view(*x.shape[:-1], -1), normed)
-
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, norm=None) -> torch.Tensor | None:
-        """silu(gate) * up of a bias-free gate_up layer from one GEMV (of a PendingNorm's norm where `norm` is given,
-        x its un-normed x), where x is one row on the GPU and folding is faster at this shape; else None."""
-        if layer.bias is not None or not dense_gemv.supports(x, layer.weight):
-            return None
-        out = dense_gemv.folded(x.view(1, -1), layer.weight, None, norm=None if norm is None else norm.row_norm(),
-                                gated=True)
-        return None if out is None else out.view(*x.shape[:-1], -1)
+        return dense_gemv.linear(x.view(1, -1), layer.weight, layer.bias, norm=row_norm).view(*x.shape[:-1], -1), normed
 
 
 class LinearBase(nn.Module):
