@@ -5,14 +5,19 @@ long before its predecessor ends, so its duration says little. Its marginal, its
 before it, is what it adds to the step. Layers are cut at each `--start` kernel (the KV write, which every layer
 runs once) and the median over the layers of the most common shape is printed.
 
-    python3 bench/kernels/layer_marginals.py step_profile_gptq.json [more files]
+    python3 bench/kernels/layer_marginals.py step_profile_gptq.json [more files] [--label NAME ...] [--out FILE]
+
+With `--out`, each profile's device, commit, date and command go into one JSON file beside its marginals (labels
+name the variants compared); the file's own commit and date are the newest profile's.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import shlex
 import statistics
+import sys
 
 
 def layer_marginals(timeline, start: str = "_write_kv") -> tuple[float, list[tuple[str, float]], int]:
@@ -35,14 +40,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profiles", nargs="+")
     parser.add_argument("--start", default="_write_kv", help="the kernel each layer runs once, where layers are cut")
+    parser.add_argument("--label", action="append", default=[], help="a name for each profile, in order")
+    parser.add_argument("--out", default=None, help="write the marginals (with each profile's metadata) as JSON")
     args = parser.parse_args()
-    for path in args.profiles:
+    rows = []
+    for i, path in enumerate(args.profiles):
         with open(path) as f:
-            timeline = json.load(f)["decode_kernels"]["timeline"]
-        total, per_kernel, count = layer_marginals(timeline, args.start)
+            profile = json.load(f)
+        total, per_kernel, count = layer_marginals(profile["decode_kernels"]["timeline"], args.start)
         print(f"{path}: {count} layers, median layer {total:.2f} us")
         for name, marginal in per_kernel:
             print(f"  {name[:40]:40s} {marginal:6.2f}")
+        rows.append({"label": args.label[i] if i < len(args.label) else path,
+                     **{key: profile.get(key) for key in ("device", "commit", "date", "command", "model")},
+                     "layers": count, "layer_us": round(total, 2),
+                     "kernels": [{"kernel": name, "marginal_us": round(m, 2)} for name, m in per_kernel]})
+    if args.out:
+        with open(args.out, "w") as f:
+            newest = max(rows, key=lambda row: row["date"] or "")
+            json.dump({"device": newest["device"], "commit": newest["commit"], "date": newest["date"],
+                       "command": shlex.join(["python3", "bench/kernels/layer_marginals.py", *sys.argv[1:]]),
+                       "start": args.start, "profiles": rows}, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

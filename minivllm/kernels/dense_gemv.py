@@ -36,11 +36,11 @@ from minivllm.kernels.rmsnorm import RowNorm
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
 
 
-# The norm folds into projections of at most this many output rows. Measured in a Qwen3-30B-A3B decode step on an
-# H200 (each kernel's marginal time in the step, bench/kernels/layer_marginals.py): the router (128 rows) with the
-# norm folded in took 2.56 us against 2.17 + 1.41 for it and the norm kernel, while qkv_proj (5,120 rows) took 9.18
-# against 6.43 + 1.57, and Llama-3-8B's (6,144 rows) 16.6 against 13.6 + 1.8: on a large grid the repeated norm
-# costs more than the launch it saves.
+# The norm folds into projections of at most this many output rows. Each kernel's marginal time in batch-1 decode
+# steps on an H200 (bench/results/decode_layer_marginals_h200.json): Qwen3-30B-A3B's router (128 rows) with the
+# norm folded in took 2.56 us against 2.17 + 1.41 for it and the norm kernel, while its qkv_proj (5,120 rows) took
+# 9.18 against 6.43 + 1.57, and Llama-3-8B's (6,144 rows) 16.58 against 13.63 + 1.86: on a large grid the repeated
+# norm costs more than the launch it saves.
 NORM_FOLD_MAX_ROWS = 1024
 
 
