@@ -75,7 +75,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
             inside = offs < K
             row = tl.load(x_ptr + offs, mask=inside, other=0.0)
             if ADD:
-                row = (row.to(tl.float32) + tl.load(residual_ptr + offs, mask=inside, other=0.0).to(tl.float32)).to(dtype)
+                residual = tl.load(residual_ptr + offs, mask=inside, other=0.0)
+                row = (row.to(tl.float32) + residual.to(tl.float32)).to(dtype)
                 tl.store(stream_ptr + offs, row, mask=inside)
             if WRITE_NORMED:   # as kernels/rmsnorm.py rounds: normalised, rounded, scaled, rounded
                 normed = (row.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)

@@ -53,7 +53,8 @@ class UnquantizedLinearMethod:
             return None
         normed = torch.empty_like(x) if keep_input else None
         row_norm = norm.row_norm(None if normed is None else normed.view(1, -1))
-        return dense_gemv.linear(x.view(1, -1), layer.weight, layer.bias, norm=row_norm).view(*x.shape[:-1], -1), normed
+        out = dense_gemv.linear(x.view(1, -1), layer.weight, layer.bias, norm=row_norm)
+        return out.view(*x.shape[:-1], -1), normed
 
 
 class LinearBase(nn.Module):
