@@ -320,7 +320,8 @@ def run_step_cost(args) -> list[dict]:
               max_model_len=2048, speculative_config={**NGRAM, "adaptive": False}, **args.engine_options)
     engine = llm.llm_engine
     controller = engine.spec
-    controller.host_proposer.propose = lambda token_ids, n, skip=0: [int(token_ids[-1])] * n   # dummy weights: few accepted
+    # dummy weights: few drafts would be accepted, so every step proposes the last token n times
+    controller.host_proposer.propose = lambda token_ids, n, skip=0: [int(token_ids[-1])] * n
     rows = []
     max_k = controller.max_k
     for k in range(0, max_k + 1):

@@ -131,7 +131,8 @@ class LlamaDecoderLayer(nn.Module):
     def norms_in_gemvs(self, hidden_states: torch.Tensor) -> tuple[bool, bool]:
         """Whether qkv_proj and the MLP's first projection (`norm_consumer`: gate_up_proj, an MoE block's router) run
         this call's input and post-attention norms (and the residual adds before them) in their GEMVs: one token,
-        int4 on Hopper or 16-bit weights on the GPU (layers/fusion.norms_in_gemvs)."""
+        int4 on Hopper, or 16-bit weights on the GPU where the projection's grid is small, as an MoE router's
+        (layers/fusion.norms_in_gemvs)."""
         consumer = getattr(self.mlp, "norm_consumer", None)
         if consumer is None:
             return False, False
