@@ -4,16 +4,19 @@ part of bench/spec_decode.py: speculation on against off per workload and batch 
   grounded    summarise or rewrite a passage of the language reference (`pydoc_data.topics`), or add a
               docstring and type hints to a standard-library function: the answer copies its input.
   open        open-ended chat (a story, an explanation, a list of ideas), written here: nothing to copy.
-  repetitive  one task issued again and again with small variations, as an agent issues tool calls:
-              describe a standard-library function as a JSON tool definition from its signature and the
-              first paragraph of its docstring. The answers share their skeleton (keys, types, phrasing)
-              with each other, not with their prompt, so a proposer that sees other requests' outputs
-              (suffix decoding) can draft what a lookup in the request's own tokens (n-gram) cannot.
+  repetitive  the same task issued again and again with small variations, as an agent issues it: review
+              successive revisions of a standard-library function (the original, then a comment added in
+              its body, then its first parameter renamed, then both), four functions in turn. A revision's
+              review shares its phrasing and the quoted code with the reviews of the earlier revisions, not
+              only with its own prompt, so a proposer that sees other requests' outputs (suffix decoding) can
+              draft what a lookup in the request's own tokens (n-gram) cannot. (A JSON tool-definition task
+              was tried first: SmolLM2-135M does not follow it, and its answers share little.)
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import textwrap
 import time
 
@@ -86,19 +89,31 @@ def open_chats(count: int) -> list[tuple[str, list[dict]]]:
     return [("open", [{"role": "user", "content": OPEN_PROMPTS[i % len(OPEN_PROMPTS)]}]) for i in range(count)]
 
 
+REVISION_COMMENT = "# Callers rely on this behaviour; keep it stable."
+
+
+def revisions(function) -> list[str]:
+    """Four revisions of `function`'s source: as written, with a comment added at the top of its body, with
+    its first parameter renamed, and with both."""
+    code = textwrap.dedent(inspect.getsource(function))[:1200]
+    lines = code.split("\n")
+    body = next(i for i, line in enumerate(lines) if line.rstrip().endswith(":")) + 1   # after the signature
+    indent = re.match(r"\s*", lines[body]).group(0) if body < len(lines) else "    "
+    commented = "\n".join(lines[:body] + [indent + REVISION_COMMENT] + lines[body:])
+    first = next(iter(inspect.signature(function).parameters), None)
+    rename = (lambda text: re.sub(rf"\b{first}\b", first + "_value", text)) if first else (lambda text: text)
+    return [code, commented, rename(code), rename(commented)]
+
+
 def repetitive_chats(count: int) -> list[tuple[str, list[dict]]]:
-    """The same tool-definition task for `count` standard-library functions (cycled)."""
+    """A review of each revision of one function after another (`count` prompts, 4 per function)."""
     chats = []
-    functions = _functions()
-    for i in range(count):
-        function = functions[i % len(functions)]
-        doc = (inspect.getdoc(function) or "").split("\n\n")[0]
-        content = ("Describe this Python function as a tool for a function-calling API. Answer with only a JSON "
-                   'object with the keys "name", "description" and "parameters"; "parameters" maps each '
-                   'argument name to an object with "type", "description" and "required".\n\n'
-                   f"Function: {function.__module__}.{function.__name__}{inspect.signature(function)}\n"
-                   f"Documentation: {doc}")
-        chats.append(("repetitive", [{"role": "user", "content": content}]))
+    for function in _functions():
+        for code in revisions(function):
+            if len(chats) == count:
+                return chats
+            content = f"Review this function: list its problems and suggest improvements.\n\n{code}"
+            chats.append(("repetitive", [{"role": "user", "content": content}]))
     return chats
 
 

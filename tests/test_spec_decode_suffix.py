@@ -23,19 +23,19 @@ def _occurrences(corpus, pattern):
     return [(s, p) for s in reversed(corpus) for p in range(len(s) - m - 1, -1, -1) if s[p:p + m] == pattern]
 
 
-def _brute_force(corpus, context, k, max_occurrences=None):
+def _brute_force(corpus, context, k, max_occurrences=None, cache=False):
     """The longest suffix of `context` seen followed by a token, and for each draft position the counts of
     the next tokens among the occurrences that agree with the draft so far. Returns (match length, limit,
-    occurrences)."""
+    occurrences). The cache's paths are DEPTH tokens deep: its match leaves room for k drafts below it."""
     length = 0
-    for m in range(1, min(DEPTH - 1, len(context)) + 1):
+    for m in range(1, min(DEPTH - k if cache else DEPTH - 1, len(context)) + 1):
         if _occurrences(corpus, context[len(context) - m:]):
             length = m
     if not length:
         return 0, 0, []
     occurrences = _occurrences(corpus, context[len(context) - length:])[:max_occurrences]
-    limit = min(k, max(1, int(FACTOR * length)), DEPTH - length)
-    return length, limit, [s[p + length:p + DEPTH][:limit] for s, p in occurrences]
+    limit = min(k, max(1, int(FACTOR * length)), DEPTH - length if cache else k)
+    return length, limit, [s[p + length:][:limit] for s, p in occurrences]
 
 
 def _check_greedy(draft, score, continuations, limit, tie_to_latest):
@@ -77,21 +77,37 @@ def test_suffix_proposals_match_a_brute_force_search():
         cache.add(output)
     assert cache.work(float("inf")) is False
     for _ in range(500):
-        context, k = rng.choice(np.arange(4), rng.integers(1, 12)).tolist(), int(rng.integers(1, 8))
-        node, length = cache.match(context)
+        context, k = rng.choice(np.arange(4), rng.integers(1, 12)).tolist(), int(rng.integers(1, DEPTH))
+        node, length = cache.match(context[-(DEPTH - k):])
         draft, score = cache.draft(node, min(k, max(1, int(FACTOR * length)), DEPTH - length), MIN_PROB)
-        expected_length, limit, continuations = _brute_force(outputs, context, k)
+        expected_length, limit, continuations = _brute_force(outputs, context, k, cache=True)
         assert length == expected_length
         if length:
             _check_greedy(draft, score, continuations, limit, tie_to_latest=False)
     # The proposer takes the draft with the larger score (its own history on a tie).
     proposer.cache = cache
     for _ in range(200):
-        history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, 8))
+        history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, DEPTH))
         own, own_score = proposer.propose_own(token_history(history), k)
-        node, length = cache.match(history)
-        other, other_score = cache.draft(node, proposer._limit(length, k), MIN_PROB) if length else ([], 0.0)
+        length, limit, continuations = _brute_force(outputs, history, k, cache=True)
+        node, _ = cache.match(history[-(DEPTH - k):])
+        other, other_score = cache.draft(node, limit, MIN_PROB) if length else ([], 0.0)
         assert proposer.propose(history, k) == (other if other_score > own_score else own)
+
+
+def test_a_copied_passage_longer_than_the_depth_still_drafts_k_tokens():
+    """A sequence that copies its prompt keeps matching DEPTH - 1 tokens of it: its own history still drafts k
+    (a match is bounded by the depth, the draft is not), and so does the cache, matching fewer tokens."""
+    passage = list(range(100, 140))
+    suffix = SuffixProposer(DEPTH, max_cached_requests=4, max_spec_factor=FACTOR, min_token_prob=MIN_PROB)
+    for copied in range(DEPTH, 30):
+        assert suffix.propose(passage + passage[:copied], 5) == passage[copied:copied + 5]
+    suffix.add_output(passage)
+    suffix.work(float("inf"))
+    for copied in range(DEPTH, 30):   # the cache's match leaves room for the drafts in its DEPTH-deep paths
+        node, length = suffix.cache.match(passage[:copied][-(DEPTH - 5):])
+        assert length == DEPTH - 5
+        assert suffix.cache.draft(node, 5, MIN_PROB)[0] == passage[copied:copied + 5]
 
 
 def test_the_cache_keeps_the_latest_outputs_and_frees_the_rest():
@@ -159,7 +175,7 @@ def test_suffix_config_and_cache_of_other_requests_outputs():
     seq.append_token(42)
     seq.num_computed_tokens = 4
     assert controller.choose_k([seq]) == 7           # nothing measured: optimistic
-    assert controller.propose([seq], 7) == 1 and seq.spec_token_ids == answer[3:6]   # 3-token match: 3 drafts
+    assert controller.propose([seq], 7) == 1 and seq.spec_token_ids == answer[3:]   # 3-token match: 6 drafts
 
 
 def test_only_sequences_whose_drafts_pay_for_their_verify_rows_speculate():

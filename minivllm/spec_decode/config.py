@@ -6,7 +6,11 @@
     {"method": "suffix", "num_speculative_tokens": 7, "suffix_decoding_max_tree_depth": 24, ...}
 
 Suffix decoding's keys are vLLM's. Its default draft cap is 7, not 5: its drafts stop early when their
-frequency says they are unlikely, and 7 drafts keep a batch-1 verify step in the 8-row decode graph.
+frequency says they are unlikely, and 7 drafts keep a batch-1 verify step in the 8-row decode graph. Its
+draft factor and probability floor default to 2 and 0.3 (vLLM's: 1 and 0.1): replayed over the real
+model's greedy outputs (bench/spec_replay.py), two drafts per token of match take the fewest steps short
+of four, whose acceptance falls below 0.6, and the floor of 0.3 drops a tenth of the verify steps, nearly
+all of them rejected, for under 0.5% more steps (bench/results/spec_replay_cpu.json).
 
 `adaptive` (minivllm's own, default on) lets the engine pick k per step, down to 0, from measured
 acceptance and step cost; off, every eligible sequence speculates `num_speculative_tokens` each step.
@@ -29,8 +33,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     suffix_decoding_max_tree_depth: int = 24           # longest match + draft, in tokens
     suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
-    suffix_decoding_max_spec_factor: float = 1.0       # drafts per token of match
-    suffix_decoding_min_token_prob: float = 0.1        # stop when the draft's estimated chance falls below
+    suffix_decoding_max_spec_factor: float = 2.0       # drafts per token of match
+    suffix_decoding_min_token_prob: float = 0.3        # stop when the draft's estimated chance falls below
 
     @classmethod
     def from_dict(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -2,12 +2,15 @@
 prompt + output and from a bounded cache of other requests' recent outputs, as long as their frequency
 says the continuation is likely.
 
-A draft starts at the longest suffix of the sequence (at most `max_depth` - 1 tokens) that was seen
-before followed by some token, then follows the most frequent continuation while the product of the
-continuation frequencies (the chance that the whole draft so far is right) stays at least
-`min_token_prob`, for at most `max_spec_factor` x the match length tokens (a long match predicts far).
-The own history and the cache each propose a draft; the one with the larger score (the sum of those
-products: the expected number of accepted tokens) wins, the own history on a tie.
+A draft starts at the longest suffix of the sequence that was seen before followed by some token, then
+follows the most frequent continuation while the product of the continuation frequencies (the chance that
+the whole draft so far is right) stays at least `min_token_prob`, for at most `max_spec_factor` x the
+match length tokens (a long match predicts far). The own history and the cache each propose a draft; the
+one with the larger score (the sum of those products: the expected number of accepted tokens) wins, the
+own history on a tie. A match in the own history is at most `max_depth` - 1 tokens and its draft is not
+bounded by the depth: a sequence that copies a passage keeps matching `max_depth` - 1 tokens and must
+still draft k. The cache's paths are `max_depth` tokens deep, so its match leaves room for the draft
+(at most `max_depth` - k tokens, less the stand-ins).
 
 - The own history is the controller's int32 `array` of the sequence, searched like the n-gram proposer's
   with `bytes.rfind` (the longest match by bisection, then its `MAX_OCCURRENCES` latest occurrences):
@@ -28,7 +31,9 @@ from collections import deque
 
 from minivllm.spec_decode.ngram import ITEM, token_history
 
-MAX_OCCURRENCES = 32   # latest occurrences of the match in a sequence's own history that vote on a draft
+# Latest occurrences of the match in a sequence's own history that vote on a draft: replayed over the real
+# model's outputs (bench/spec_replay.py), 4 took as few steps as 32, and each costs the host a search.
+MAX_OCCURRENCES = 8
 ROOT = 0
 
 
@@ -39,6 +44,11 @@ def greedy_continuation(continuations: list, limit: int, min_token_prob: float) 
     draft, prob, score = [], 1.0, 0.0
     survivors = continuations
     for j in range(limit):
+        first = survivors[0] if survivors else ()
+        if all(c == first for c in survivors):   # one continuation left (the usual case): the rest of it
+            rest = first[j:limit]
+            draft.extend(rest)
+            return draft, score + prob * len(rest)
         counts: dict[int, int] = {}
         for c in survivors:
             if len(c) > j:
@@ -191,15 +201,15 @@ class SuffixCache:
 class SuffixProposer:
     proposes_on_device = False
 
-    def __init__(self, max_depth: int = 24, max_cached_requests: int = 512, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1) -> None:
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 512, max_spec_factor: float = 2.0,
+                 min_token_prob: float = 0.3) -> None:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
         self.cache = SuffixCache(max_depth, max_cached_requests)
 
     def _limit(self, match_len: int, k: int, skip: int = 0) -> int:
         """Continuation tokens to follow: `skip` stand-ins, then at most `k` drafts, as many as the match
         length allows (the stand-ins do not use up the drafts a match earns)."""
-        return min(min(k, max(1, int(self.max_spec_factor * match_len))) + skip, self.max_depth - match_len)
+        return min(k, max(1, int(self.max_spec_factor * match_len))) + skip
 
     def propose(self, token_ids, k: int, skip: int = 0) -> list[int]:
         """Up to `k` draft tokens continuing `token_ids` (a list or a `token_history`) after its first `skip`
@@ -208,9 +218,13 @@ class SuffixProposer:
             return []
         history = token_history(token_ids)
         own, own_score = self.propose_own(history, k, skip)
-        node, match_len = self.cache.match(history)
+        if own_score >= k + skip:   # certain, and as long as any draft: the cache cannot score higher
+            return own[skip:]
+        room = max(1, self.max_depth - k - skip)   # the longest match whose path leaves k + skip tokens below it
+        node, match_len = self.cache.match(history[max(0, len(history) - room):])
         if match_len:
-            other, score = self.cache.draft(node, self._limit(match_len, k, skip), self.min_token_prob)
+            limit = min(self._limit(match_len, k, skip), self.max_depth - match_len)
+            other, score = self.cache.draft(node, limit, self.min_token_prob)
             if score > own_score and len(other) > skip:
                 return other[skip:]
         return own[skip:]
