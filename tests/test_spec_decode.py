@@ -333,23 +333,40 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
 
 
 def test_chaining_behind_a_verify_step_weighs_the_host_gap_against_a_wasted_step():
-    """Chain when (1 - p) max(0, D - G) < p G: at batch 1 on a small model (a plain step D = 1.1 ms, host gap
-    G = 1.0 ms) even after a rejection; on a large one (D = 5 ms) only after a fully accepted verification
-    when such runs go on; before G is measured, only after a fully accepted verification."""
+    """Chain when (1 - p) max(0, B + W - G) < p (G - B). Before B and W are measured (B = 0, W = a plain step D):
+    at batch 1 on a small model (D = 1.1 ms, gap G = 1.0 ms) even after a rejection; on a large one (D = 5 ms)
+    only after a fully accepted verification when such runs go on; before G is measured, only after a fully
+    accepted verification. Where the device idles less (G = 0.3 ms, B = 0.1 ms), a measured wasted step decides:
+    after a full acceptance (p = 0.85) chain while W = 1.2 ms, not once W = 1.5 ms."""
     seq = _decoding_batch(1)[0]
     step = SimpleNamespace(seqs=[seq], spec_token_ids=[[6, 5, 6]])
-    for plain, after_rejection, after_full in ((0.0011, True, True), (0.005, False, True)):
+
+    def controller_after_runs(plain: float) -> SpeculationController:
         controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1024)
         controller.observe_step(1, 1, plain, speculative=False)
         for accepted in ([3] * 9 + [1, 0, 0]) * 2:   # runs of full acceptance, and of rejections
             controller.observe_verification(seq, 3, accepted)
-        assert controller.full_acceptance_rate(True) > 0.8 and controller.full_acceptance_rate(False) < 0.5
+        assert controller.full_acceptance_rate(True) == pytest.approx(0.85)
+        assert controller.full_acceptance_rate(False) < 0.5
+        return controller
+
+    for plain, after_rejection, after_full in ((0.0011, True, True), (0.005, False, True)):
+        controller = controller_after_runs(plain)
         controller.observe_verification(seq, 3, 1)
         assert controller.chains(step) is False    # G not measured yet: the last verification rejected
-        controller.observe_host_gap(0.0010)
+        controller.observe_idle_after_verify(0.0010, waited=True)
         assert controller.chains(step) is after_rejection
         controller.observe_verification(seq, 3, 3)
         assert controller.chains(step) is after_full
+    controller = controller_after_runs(0.0011)
+    controller.observe_verification(seq, 3, 3)
+    controller.observe_idle_after_verify(0.0003, waited=True)
+    controller.observe_idle_after_verify(0.0001, waited=False)
+    controller.observe_discarded_step(0.0012)
+    assert controller.chains(step) is True
+    for _ in range(2):   # the median of 1.2, 1.5, 1.5 ms
+        controller.observe_discarded_step(0.0015)
+    assert controller.chains(step) is False
 
 
 def test_ngram_without_matches_lowers_the_proposal_rate():
@@ -454,18 +471,23 @@ def test_ngram_drafts_behind_the_token_in_flight_keep_greedy_identical(tiny_mode
     dict(max_num_seqs=1)], ids=["batched-preempting", "batch1"])
 def test_steps_chained_behind_a_verify_step_keep_greedy_identical(tiny_model, engine_options):
     """A verify step whose sequences last had every draft accepted is not read back before the next step
-    is scheduled: that step guesses every draft accepted. Where a draft is then rejected, the scheduler
-    discards that step for the sequence and rolls it back; the output stays token-identical, and every
-    block comes back."""
+    is scheduled (the chaining rule forced to that, which the measured costs of a CPU, where nothing
+    overlaps, never choose): that step guesses every draft accepted. Where a draft is then rejected, the
+    scheduler discards that step for the sequence and rolls it back; the output stays token-identical, and
+    every block comes back."""
     prompts = _repetitive_prompts(10)
     params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(len(prompts))]
     reference = _generate(_tiny_llm(tiny_model, **engine_options), prompts, params)
     llm = _tiny_llm(tiny_model, **engine_options, speculative_config=NGRAM, async_scheduling=True)
+    policy = llm.llm_engine.spec.chaining
+    policy.chains = lambda seq_ids, plain_cost: all(seq_id in policy.fully_accepted for seq_id in seq_ids)
     outputs = _generate(llm, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
     engine = llm.llm_engine
     assert engine.spec.num_chained_steps > 0 and engine.scheduler.num_discarded_steps > 0
     assert engine.spec.chaining.host_gap > 0   # measured after the verify steps that were not chained
+    if engine_options.get("max_num_seqs") == 1:   # and after steps discarded whole behind a rejection
+        assert engine.spec.chaining.wasted_step > 0
     assert engine.get_stats().num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

@@ -27,7 +27,7 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import SpecDecodeStats, SpeculationController
 from minivllm.structured_output import StructuredOutputManager
 from minivllm.worker.executor import create_executor
-from minivllm.worker.model_runner import PendingModelOutput
+from minivllm.worker.model_runner import PendingModelOutput, StepStart
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,24 @@ class EngineStats:
     max_lora: int | None = None
 
 
+@dataclass
+class _Launch:
+    """A timed step, as the read-back of the step after it prices it."""
+    num_tokens: int
+    num_seqs: int
+    verified: bool               # it verified drafts
+    started: StepStart
+    ended: StepStart | None
+    waited_for_verify: bool      # launched only once the verify step before it was read back
+    discarded: bool = False      # every sequence's part was dropped (it bet on drafts that were then rejected)
+
+
 class _InFlightStep(NamedTuple):
     scheduler_output: SchedulerOutput
     pending: PendingModelOutput
     needs_sync: bool  # penalties: read back before scheduling the next step
-    previous: tuple | None = None  # (tokens, seqs, verified, StepStart) of the step before, priced at read-back
+    previous: _Launch | None = None  # the step launched before it, priced at this one's read-back
+    launch: _Launch | None = None    # this step, once timed
 
 
 class _SeqOutputState:
@@ -130,8 +143,7 @@ class LLMEngine:
         self._outputs: dict[int, _SeqOutputState] = {}
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
-        self._last_launch: tuple | None = None   # (tokens, seqs, verified, StepStart) of the last step launched
-        self._read_back_at = 0.0   # when the last step read back became available on the host
+        self._last_launch: _Launch | None = None   # the last step launched, while the engine has work
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         spec_config = SpeculativeConfig.from_dict(config.speculative_config)
@@ -245,15 +257,16 @@ class LLMEngine:
             # With speculation or an ITL target the step is timed on the device: the next step launched prices it.
             timed = self.spec is not None or self.scheduler.step_costs is not None
             pending = self.runner.execute_async(scheduler_output, bitmask, timed)
-            launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch)
+            launch = None if pending.started is None else _Launch(
+                scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
+                bool(scheduler_output.spec_token_ids), pending.started, pending.ended, waited_for_verify)
+            launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch, launch)
             # A step can carry drafts with no controller set: bench/spec_decode.py's compare part, which switches
             # controllers between runs, hit that on an H200 (how such a step arose is not established; the same
             # run on the CPU with async scheduling does not). Verification needs no controller, only its counters.
             if self.spec is not None:
                 if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                     self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
-                if waited_for_verify:   # the device idled from the read-back until now (SpeculationController.chains)
-                    self.spec.observe_host_gap(time.perf_counter() - self._read_back_at)
                 self.spec.work_after_launch()   # the device is busy: the suffix cache's inserts wait for nothing
             # A request's first token goes out without the one-step lag: time to first token matters more
             # than overlapping the (long) prefill steps that produce it.
@@ -265,10 +278,8 @@ class LLMEngine:
         self._in_flight = launched
         if read_back_now and self._in_flight is not None:
             outputs += self._complete_in_flight()
-        self._last_launch = None   # the chain breaks when the engine runs dry (or no step is timed)
-        if launched is not None and launched.pending.started is not None and self.scheduler.has_unfinished_requests():
-            self._last_launch = (scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
-                                 bool(scheduler_output.spec_token_ids), launched.pending.started)
+        # The chain breaks when the engine runs dry (or no step is timed).
+        self._last_launch = launched.launch if launched is not None and self.scheduler.has_unfinished_requests() else None
         return outputs
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput, synced: list[SequenceGroup],
@@ -285,20 +296,25 @@ class LLMEngine:
 
     def _update_in_flight(self) -> list[SequenceGroup]:
         """Read the step in flight back and hand its tokens to the scheduler; returns the groups touched."""
-        scheduler_output, pending, _, previous = self._in_flight
+        scheduler_output, pending, _, previous, launch = self._in_flight
         self._in_flight = None
         model_output = pending.result()
-        self._read_back_at = time.perf_counter()
         if previous is not None:
             # A step's cost: from its start on the device to the next step's start (its device time, plus
             # the time the device then idled for the host, as after a verify step that was waited for).
             # The chain breaks when the engine runs dry, so idle time between requests is no step's cost.
-            num_tokens, num_seqs, speculative, started = previous
-            seconds = started.seconds_until(pending.started)
+            seconds = previous.started.seconds_until(pending.started)
             if self.spec is not None:
-                self.spec.observe_step(num_tokens, num_seqs, seconds, speculative)
-            if not speculative:
-                self.scheduler.observe_step(num_tokens, seconds)
+                self.spec.observe_step(previous.num_tokens, previous.num_seqs, seconds, previous.verified)
+                if previous.verified and previous.ended is not None:   # the device's idle behind a verify step
+                    self.spec.observe_idle_after_verify(previous.ended.seconds_until(pending.started),
+                                                        launch.waited_for_verify)
+                if previous.discarded:
+                    self.spec.observe_discarded_step(seconds)
+            if not previous.verified:
+                self.scheduler.observe_step(previous.num_tokens, seconds)
+        if launch is not None and scheduler_output.num_discarded_steps:
+            launch.discarded = all(scheduler_output.is_discarded(i) for i in range(len(scheduler_output.seqs)))
         if model_output.prompt_logprobs:
             self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)

@@ -304,8 +304,11 @@ class SpeculationController:
         if speculative:
             self._quiet_steps = 0   # a try measured: decide again
 
-    def observe_host_gap(self, seconds: float) -> None:
-        self.chaining.observe_host_gap(seconds)
+    def observe_idle_after_verify(self, seconds: float, waited: bool) -> None:
+        self.chaining.observe_idle(seconds, waited)
+
+    def observe_discarded_step(self, seconds: float) -> None:
+        self.chaining.observe_discarded(seconds)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         self._quiet_steps = 0   # new acceptance data: decide again

@@ -247,22 +247,26 @@ class ModelRunner:
         function returning it, called once the forward pass is launched so that the host fills the mask
         while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
         None), which decide the masks of verified positions. `timed`: the result knows when the step began on
-        the device (`started`, a `StepStart`)."""
+        the device (`started`, a `StepStart` queued behind its inputs, ahead of its forward pass) and when it
+        ended (`ended`, queued behind the copy of its sampled ids)."""
         # One lookup of the stream per step: each event record or copy that looks it up again builds a
         # Stream object, tens of microseconds a step on the H100's host (spec_decode.py --profile).
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        started = StepStart(self.device, stream) if timed else None
-        pending = self._launch(scheduler_output, grammar_bitmask, stream)
-        pending.started = started
+        pending = self._launch(scheduler_output, grammar_bitmask, stream, timed)
+        if timed:
+            pending.ended = StepStart(self.device, stream)
         return pending
 
     def _launch(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask,
-                stream: torch.cuda.Stream | None = None) -> PendingModelOutput:
+                stream: torch.cuda.Stream | None = None, timed: bool = False) -> PendingModelOutput:
         if self.swap_space is not None:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream)
+        # Recorded once the host has prepared the inputs: on a device idle for the host it marks when the step's
+        # work could begin, so the idle time from the step before (its `ended`) includes that preparation.
+        started = StepStart(self.device, stream) if timed else None
         if self.lora_manager is not None:
             self.lora_manager.set_step(scheduler_output)
         prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
@@ -278,7 +282,8 @@ class ModelRunner:
         if not inputs.sampling_rows:
             self._previous_samples = None
             host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs, stream)
-            return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs)
+            return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs,
+                                      started=started)
         if all_logits is not None:
             logits = all_logits if inputs.samples_every_row else all_logits[inputs.logits_indices]
         else:
@@ -297,7 +302,7 @@ class ModelRunner:
                                                  spec is not None and not verify_on_host)
         host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs, stream)
         return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs,
-                                  verify_on_host)
+                                  verify_on_host, started)
 
     def _propose(self, inputs: ModelInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the device proposer (drafts written into `inputs.input_ids`); (None, None) without one."""
@@ -396,10 +401,11 @@ class ModelRunner:
 
 
 class StepStart:
-    """When a step began on its device: a CUDA timing event recorded before the step's work, which completes
-    once the work queued ahead of it is done (the host clock off the GPU, where a step runs as it is
-    launched). From one step's start to the next's is what the step cost the pipeline: its device time,
-    plus any time the device then idled waiting for the host."""
+    """When a step began (or ended) on its device: a CUDA timing event recorded before the step's work (after
+    it), which completes once the work queued ahead of it is done (the host clock off the GPU, where a step
+    runs as it is launched). From one step's start to the next's is what the step cost the pipeline: its
+    device time, plus any time the device then idled waiting for the host; from its end to the next's start
+    is that idle time."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.event = self.time = None
@@ -419,12 +425,13 @@ class StepStart:
 class PendingModelOutput:
     """A launched step whose sampled tokens have not been read back yet."""
 
-    started: StepStart | None = None
+    ended: StepStart | None = None
 
     def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
                  output: SamplerOutput | None, ready: torch.cuda.Event | None,
                  host_buffers: list[torch.Tensor], prompt_logprobs: PromptLogprobs | None = None,
-                 verify_on_host: bool = False) -> None:
+                 verify_on_host: bool = False, started: StepStart | None = None) -> None:
+        self.started = started
         self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
         self._output, self._ready, self._host_buffers = output, ready, host_buffers
         self._prompt_logprobs, self._verify_on_host = prompt_logprobs, verify_on_host
