@@ -1,7 +1,8 @@
 """Checkpoint loading speed: write a safetensors folder of a Llama-family config's shapes (HF tensor names,
 seeded random bf16 values, shards of about 5 GB with an index, as HF writes them), evict it from the page
 cache, and time `load_model` from that folder into device memory, in GB/s of weights (twice, each after
-evicting the folder again; the faster load counts).
+evicting the folder again; the faster load counts), against the disk's own rate: the files read in chunks
+by one thread and by the loader's number of threads into buffers that are thrown away.
 
     python bench/safetensors_load.py --model llama-3-8b --out bench/results --merge-into bench/results/serve_h100.json
     python bench/safetensors_load.py --model tiny-llama --device cpu --out /tmp/out      # smoke test
@@ -14,7 +15,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,6 +27,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from bench.common import CONFIGS_DIR, device_slug, run_metadata  # noqa: E402
 from minivllm.models import loader  # noqa: E402
 from minivllm.models.hf_config import read_config  # noqa: E402
+from minivllm.models.safetensors_reader import READ_THREADS  # noqa: E402
 
 SHARD_BYTES = 5 * 10**9
 
@@ -89,6 +93,27 @@ def evict_from_page_cache(folder: Path) -> bool:
     return True
 
 
+def disk_read_rate(folder: Path, threads: int, chunk_bytes: int = 32 << 20) -> float:
+    """Bytes per second of reading the folder's files from the disk (page cache evicted first) in chunks by
+    `threads` threads into buffers that are thrown away: what the disk gives, the floor of a load's time."""
+    evict_from_page_cache(folder)
+    parts = [(path, start) for path in sorted(folder.glob("*.safetensors"))
+             for start in range(0, path.stat().st_size, chunk_bytes)]
+    local = threading.local()
+
+    def read(part) -> int:
+        path, start = part
+        if getattr(local, "buffer", None) is None:
+            local.buffer = bytearray(chunk_bytes)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            return f.readinto(local.buffer)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, parts))
+    return total / (time.perf_counter() - started)
+
+
 def timed_load(folder: Path, dtype: torch.dtype, device: torch.device) -> float:
     source = loader.resolve_model(str(folder), "safetensors")
     started = time.perf_counter()
@@ -118,6 +143,8 @@ def main(argv=None) -> dict:
         started = time.perf_counter()
         num_bytes = write_checkpoint(folder, config_path, dtype)
         write_s = time.perf_counter() - started
+        disk = {f"threads_{n}": round(disk_read_rate(folder, n) / 1e9, 3) for n in (1, READ_THREADS)}
+        print(f"disk reads (GB/s): {disk}", flush=True)
         loads = []
         for _ in range(2):   # the faster kept: the first load also pays one-time imports and set-up
             evicted = evict_from_page_cache(folder)
@@ -126,8 +153,9 @@ def main(argv=None) -> dict:
             loads.append({"seconds": round(seconds, 3), "gb_per_s": round(num_bytes / seconds / 1e9, 3),
                           "page_cache_evicted": evicted})
     report = {**meta, "model": args.model, "dtype": args.dtype, "weight_bytes": num_bytes,
-              "write_seconds": round(write_s, 3), "loads": loads,
+              "write_seconds": round(write_s, 3), "disk_read_gb_s": disk, "loads": loads,
               "safetensors_load_gb_s": max(load["gb_per_s"] for load in loads)}
+    report["load_over_disk"] = round(report["safetensors_load_gb_s"] / max(disk.values()), 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"safetensors_load_{device_slug(meta['device'])}.json"
@@ -138,7 +166,8 @@ def main(argv=None) -> dict:
         merged = json.loads(target.read_text()) if target.exists() else {"device": meta["device"]}
         merged["safetensors_load_gb_s"] = report["safetensors_load_gb_s"]
         merged["safetensors_load"] = {"commit": meta["commit"], "date": meta["date"], "model": args.model,
-                                      "weight_bytes": num_bytes, "loads": loads}
+                                      "weight_bytes": num_bytes, "disk_read_gb_s": disk, "loads": loads,
+                                      "load_over_disk": report["load_over_disk"]}
         target.write_text(json.dumps(merged, indent=2) + "\n")
     return report
 

@@ -21,7 +21,7 @@ from minivllm.layers.fusion import fuse_input_quantization
 from minivllm.models.gguf_loader import convert_gguf, gguf_quant_config, gguf_quantized_weights
 from minivllm.models.hf_config import ModelConfig, read_config
 from minivllm.models.kv_cache_scales import extract_kv_cache_scales, set_kv_cache_scales
-from minivllm.models.model_files import open_safetensors
+from minivllm.models.safetensors_reader import iterate_shards
 from minivllm.models.registry import get_model_class
 from minivllm.quantization import (get_quantization_config, init_dummy_quantized_weights,
                                    process_weights_after_loading, quantization_context)
@@ -148,11 +148,9 @@ def safetensors_files(weights_dir: str) -> list[Path]:
     return files
 
 
-def iterate_safetensors(weights_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(weights_dir):
-        with open_safetensors(file) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def iterate_safetensors(weights_dir: str, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, read in parallel straight onto `device` (models/safetensors_reader.py)."""
+    yield from iterate_shards(safetensors_files(weights_dir), torch.device(device))
 
 
 @contextlib.contextmanager
@@ -205,7 +203,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model.load_weights(gguf_quantized_weights(source.gguf_file, source.weights_dir, source.hf_config.to_dict()))
     else:
         kv_cache_scales: dict[int, dict[str, float]] = {}   # an fp8 KV cache's per-layer scales, if stored
-        model.load_weights(extract_kv_cache_scales(iterate_safetensors(source.weights_dir), kv_cache_scales))
+        model.load_weights(extract_kv_cache_scales(iterate_safetensors(source.weights_dir, device), kv_cache_scales))
         set_kv_cache_scales(model, kv_cache_scales)
     process_weights_after_loading(model)
     fuse_input_quantization(model)

@@ -4,7 +4,7 @@ A truncated download or a file of another kind would otherwise fail deep inside 
 size ...`) or the Rust reader, naming neither the file nor the cause. Here every such file raises a
 `ModelFileError` that names the file and what is wrong with it: a GGUF file's magic, a read past its end (which
 tensor, how many bytes at which offset, and where the file ends), or the safetensors reader's own diagnosis of
-its header. Files that open are read by the libraries as they are.
+its header. GGUF files that open are read by gguf as they are; safetensors files by models/safetensors_reader.py.
 """
 from __future__ import annotations
 
