@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
-    GEMV_TILES, fused_experts, fused_experts_reference, moe_align_block_size)
+    GEMV_TILES, GROUPED_TILES, _grouped_experts, fused_experts, fused_experts_reference, moe_align_block_size)
 from minivllm.kernels.quant_rows import quantize_rows_reference, round_trip_rows  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
@@ -53,6 +53,18 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
     ours = fused_experts(x, w13, w2, weights, ids)
     expected = fused_experts_reference(x, w13, w2, weights, ids)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", GROUPED_TILES)
+def test_every_timed_grouped_tile_matches_the_reference(tile):
+    """The tiles the tuner chooses from for prefill: odd shapes, one expert empty, one over-full."""
+    hidden, inter, dtype = 48, 40, torch.float32
+    w13, w2 = _weights(4, hidden, inter, dtype)
+    x, weights, ids = _routing(150, 4, 2, hidden, dtype, allowed={0, 1, 3})
+    ids[:90, 0] = 3   # expert 3 takes over half the slots
+    ids[:90, 1] = torch.where(ids[:90, 1] == 3, 0, ids[:90, 1])
+    ours = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
+    torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[0], GEMV_TILES[-1]])

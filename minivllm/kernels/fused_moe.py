@@ -23,6 +23,7 @@ host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU
 routing weights and sums them: two kernels for the whole MoE MLP. Which path runs, and which tiles, is timed per
 slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles) on uniform random
 routing, with the grouped path among the candidates, so the few-token path is only used where it measures faster.
+The grouped GEMMs' tile is timed the same way once each expert sees over 64 rows (`GROUPED_TILES`).
 
 8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row, `w13_scale`,
 `w2_scale` [E, rows]) run through both paths. The grouped GEMMs run them as W8A8, as the dense 8-bit layers
@@ -213,7 +214,19 @@ def _tile_config(num_slots: int, num_experts: int) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
     if rows_per_expert <= 64:
         return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+    return GROUPED_TILES[0]
+
+
+# Tiles timed per shape and slot count (`kernels/tuning.pick`) once each expert sees over 64 rows (prefill):
+# wider rows of a tile fill the tensor cores better and pad each expert's group more.
+GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
+                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+                 dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
+                 dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4))
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict, scale=None,
@@ -344,14 +357,34 @@ def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
     return out
 
 
+def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                  w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> dict:
+    """The grouped GEMMs' tile: fixed up to 64 rows per expert, else the fastest of GROUPED_TILES for this shape
+    and power-of-two bucket of slots, timed on uniform random routing."""
+    num_tokens = hidden_states.shape[0]
+    num_experts, two_i, hidden = w13.shape
+    num_slots = num_tokens * top_k
+    if num_slots <= 64 * num_experts:
+        return _tile_config(num_slots, num_experts)
+    routing = []
+
+    def run(tile, w13_copy, w2_copy):
+        if not routing:
+            routing.append(_uniform_routing(num_tokens, num_experts, top_k, hidden_states.device))
+        return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing[0], w13_scale, w2_scale, tile)
+    bucket = 1 << (num_slots - 1).bit_length()
+    key = ("moe_grouped", hidden_states.dtype, w13.dtype, bucket, num_experts, two_i, hidden)
+    return tuning.pick(key, GROUPED_TILES, run, GROUPED_TILES[0], weights=(w13, w2))
+
+
 def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w13_scale: torch.Tensor | None,
-                     w2_scale: torch.Tensor | None) -> torch.Tensor:
+                     w2_scale: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    config = _tile_config(num_slots, num_experts)
+    config = config or _grouped_tile(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
     sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
