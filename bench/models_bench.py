@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
                 headline += f"_{args.quantization}" if args.quantization else ""
                 for part, label in (("single_stream", "single"), ("batch8", "b8"), ("w1", "w1")):
                     result[f"{headline}_{label}_over_floor"] = value[part]["achieved_over_floor"]
-        result["tuner_us"] = tuner_us("dense_gemv", "moe_experts")
+        result["tuner_us"] = tuner_us("dense_gemv", "moe_experts", "moe_grouped")
         write_json(path, result)
     summary = []
     for name, value in result["models"].items():
