@@ -6,7 +6,8 @@ the outputs of the requests before it, in the order a batch-1 run serves them); 
 the recorded output are accepted and the replay moves past them and the token after them. Greedy outputs
 with speculation equal those without, so this is what a batch-1 run would verify, minus the drafts made
 behind a token still in flight. Reported per workload and proposer: steps, verify steps, tokens per step
-(the speedup's ceiling when a verify step costs a plain one), tokens per verify step and acceptance, for
+(the speedup's ceiling when a verify step costs a plain one), tokens per verify step, acceptance and the
+host microseconds per lookup, for
 n-gram (the benchmark's configuration), a grid of suffix decoding's draft factor and probability floor, and
 suffix decoding's defaults without the cache of other requests' outputs (`suffix_own_only`).
 The result file is per device (`spec_replay_<device>.json`): the outputs, and so the replay, depend on
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
 from bench.spec_workloads import NGRAM, WORKLOADS  # noqa: E402
+from minivllm.spec_decode.ngram import token_history  # noqa: E402
 
 CASES = (("grounded", 9), ("open", 9), ("repetitive", 16))
 SUFFIX_GRID = [(factor, prob) for factor in (1.0, 2.0, 4.0) for prob in (0.1, 0.3)]
@@ -34,10 +37,14 @@ def replay(proposer, records: list[tuple[list[int], list[int]]], k: int) -> dict
     """Verify `proposer`'s drafts (up to `k`) against each record's output, one request after another; a
     proposer with `add_output` gets each finished output, as the engine hands it to the suffix cache."""
     steps = verifies = drafted = accepted = 0
+    seconds = 0.0
     for prompt, output in records:
         position = 1   # the first output token comes from the prompt's step
         while position < len(output):
-            drafts = proposer.propose(prompt + output[:position], k)
+            history = token_history(prompt + output[:position])   # as the controller keeps it
+            started = time.perf_counter()
+            drafts = proposer.propose(history, k)
+            seconds += time.perf_counter() - started
             hits = 0
             while hits < len(drafts) and position + hits < len(output) and drafts[hits] == output[position + hits]:
                 hits += 1
@@ -49,7 +56,8 @@ def replay(proposer, records: list[tuple[list[int], list[int]]], k: int) -> dict
             proposer.work(float("inf"))
     generated = sum(len(output) - 1 for _, output in records)
     return {"steps": steps, "verify_steps": verifies, "tokens_per_step": generated / max(steps, 1),
-            "tokens_per_verify": 1 + accepted / max(verifies, 1), "acceptance": accepted / max(drafted, 1)}
+            "tokens_per_verify": 1 + accepted / max(verifies, 1), "acceptance": accepted / max(drafted, 1),
+            "us_per_proposal": seconds / max(steps, 1) * 1e6}
 
 
 def proposers(quick: bool) -> dict:
