@@ -39,4 +39,5 @@ def test_the_safetensors_bench_writes_every_weight_of_the_config_and_loads_it(tm
                                     "--out", str(tmp_path), "--merge-into", str(tmp_path / "serve_cpu.json")])
     assert report["weight_bytes"] == num_bytes and report["safetensors_load_gb_s"] > 0
     assert len(report["disk_read_gb_s"]) == 2 and min(report["disk_read_gb_s"].values()) > 0
+    assert report["safe_open_gb_s"] > 0
     assert json.loads((tmp_path / "serve_cpu.json").read_text())["safetensors_load_gb_s"] > 0
