@@ -10,7 +10,7 @@ part of bench/spec_decode.py: speculation on against off per workload and batch 
               review shares its phrasing and the quoted code with the reviews of the earlier revisions, not
               only with its own prompt, so a proposer that sees other requests' outputs (suffix decoding) can
               draft what a lookup in the request's own tokens (n-gram) cannot. (A JSON tool-definition task
-              was tried first: SmolLM2-135M does not follow it, and its answers share little.)
+              does not serve: SmolLM2-135M does not follow it, and its answers share little.)
 """
 from __future__ import annotations
 
