@@ -50,7 +50,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[st
         inputs = prepare_inputs(out, runner.block_size, runner.stager)
         sync()
         t2 = time.perf_counter()
-        hidden, _, _ = runner._forward(inputs)
+        hidden, _ = runner._forward(inputs)
         sync()
         t3 = time.perf_counter()
         from minivllm.core.interfaces import ModelOutput

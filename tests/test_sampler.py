@@ -116,21 +116,6 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     assert all_greedy.tolist() == logits.argmax(-1).tolist()
 
 
-def test_a_precomputed_argmax_serves_plain_greedy_rows_only():
-    """A decode graph's argmax stands for the rows' tokens when every row is plain greedy; with a bias (or any
-    other change to the logits, logprobs, or a random row) the sampler computes from the logits itself."""
-    torch.manual_seed(3)
-    logits = torch.randn(3, 40)
-    stale = torch.tensor([7, 8, 9])   # deliberately not the argmax: shows which path answered
-    greedy = SamplingMetadata.build([row(temperature=0.0)] * 3, 40, CPU)
-    assert Sampler()(logits.clone(), greedy, argmax=stale).token_ids.tolist() == [7, 8, 9]
-    for params in ({"logit_bias": {1: 0.5}}, {"logprobs": 1}, {"temperature": 1.0, "seed": 0}):
-        rows = [row(temperature=0.0)] * 2 + [row(**{"temperature": 0.0, **params})]
-        metadata = SamplingMetadata.build(rows, 40, CPU)
-        tokens = Sampler()(logits.clone(), metadata, argmax=stale).token_ids
-        assert tokens[:2].tolist() == logits.argmax(-1)[:2].tolist(), params
-
-
 def reference_process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Bias, min_tokens, repetition, frequency and presence penalties, one token at a time."""
     out = logits.clone()

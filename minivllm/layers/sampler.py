@@ -179,17 +179,15 @@ class Sampler(nn.Module):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
-                spec: SpecDecodeMetadata | None = None, argmax: torch.Tensor | None = None) -> SamplerOutput:
-        """`logits` [S, V]; may be overwritten in place when they are already fp32. `argmax`: each row's
-        argmax of `logits` where already computed (a decode graph's), taken when every row is plain greedy.
+                spec: SpecDecodeMetadata | None = None) -> SamplerOutput:
+        """`logits` [S, V]; may be overwritten in place when they are already fp32.
 
         With `spec`, rows verifying draft tokens go through rejection sampling: a speculating sequence's
         rows then hold its accepted drafts, its corrected or bonus token, and -1 past that."""
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
         if metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.modifies_logits:
             # Widening to fp32 is exact and monotonic, so the argmax of the raw logits is the same token.
-            tokens = greedy_argmax(logits) if argmax is None else argmax
-            return SamplerOutput(self._verify(tokens, None, spec), None, None, None)
+            return SamplerOutput(self._verify(greedy_argmax(logits), None, spec), None, None, None)
         logits = logits.float()
         if metadata.grammar_bitmask is not None:  # first: what the grammar forbids is never a candidate
             logits = apply_token_bitmask(logits, metadata.grammar_bitmask)

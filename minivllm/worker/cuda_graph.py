@@ -19,29 +19,25 @@ before, as in any step), which is exactly causal attention. On SmolLM2-135M at b
 step took 2.0 ms of device time through the 64-token mixed graph against 1.1 ms for a decode step.
 
 Decode graphs of up to `LOGITS_IN_GRAPH_MAX_ROWS` rows also compute the logits (without tensor
-parallelism, whose LM head gathers to one rank) and each row's argmax, which a step whose rows are all
-greedy takes as its tokens. Such steps are bound by the host's launches: at batch 1 on SmolLM2 the logits'
-own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host, and the argmax's two kernels
-0.18 ms of a 0.87 ms plain step on an H200's (`spec_decode.py --parts steps --trace --profile`). Larger
-batches are bound by the device, where copying their logits out of the graph would cost time instead.
+parallelism, whose LM head gathers to one rank). Such steps are bound by the host's launches: at batch 1
+on SmolLM2 the logits' own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host
+(`spec_decode.py --parts steps --trace`). Larger batches are bound by the device, where copying
+their logits out of the graph would cost time instead.
 """
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
-from minivllm.kernels.argmax import argmax_rows
 from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs
 
 logger = logging.getLogger(__name__)
 
 LOGITS_IN_GRAPH_MAX_ROWS = 16
-_AB_ARGMAX = os.environ.get("MINIVLLM_AB_ARGMAX_IN_GRAPH", "1") != "0"   # temporary A/B switch
 
 
 def decode_row_block_tables(metadata: AttentionMetadata) -> torch.Tensor:
@@ -100,7 +96,6 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.zeros(self.max_batch + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.logits: torch.Tensor | None = None   # [LOGITS_IN_GRAPH_MAX_ROWS, vocab], sized at capture
-        self.argmax = torch.zeros(LOGITS_IN_GRAPH_MAX_ROWS, dtype=torch.int64, device=device)   # of those rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -141,8 +136,6 @@ class CUDAGraphRunner:
                 self.hidden[:num_tokens] = self.model(ids, positions)
                 if with_logits:
                     self.logits[:num_tokens] = self.compute_logits(self.hidden[:num_tokens])
-                    if _AB_ARGMAX:
-                        self.argmax[:num_tokens] = argmax_rows(self.logits[:num_tokens])
         if self.pool is None:
             self.pool = graph.pool()
         return graph
@@ -175,9 +168,8 @@ class CUDAGraphRunner:
             return True
         return bool(self.mixed_sizes) and inputs.input_ids.shape[0] <= self.mixed_sizes[-1]
 
-    def run(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Replay the step's graph: (hidden states, the logits of every row and their argmaxes if the graph
-        computed them, else None and None)."""
+    def run(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the step's graph: (hidden states, the logits of every row if the graph computed them)."""
         meta = inputs.metadata
         batch, num_tokens = meta.num_seqs, inputs.input_ids.shape[0]
         rows = self._as_decode_rows(inputs)
@@ -206,11 +198,11 @@ class CUDAGraphRunner:
                 self.seq_lens[batch:padded].zero_()
             self.graphs[padded].replay()
             if self._logits_in_graph(padded):
-                return self.hidden[:num_tokens], self.logits[:num_tokens], self.argmax[:num_tokens] if _AB_ARGMAX else None
+                return self.hidden[:num_tokens], self.logits[:num_tokens]
         else:
             # Padding sequences own no query rows (they all start at the real token count) and no context.
             self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
             self.query_start_loc[batch + 1:].fill_(num_tokens)
             self.seq_lens[batch:].zero_()
             self.mixed_graphs[padded].replay()
-        return self.hidden[:num_tokens], None, None
+        return self.hidden[:num_tokens], None

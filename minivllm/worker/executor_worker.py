@@ -67,7 +67,7 @@ def run_step(runner: ModelRunner, header: tuple) -> None:
     blocks_to_copy, inputs, prompt_rows = receive_step(header, runner.device)
     if blocks_to_copy:
         runner._copy_blocks(blocks_to_copy)
-    hidden, _, _ = runner._forward(inputs)   # no logits from graphs under tensor parallelism
+    hidden, _ = runner._forward(inputs)   # no logits from graphs under tensor parallelism
     if prompt_rows is not None:
         for _ in compute_prompt_logits(runner.model.compute_logits, hidden, prompt_rows):
             pass

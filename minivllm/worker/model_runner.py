@@ -228,12 +228,12 @@ class ModelRunner:
         cache = fp8_as_bytes(self.kv_cache)
         cache[:, :, dst] = cache[:, :, src]
 
-    def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(hidden states, every row's logits and their argmaxes when a CUDA graph computed them, else None)."""
+    def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, every row's logits when a CUDA graph computed them, else None)."""
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
             return self.graph_runner.run(inputs)
         with set_forward_context(inputs.metadata):
-            return self.model(inputs.input_ids, inputs.positions), None, None
+            return self.model(inputs.input_ids, inputs.positions), None
 
     def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask = None) -> ModelOutput:
         return self.execute_async(scheduler_output, grammar_bitmask).result()
@@ -277,14 +277,13 @@ class ModelRunner:
         drafts_on_host = None
         if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
-        hidden, all_logits, all_argmax = self._forward(inputs)
+        hidden, all_logits = self._forward(inputs)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         if not inputs.sampling_rows:
             self._previous_samples = None
             host_output, ready, buffers = self._start_copy_to_host(None, prompt_logprobs, stream)
             return PendingModelOutput(self, scheduler_output, inputs, None, ready, buffers, prompt_logprobs,
                                       started=started)
-        argmax = all_argmax if inputs.samples_every_row else None
         if all_logits is not None:
             logits = all_logits if inputs.samples_every_row else all_logits[inputs.logits_indices]
         else:
@@ -297,7 +296,7 @@ class ModelRunner:
             (metadata.grammar_bitmask,), = self.bitmask_stager.transfer([(torch.int32, [grammar_bitmask])], stream)
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
-        output = self.sampler(logits, metadata, spec, argmax)
+        output = self.sampler(logits, metadata, spec)
         verify_on_host = spec is not None and spec.verify_on_host   # then the rows hold argmaxes, never -1
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq,
                                                  spec is not None and not verify_on_host)
