@@ -31,8 +31,8 @@ from collections import deque
 
 from minivllm.spec_decode.ngram import ITEM, token_history
 
-# Latest occurrences of the match in a sequence's own history that vote on a draft: replayed over the real
-# model's outputs (bench/spec_replay.py), 4 took as few steps as 32, and each costs the host a search.
+# Latest occurrences of the match in a sequence's own history that vote on a draft; each costs the host a
+# search, and the latest few carry the continuation (the lookup's cost: `us_per_proposal` in spec_replay's file).
 MAX_OCCURRENCES = 8
 ROOT = 0
 
