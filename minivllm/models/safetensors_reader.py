@@ -14,7 +14,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -67,8 +67,12 @@ class ParallelReader:
         target = torch.empty(length, dtype=torch.uint8, device=self.device)
         fd = os.open(path, os.O_RDONLY)
         try:
-            parts = [(start, min(self.chunk_bytes, length - start)) for start in range(0, length, self.chunk_bytes)]
-            list(self._pool.map(lambda part: self._read_part(path, fd, offset, target, *part), parts))
+            futures = [self._pool.submit(self._read_part, path, fd, offset, target, start,
+                                         min(self.chunk_bytes, length - start))
+                       for start in range(0, length, self.chunk_bytes)]
+            wait(futures)   # every read has stopped before the descriptor closes, even after a failure
+            for future in futures:
+                future.result()
         finally:
             os.close(fd)
         return target
