@@ -37,6 +37,7 @@ layer runs it on CPU and the tests compare the kernel against it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -366,12 +367,9 @@ def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     num_slots = num_tokens * top_k
     if num_slots <= 64 * num_experts:
         return _tile_config(num_slots, num_experts)
-    routing = []
-
     def run(tile, w13_copy, w2_copy):
-        if not routing:
-            routing.append(_uniform_routing(num_tokens, num_experts, top_k, hidden_states.device))
-        return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing[0], w13_scale, w2_scale, tile)
+        routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
+        return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing, w13_scale, w2_scale, tile)
     bucket = 1 << (num_slots - 1).bit_length()
     key = ("moe_grouped", hidden_states.dtype, w13.dtype, bucket, num_experts, two_i, hidden)
     return tuning.pick(key, GROUPED_TILES, run, GROUPED_TILES[0], weights=(w13, w2))
@@ -401,6 +399,7 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
+@functools.lru_cache(maxsize=16)   # made on a tuner's first timed call, then reused: none made while capturing
 def _uniform_routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) of `num_tokens` tokens each sent to top_k distinct experts drawn uniformly (seeded)."""
     g = torch.Generator().manual_seed(0)
@@ -428,14 +427,11 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         w13, w2 = w13.contiguous(), w2.contiguous()
     num_slots = num_tokens * top_k
     if tile is None and num_slots <= GEMV_MAX_SLOTS:
-        routing = []
-
         def run(candidate, w13_copy, w2_copy):
             # Timed on uniform random routing, not on this call's: a warm-up batch (or dummy weights) can send
             # every token to the same few experts, where the grouped path wins and real traffic does not.
-            if not routing:
-                routing.append(_uniform_routing(num_tokens, num_experts, top_k, hidden_states.device))
-            return fused_experts(hidden_states, w13_copy, w2_copy, *routing[0], candidate or "grouped",
+            routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
+            return fused_experts(hidden_states, w13_copy, w2_copy, *routing, candidate or "grouped",
                                  w13_scale, w2_scale)
         # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
         default = GEMV_TILES[0] if num_slots <= 32 else None
