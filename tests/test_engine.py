@@ -216,7 +216,9 @@ def test_n_samples_are_distinct_and_share_prompt_blocks(llm):
     prompt = "Tell me a long story about a dragon who guards a mountain of gold and learns to share it."
     engine.add_request("fork", prompt, params)
     # The prompt is computed once, then forked into 3 samples that share its full blocks (the partial last
-    # block is copied on the first divergent write).
+    # block is copied on the first divergent write). The prompt step is read back, and the samples forked, at
+    # the start of the next call.
+    engine.step()
     engine.step()
     seqs = engine.scheduler.get_group("fork").seqs
     assert len(seqs) == 3 and seqs[0].num_prompt_tokens > 16
@@ -247,6 +249,42 @@ def test_async_and_sync_scheduling_give_identical_outputs(prompt_ids):
         results.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs])
         assert llm.llm_engine.block_manager.usage == 0.0
     assert results[0] == results[1]
+
+
+def test_a_completing_prompt_does_not_hold_back_running_decodes(prompt_ids):
+    """Async scheduling: a running decode gets one token per step() call while another request's prompt is
+    prefilled in chunks and completes, and that request's first token comes the call after the step that
+    sampled it (read back before the next step is scheduled), not a step later."""
+    llm = make_llm(max_num_batched_tokens=32, max_num_seqs=4)
+    engine = llm.llm_engine
+    engine.add_request("a", prompt_ids[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    counts, increments, sampled_first_at, first_seen_at = {"a": 0, "b": 0}, [], None, None
+    for call in range(80):
+        if call == 4:
+            engine.add_request("b", list(range(1000, 1100)),
+                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        outputs = engine.step()
+        for request_id in counts:
+            latest = max((len(o.outputs[0].token_ids) for o in outputs if o.request_id == request_id), default=None)
+            if latest is None:
+                continue
+            if request_id == "a" and counts["a"]:
+                increments.append(latest - counts["a"])
+            if request_id == "b" and not counts["b"] and latest:
+                first_seen_at = call
+            counts[request_id] = latest
+        in_flight = engine._in_flight
+        if in_flight is not None and sampled_first_at is None:
+            out = in_flight.scheduler_output
+            if any(seq.group.request_id == "b" and n and seq.num_output_tokens == 0
+                   for seq, n in zip(out.seqs, out.num_samples)):
+                sampled_first_at = call
+        if not engine.has_unfinished_requests():
+            break
+    assert counts == {"a": 40, "b": 4}
+    assert sampled_first_at is not None and first_seen_at == sampled_first_at + 1
+    assert increments and set(increments) == {1}   # never two tokens of "a" in one call
+    assert engine.block_manager.usage == 0.0
 
 
 def test_seeded_sampling_is_batch_independent(llm):

@@ -227,7 +227,8 @@ class LLMEngine:
         With async scheduling the host schedules and launches step N before it reads step N's
         predecessor back, so CPU bookkeeping overlaps GPU work and the outputs trail by one step.
         Penalties need every previous token on the host, so a step using them is read back before the
-        next is scheduled; a step that samples some request's first token is read back at once.
+        next is scheduled, and so is a step that samples some request's first token, which then goes out
+        before the next step runs instead of after it.
         """
         # A device proposer, grammar-checked drafts and seeded sampling need every token on the host: a
         # step that may speculate with them first reads back the step in flight (n-gram lookups need
@@ -246,11 +247,16 @@ class LLMEngine:
         launched = None
         read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
-            # Penalties need every token of this step on the host before the next is scheduled, and so does
-            # verification (a variable number of tokens) unless the next step may guess that every draft
-            # is accepted (see SpeculationController.chains).
+            # Read back before the next step is scheduled: a step with penalties (they need every token on the
+            # host), a verify step (a variable number of tokens) unless the next step may bet that every draft
+            # is accepted (SpeculationController.chains), and a step that samples some request's first token,
+            # which so skips the one-step lag (time to first token matters more than overlapping the long
+            # prefill steps that make it). Read back at the end of this call instead, it would hold back the
+            # outputs of the step before it, which this call returns: every running decode would get two
+            # tokens a step late, each time a prompt completes.
             needs_sync = (bool(scheduler_output.spec_token_ids) and not self.spec.chains(scheduler_output)) or any(
-                seq.sampling_params.uses_penalties for seq in scheduler_output.seqs)
+                seq.sampling_params.uses_penalties or (n and seq.num_output_tokens == 0)
+                for seq, n in zip(scheduler_output.seqs, scheduler_output.num_samples))
             bitmask = None
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
@@ -268,10 +274,6 @@ class LLMEngine:
                 if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                     self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
                 self.spec.work_after_launch()   # the device is busy: the suffix cache's inserts wait for nothing
-            # A request's first token goes out without the one-step lag: time to first token matters more
-            # than overlapping the (long) prefill steps that produce it.
-            read_back_now |= any(n and seq.num_output_tokens == 0 for seq, n in
-                                 zip(scheduler_output.seqs, scheduler_output.num_samples))
         outputs = [self._make_output(group) for group in synced]
         if self._in_flight is not None:
             outputs += self._complete_in_flight()
