@@ -128,8 +128,8 @@ run_suite() {
       --tag "$GPU" --out "$OUT" ;;
   latency)
     local itl_ms=${ITL_MS:-15}   # the target under test (ITL_MS=... to try another)
-    step serve_goodput 330 python3 bench/serve.py --model llama-3-8b --load-format dummy \
-      --request-rate 4,8,12,16,20,24,28 --num-prompts 100 --input-len 512 --output-len 256 \
+    step serve_goodput 480 python3 bench/serve.py --model llama-3-8b --load-format dummy \
+      --request-rate 4,8,12,16,20,24,28,32,40,48,56 --num-prompts 150 --input-len 512 --output-len 256 \
       --server-args "--max-itl-ms $itl_ms" --baseline-server-args "" --merge --tag "$GPU" --out "$OUT"
     step cold_start 200 python3 bench/cold_start.py --model llama-3-8b --load-format dummy --out "$OUT" \
       --merge-into "$OUT/serve_$GPU.json"
