@@ -23,6 +23,10 @@ A rate sweep also reports each rate's SLO attainment (the share of requests with
 within `--slo-ttft-ms` / `--slo-itl-p95-ms`), the goodput (bench/goodput.py) and the acceptance keys
 (`rate8_itl_p95_ms`, ...) at the top level; `--baseline-server-args` or `--baseline-url` runs the same sweep
 against a second server first and stores it under `baseline`, with the goodput ratio.
+
+Each level also records what the engine's steps were, from the server's step histograms in /metrics (scraped
+before and after the level): steps, tokens per step and, when the server times its steps (`--max-itl-ms` or
+`--collect-step-times`), each step's mean time on the device and the device's mean idle time after it.
 """
 from __future__ import annotations
 
@@ -158,6 +162,43 @@ async def run_level(url: str, model: str, workload: list[tuple[list[int], int]],
     if slo is not None:
         summary["slo_attainment"] = round(attainment(slo, results), 4)
     return summary
+
+
+STEP_SERIES = ("minivllm:iteration_tokens_total", "minivllm:step_device_seconds", "minivllm:step_device_idle_seconds")
+
+
+async def step_totals(url: str, headers: dict) -> dict[str, float] | None:
+    """The `_count` and `_sum` of the server's step histograms (None when it exports none: not minivllm)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as http:
+            async with http.get(url + "/metrics") as response:
+                text = await response.text() if response.status == 200 else ""
+    except aiohttp.ClientError:
+        return None
+    totals = {s.name: s.value for family in text_string_to_metric_families(text) if family.name in STEP_SERIES
+              for s in family.samples if s.name.endswith(("_count", "_sum"))}
+    return totals or None
+
+
+def engine_steps(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """A level's steps from the totals before and after it: how many, tokens per step, and for timed steps the
+    mean time on the device and idle time after it (ms) and the idle share of their sum."""
+    if not before or not after:
+        return None
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    steps = delta.get("minivllm:iteration_tokens_total_count", 0.0)
+    if not steps:
+        return None
+    tokens = delta["minivllm:iteration_tokens_total_sum"]
+    result = {"steps": int(steps), "tokens": int(tokens), "tokens_per_step": round(tokens / steps, 1)}
+    timed = delta.get("minivllm:step_device_seconds_count", 0.0)
+    if timed:
+        busy = delta["minivllm:step_device_seconds_sum"]
+        idle = delta["minivllm:step_device_idle_seconds_sum"]
+        result.update(timed_steps=int(timed), device_ms_per_step=round(1e3 * busy / timed, 3),
+                      idle_ms_per_step=round(1e3 * idle / timed, 3), idle_share=round(idle / (busy + idle), 4))
+    return result
 
 
 def _percentiles(values: list[float], scale: float = 1e3) -> dict:
@@ -369,12 +410,16 @@ async def benchmark(args, url: str) -> tuple[str, dict]:
         sweep_key, values = "concurrency", [int(v) for v in args.concurrency.split(",")]
     levels = {}
     for value in values:
+        totals_before = await step_totals(url, headers)
         if sweep_key == "concurrency":
             num = args.num_prompts or max(16, 4 * value)
             result = await run_level(url, model, workload(num), value, None, headers, args.timeout, args.seed)
         else:
             num = args.num_prompts or 64
             result = await run_level(url, model, workload(num), None, value, headers, args.timeout, args.seed, slo)
+        steps = engine_steps(totals_before, await step_totals(url, headers))
+        if steps is not None:
+            result["engine_steps"] = steps
         levels[str(value)] = result
         print(f"{sweep_key}={value}: {result['completed']}/{num} ok, "
               f"TTFT p50 {result['ttft_ms']['p50']} ms, ITL p95 {result['itl_ms']['p95']} ms, "

@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--max-itl-ms", type=float, default=None,
                    help="inter-token-latency target: while requests decode, a step takes only as many prompt "
                         "tokens as its measured cost allows within this many ms (chunked prefill; default: off)")
+    g.add_argument("--collect-step-times", action="store_true",
+                   help="time every step on the device for /metrics' minivllm:step_device_seconds and "
+                        "minivllm:step_device_idle_seconds (always on with --max-itl-ms)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="swap: long preempted sequences move their KV to CPU memory (default: recompute)")
     g.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped KV blocks")
@@ -93,6 +96,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed, max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         small_batch_prefill_tokens=args.small_batch_prefill_tokens or None, max_itl_ms=args.max_itl_ms,
+        collect_step_times=args.collect_step_times,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,

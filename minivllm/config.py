@@ -29,6 +29,9 @@ class EngineConfig:
     # Inter-token-latency target in ms: while decodes run, a step takes only the prompt tokens that its
     # measured cost allows within it (docs/serving.md, "ITL target"). None: off.
     max_itl_ms: float | None = None
+    # Time every step on the device (start and end events) for `/metrics`' step histograms (engine/step_times.py);
+    # always on with an ITL target, whose cost model times every step anyway.
+    collect_step_times: bool = False
     # "recompute" | "swap" (None: recompute): swap copies a long preempted sequence's KV blocks to
     # `swap_space` GiB of (pinned) CPU memory and back instead of recomputing it (ARCHITECTURE.md, "Swap").
     preemption_mode: str | None = None

@@ -30,6 +30,16 @@ def test_rate_sweep_reports_goodput_keys_and_plot(tmp_path):
         for level in levels.values():
             assert level["completed"] == 6 and level["failed"] == 0 and level["slo_attainment"] == 1.0
             assert level["ttft_ms"]["p50"] <= level["ttft_ms"]["p95"] <= level["ttft_ms"]["p99"]
+            # The level's steps from the server's histograms: each prompt once and three decodes a request.
+            steps = level["engine_steps"]
+            assert steps["tokens"] == 6 * (24 + 3) and steps["steps"] >= 6 * 3
+            # Only the target's server times its steps on the device (its cost model needs them); a step is
+            # priced once the next is read back, so not the last before the engine runs dry.
+            if run is report:
+                assert 0 < steps["timed_steps"] < steps["steps"] and steps["device_ms_per_step"] > 0
+                assert 0.0 <= steps["idle_share"] <= 1.0
+            else:
+                assert "timed_steps" not in steps
         # A generous SLO is met at every rate: goodput is the highest swept rate.
         assert run["goodput_rps"] == 20.0
         for key in ("rate8_itl_p95_ms", "rate8_ttft_p50_ms", "rate20_itl_p95_ms", "rate20_itl_p99_ms",

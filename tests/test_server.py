@@ -197,6 +197,9 @@ def test_metrics_parse_and_counters_move(server, client):
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert delta(f"minivllm:{histogram}_count") == 1
     assert delta("minivllm:inter_token_latency_seconds_count") >= 1
+    # Every step's tokens: the prompt's computed part, then one decode for each token after the first.
+    assert delta("minivllm:iteration_tokens_total_sum") == delta("minivllm:prompt_tokens_total") + MAX_TOKENS - 1
+    assert delta("minivllm:iteration_tokens_total_count") == MAX_TOKENS
     assert 0.0 <= after[("minivllm:kv_cache_usage_perc", ())] <= 1.0
     assert after[("minivllm:num_requests_running", ())] == 0
 

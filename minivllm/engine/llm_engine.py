@@ -18,6 +18,7 @@ from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.step_times import StepTimes
 from minivllm.engine.tokenizer import load_tokenizer
 from minivllm.models.loader import resolve_model
 from minivllm.models.registry import applies_sliding_window
@@ -49,6 +50,7 @@ class EngineStats:
     running_lora_adapters: list[str] | None = None
     waiting_lora_adapters: list[str] | None = None
     max_lora: int | None = None
+    step_times: StepTimes | None = None   # the engine's live step histograms (read, never changed, by /metrics)
 
 
 @dataclass
@@ -150,6 +152,9 @@ class LLMEngine:
         self.spec = None if spec_config is None else SpeculationController(spec_config, self.max_model_len)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.step_times = StepTimes()
+        # Every step's start and end on the device, for the histograms; the ITL target's cost model times them anyway.
+        self._times_every_step = config.collect_step_times or self.scheduler.step_costs is not None
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
                     self.runner.num_kv_tokens)
 
@@ -261,8 +266,11 @@ class LLMEngine:
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
             # With speculation or an ITL target the step is timed on the device: the next step launched prices it.
-            timed = self.spec is not None or self.scheduler.step_costs is not None
-            pending = self.runner.execute_async(scheduler_output, bitmask, timed)
+            # Its end is recorded for a verify step (the controller's idle time after it) or for the histograms.
+            timed = self._times_every_step or self.spec is not None
+            timed_end = self._times_every_step or bool(timed and scheduler_output.spec_token_ids)
+            pending = self.runner.execute_async(scheduler_output, bitmask, timed, timed_end)
+            self.step_times.observe_launch(scheduler_output.total_num_scheduled_tokens)
             launch = None if pending.started is None else _Launch(
                 scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
                 bool(scheduler_output.spec_token_ids), pending.started, pending.ended, waited_for_verify)
@@ -306,6 +314,9 @@ class LLMEngine:
             # the time the device then idled for the host, as after a verify step that was waited for).
             # The chain breaks when the engine runs dry, so idle time between requests is no step's cost.
             seconds = previous.started.seconds_until(pending.started)
+            if self._times_every_step:
+                self.step_times.observe_device(previous.started.seconds_until(previous.ended),
+                                               previous.ended.seconds_until(pending.started))
             if self.spec is not None:
                 self.spec.observe_step(previous.num_tokens, previous.num_seqs, seconds, previous.verified)
                 if previous.verified and previous.ended is not None:   # the device's idle behind a verify step
@@ -437,7 +448,7 @@ class LLMEngine:
                            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
                            spec_decode=self.spec.stats if self.spec is not None else None,
                            num_swapped=self.scheduler.num_swapped, num_swap_outs=self.scheduler.num_swap_outs,
-                           **self._lora_stats())
+                           step_times=self.step_times, **self._lora_stats())
 
     def _lora_stats(self) -> dict:
         if not self.config.enable_lora:

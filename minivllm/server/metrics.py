@@ -13,8 +13,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from minivllm.outputs import RequestOutput
 
@@ -69,6 +70,20 @@ class _EngineStatsCollector(Collector):
             family.add_metric([",".join(stats.running_lora_adapters), str(stats.max_lora),
                                ",".join(stats.waiting_lora_adapters)], time.time())
             yield family
+        step_times = getattr(stats, "step_times", None)
+        if step_times is not None:
+            def histogram(name: str, doc: str, values) -> HistogramMetricFamily:
+                family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric(labels, [(floatToGoString(bound), count) for bound, count in values.cumulative()],
+                                  sum_value=values.sum)
+                return family
+            yield histogram("iteration_tokens_total", "Histogram of the number of tokens per engine step.",
+                            step_times.tokens)
+            if step_times.device_seconds.count:   # steps are timed (--collect-step-times or --max-itl-ms)
+                yield histogram("step_device_seconds", "Histogram of each engine step's time on the device, in "
+                                "seconds.", step_times.device_seconds)
+                yield histogram("step_device_idle_seconds", "Histogram of the device's idle time after each engine "
+                                "step until the next began, in seconds.", step_times.device_idle_seconds)
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)

@@ -225,12 +225,12 @@ class MultiprocTPExecutor:
     def execute(self, scheduler_output, grammar_bitmask=None):
         return self.execute_async(scheduler_output, grammar_bitmask).result()
 
-    def execute_async(self, scheduler_output, grammar_bitmask=None, timed=False):
+    def execute_async(self, scheduler_output, grammar_bitmask=None, timed=False, timed_end=False):
         if self._error is not None or self._shut_down:
             raise self._error or WorkerFailedError("the tensor-parallel group is shut down")
         self._in_flight.append(time.monotonic())
         try:
-            return _WatchedOutput(self.driver.execute_async(scheduler_output, grammar_bitmask, timed), self)
+            return _WatchedOutput(self.driver.execute_async(scheduler_output, grammar_bitmask, timed, timed_end), self)
         except Exception as e:
             self._raise_failure(e)
 

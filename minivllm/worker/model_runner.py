@@ -240,21 +240,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask = None,
-                      timed: bool = False) -> PendingModelOutput:
+                      timed: bool = False, timed_end: bool = False) -> PendingModelOutput:
         """Launch one step; the sampled ids stay on the device until `result()` is called, so the host can
         schedule and launch the next step meanwhile (its pending input tokens are read from these).
         `grammar_bitmask`: the structured-output mask of the sampling rows (see SamplingMetadata), or a
         function returning it, called once the forward pass is launched so that the host fills the mask
         while the GPU runs the model; it gets the device proposer's drafts ({index in the step: ids}, or
         None), which decide the masks of verified positions. `timed`: the result knows when the step began on
-        the device (`started`, a `StepStart` queued behind its inputs, ahead of its forward pass) and, for a step
-        verifying drafts, when it ended (`ended`, queued behind the copy of its sampled ids: the controller's
-        idle time after a verify step)."""
+        the device (`started`, a `StepStart` queued behind its inputs, ahead of its forward pass); `timed_end`:
+        and when it ended (`ended`, queued behind the copy of its sampled ids: the device's idle time after it)."""
         # One lookup of the stream per step: each event record or copy that looks it up again builds a
         # Stream object, tens of microseconds a step on the H100's host (spec_decode.py --profile).
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         pending = self._launch(scheduler_output, grammar_bitmask, stream, timed)
-        if timed and scheduler_output.spec_token_ids:
+        if timed_end:
             pending.ended = StepStart(self.device, stream)
         return pending
 
