@@ -50,6 +50,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
@@ -169,7 +170,6 @@ STEP_SERIES = ("minivllm:iteration_tokens_total", "minivllm:step_device_seconds"
 
 async def step_totals(url: str, headers: dict) -> dict[str, float] | None:
     """The `_count` and `_sum` of the server's step histograms (None when it exports none: not minivllm)."""
-    from prometheus_client.parser import text_string_to_metric_families
     try:
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as http:
             async with http.get(url + "/metrics") as response:

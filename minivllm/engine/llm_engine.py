@@ -265,8 +265,9 @@ class LLMEngine:
             bitmask = None
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
-            # With speculation or an ITL target the step is timed on the device: the next step launched prices it.
-            # Its end is recorded for a verify step (the controller's idle time after it) or for the histograms.
+            # With speculation, an ITL target or `collect_step_times` the step is timed on the device: the next step
+            # launched prices it. Its end is recorded for a verify step (the controller's idle time after it) or
+            # when every step is timed (the histograms).
             timed = self._times_every_step or self.spec is not None
             timed_end = self._times_every_step or bool(timed and scheduler_output.spec_token_ids)
             pending = self.runner.execute_async(scheduler_output, bitmask, timed, timed_end)

@@ -2,7 +2,7 @@
 `/metrics` exports at scrape time.
 
 - tokens per step, every step (vLLM's `iteration_tokens_total`);
-- with timed steps (an ITL target, speculation, or `collect_step_times`), each step's time on the device, from
+- with every step timed (`collect_step_times`, or an ITL target), each step's time on the device, from
   its start event (recorded once its inputs are prepared) to its end event (after the copy of its sampled
   ids), and the device's idle time from that end to the next step's start. Idle time that grows with load
   says the host, not the device, sets the pace of the steps.
