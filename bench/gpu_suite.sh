@@ -127,9 +127,9 @@ run_suite() {
     step dashboard_cost 300 python3 bench/dashboard_cost.py --model llama-3-8b --load-format dummy --repeats 3 \
       --tag "$GPU" --out "$OUT" ;;
   latency)
-    local itl_ms=${ITL_MS:-15}   # the target under test (ITL_MS=... to try another)
-    step serve_goodput 480 python3 bench/serve.py --model llama-3-8b --load-format dummy \
-      --request-rate 4,8,12,16,20,24,28,32,40,48,56 --num-prompts 150 --input-len 512 --output-len 256 \
+    local itl_ms=${ITL_MS:-20}   # the target under test (ITL_MS=... to try another)
+    step serve_goodput 540 python3 bench/serve.py --model llama-3-8b --load-format dummy \
+      --request-rate 4,8,12,16,20,24,28,32,36,40,44,48,56 --num-prompts 150 --input-len 512 --output-len 256 \
       --server-args "--max-itl-ms $itl_ms" --baseline-server-args "" --merge --tag "$GPU" --out "$OUT"
     step cold_start 200 python3 bench/cold_start.py --model llama-3-8b --load-format dummy --out "$OUT" \
       --merge-into "$OUT/serve_$GPU.json"
