@@ -62,3 +62,17 @@ def test_goodput_and_the_slo_per_request():
     assert goodput({"2.0": {"slo_attainment": 0.5}}, slo) is None
     stats = {"ttft_ms": {"p50": 1.0, "p95": 2.0}, "itl_ms": {"p95": 3.0, "p99": 4.0}}
     assert rate_keys({"8.0": stats}) == {"rate8_itl_p95_ms": 3.0, "rate8_ttft_p50_ms": 1.0}
+
+
+def test_server_overhead_streams_every_token_of_both_rounds(tmp_path):
+    """bench/server_overhead.py: the paced engine's tokens all reach the clients in both rounds, and the event
+    loop's CPU time is split into a per-request and a per-token part."""
+    from bench import server_overhead
+    report = server_overhead.main(["--concurrency", "6", "--output-len", "16", "--step-ms", "2",
+                                   "--out", str(tmp_path), "--tag", "smoke"])
+    assert json.loads((tmp_path / "server_overhead_smoke.json").read_text()) == report
+    for output_len, run in report["rounds"].items():
+        assert run["completed"] == 6 and run["tokens"] == 6 * int(output_len)
+        assert run["steps"] >= int(output_len) and run["achieved_step_ms"] >= 2.0
+        assert run["event_loop_cpu_s"] > 0
+    assert report["event_loop_cpu_us_per_request"] > 0
