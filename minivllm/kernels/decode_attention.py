@@ -7,10 +7,8 @@ Design:
 - GQA-aware: one program serves all query heads of one KV head, so each K/V tile is loaded once per
   group and the group's heads form the M dimension of a small matrix product.
 - Split-K ("flash-decoding"): the context is cut into partitions handled by separate programs, each
-  writing its running max, softmax sum and normalised partial output; the last program of a (sequence,
-  KV head) to finish combines them, found by an atomic count per pair that it then resets to zero (one
-  kernel a layer instead of a partition kernel and a reduce kernel). This keeps the GPU busy when
-  batch x kv_heads is small. Each sequence's partition size follows its
+  writing its running max, softmax sum and normalised partial output; a second kernel combines them.
+  This keeps the GPU busy when batch x kv_heads is small. Each sequence's partition size follows its
   own length (`sequence_partition_size`), so a short context in a graph captured for long ones is still
   cut finely (a 600-token context at batch 1: 8.5 instead of 12.5 us a layer on an H100,
   bench/results/decode_split_h100.json).
@@ -69,13 +67,13 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
         qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         partial_stride_seq, partial_stride_head, fixed_partition,
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, REDUCE_SPLITS: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
@@ -83,20 +81,10 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    group = tl.arange(0, BLOCK_G)
-    heads = kv_head * num_queries_per_kv + group
-    head_mask = group < num_queries_per_kv
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    out_mask = head_mask[:, None] & dim_mask[None, :]
-    out_rows = out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
     if SPLIT:
         partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
         start = split * partition
         if start >= seq_len:  # this partition lies past the context: no work, nothing written
-            if seq_len == 0 and split == 0:   # no partition runs: an empty context's output is zeros
-                tl.store(out_rows, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
-                         mask=out_mask)
             return
         end = tl.minimum(start + partition, seq_len)
     else:
@@ -105,6 +93,11 @@ def _decode_partition_kernel(
     if USE_WINDOW:   # the query (position seq_len - 1) sees the last `sliding_window` keys only
         start = tl.maximum(start, seq_len - sliding_window)
 
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * num_queries_per_kv + group
+    head_mask = group < num_queries_per_kv
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
     q = tl.load(query_ptr + seq.to(tl.int64) * query_stride_t + heads[:, None] * query_stride_h
                 + dims[None, :], mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
@@ -136,6 +129,7 @@ def _decode_partition_kernel(
         m_i = m_new
 
     acc = acc * v_scale   # the values' dequantization scale, once per output instead of per element
+    out_mask = head_mask[:, None] & dim_mask[None, :]
     if SPLIT:
         # Normalised partial output plus (max, sum): the reduction reweights partitions exactly.
         base = seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split
@@ -147,72 +141,41 @@ def _decode_partition_kernel(
             l_i_safe = l_i
         tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :],
                  acc / l_i_safe[:, None], mask=out_mask)
-        # Every thread's stores come before the count (barrier), and the count releases them to the program
-        # that sees it reach the number of partitions in use; that one acquires them and reduces.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        num_used = (seq_len + partition - 1) // partition
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
-            tl.debug_barrier()
-            for g in range(num_queries_per_kv):
-                head = kv_head * num_queries_per_kv + g
-                _reduce_partitions(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h,
-                                   partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-                                   seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head,
-                                   num_used, head_dim, REDUCE_SPLITS, BLOCK_D)
-            tl.store(counter, 0)   # zero again for the next launch (a CUDA graph replays this one)
     else:
         # An empty context (padding row) yields zeros, as the reference does.
         denominator = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denominator[:, None]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _reduce_partitions(out_row, partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, num_used, head_dim,
-                       CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head's output from its `num_used` partitions (at `base` in the partial buffers), CHUNK at a time:
-    the largest max first, then the partial outputs weighted by exp2(max - largest) * sum. The loads go to
-    L2 (.cg): other programs wrote these rows, and an SM's L1 is not kept coherent with them."""
-    m = float("-inf")
-    for first in range(0, num_used, CHUNK):
-        ids = first + tl.arange(0, CHUNK)
-        maxes = tl.load(partial_max_ptr + base + ids, mask=ids < num_used, other=float("-inf"),
-                        cache_modifier=".cg")
-        m = tl.maximum(m, tl.max(maxes, 0))
-    m = tl.where(num_used > 0, m, 0.0)   # no -inf - -inf when empty
+def _decode_reduce_kernel(
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
+        head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
+        MIN_PARTITION: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition = _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION)
+    num_used = (seq_len + partition - 1) // partition   # only these were written
+    base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
+    split_ids = tl.arange(0, MAX_SPLITS)
+    used = split_ids < num_used
+    maxes = tl.load(partial_max_ptr + base + split_ids, mask=used, other=float("-inf"))
+    sums = tl.load(partial_sum_ptr + base + split_ids, mask=used, other=0.0)
+    global_max = tl.where(num_used > 0, tl.max(maxes, 0), 0.0)   # no -inf - -inf when empty
+    weights = tl.where(used, tl.math.exp2(maxes - global_max) * sums, 0.0)
+    total = tl.sum(weights, 0)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    total = 0.0
-    for first in range(0, num_used, CHUNK):
-        ids = first + tl.arange(0, CHUNK)
-        used = ids < num_used
-        maxes = tl.load(partial_max_ptr + base + ids, mask=used, other=float("-inf"), cache_modifier=".cg")
-        sums = tl.load(partial_sum_ptr + base + ids, mask=used, other=0.0, cache_modifier=".cg")
-        weights = tl.where(used, tl.math.exp2(maxes - m) * sums, 0.0)
-        total += tl.sum(weights, 0)
-        partials = tl.load(partial_out_ptr + (base + ids)[:, None] * head_dim + dims[None, :],
-                           mask=used[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(weights[:, None] * partials, 0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_row + dims, out.to(out_row.dtype.element_ty), mask=dim_mask)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counts, one per (sequence, KV head) of a split launch, kept for the process: each launch
-    leaves them zero, so a CUDA graph replays with no memset. Split-K runs only while batch x kv_heads is under
-    PROGRAMS_PER_SM programs per SM, so the first size (4,096) is never outgrown in a graph; a forced
-    partition size (tests) may grow it outside one."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "split-K counters must be allocated before graph capture"
-        counters = _COUNTERS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return counters
+    # All partitions' rows in one load (a loop over them would be a chain of dependent loads)
+    partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
+                       mask=used[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * partials, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 @functools.cache
@@ -316,21 +279,26 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32,
                                   device=query.device)
         partial_sum = torch.empty_like(partial_max)
-        counters = _split_counters(query.device, batch * num_kv_heads)
     else:  # unused by the kernel; any tensor satisfies the signature
-        partial_out = partial_max = partial_sum = counters = out
+        partial_out = partial_max = partial_sum = out
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     pdl = launch_options(query.device)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_max, partial_sum, counters,
+        out, partial_out, partial_max, partial_sum,
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads * num_splits, num_splits, fixed_partition,
         SPLIT=split, BLOCK_SIZE=block_size,
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, REDUCE_SPLITS=16,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
         SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
         num_warps=num_warps, num_stages=num_stages)
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            out, partial_out, partial_max, partial_sum, seq_lens,
+            head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
+            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
+            num_warps=1 if block_d <= 64 else 4)
     return out
