@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -148,6 +149,9 @@ class EngineProcess:
         self._loop, self._handle = loop, handle
         self._heap.enter_context(frozen_heap())
         loop.add_reader(self.conn.fileno(), self._read)
+        # uvloop (uvicorn's loop where it is installed) makes a polled descriptor non-blocking; this pipe's reads
+        # and writes are whole messages, which must not stop half-way.
+        os.set_blocking(self.conn.fileno(), True)
 
     def _read(self) -> None:
         try:
