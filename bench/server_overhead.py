@@ -14,7 +14,6 @@ request (the rest), the engine loop's achieved step period against the paced one
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -80,10 +79,6 @@ class PacedEngine:
             self.busy_since = None
         return outputs
 
-    def counters(self) -> tuple[int, int, float]:
-        """(steps, tokens, seconds busy) so far, read through AsyncEngine.call wherever the engine runs."""
-        return self.num_steps, self.num_tokens, self.busy_s
-
     def get_stats(self) -> EngineStats:
         return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, self.num_tokens)
 
@@ -92,12 +87,6 @@ class PacedEngine:
 
     def shutdown(self) -> None:
         pass
-
-
-def build_paced_engine(step_s: float, tokenizer_dir, spawned_at: float) -> PacedEngine:
-    """The engine process's builder (engine_process.EngineProcess): a paced engine, no tokenizer."""
-    tokenizer_dir(None)
-    return PacedEngine(step_s)
 
 
 def thread_cpu_s(thread_ident: int) -> float:
@@ -123,31 +112,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=150)
     p.add_argument("--output-len", type=int, default=256, help="tokens per request (a second round streams half)")
     p.add_argument("--step-ms", type=float, default=8.0, help="the paced engine's step period")
-    p.add_argument("--engine", choices=["process", "thread"], default="process",
-                   help="where the engine loop runs: its own process (as `minivllm serve` runs it) or a thread")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--tag", default="cpu")
     args = p.parse_args(argv)
 
-    step_s = args.step_ms / 1e3
-    engine = (AsyncEngine.spawn(step_s, build=build_paced_engine) if args.engine == "process"
-              else AsyncEngine(PacedEngine(step_s)))
-    server = ServerThread(build_app(engine))
+    engine = PacedEngine(args.step_ms / 1e3)
+    server = ServerThread(build_app(AsyncEngine(engine)))
     url = server.start()
     loop_tid = server.thread.ident   # uvicorn's thread: the event loop that streams
-
-    def counters() -> tuple[int, int, float]:
-        return asyncio.run_coroutine_threadsafe(engine.call("counters"), engine._loop).result(timeout=30)
-
     rounds = {}
     try:
         for output_len in (args.output_len // 2, args.output_len):
-            steps, tokens, busy = counters()
+            steps, tokens, busy = engine.num_steps, engine.num_tokens, engine.busy_s
             cpu, level = stream_once(url, args.concurrency, output_len, loop_tid)
-            steps_after, tokens_after, busy_after = counters()
-            rounds[output_len] = {"event_loop_cpu_s": round(cpu, 4), "tokens": tokens_after - tokens,
-                                  "steps": steps_after - steps,
-                                  "achieved_step_ms": round(1e3 * (busy_after - busy) / (steps_after - steps), 3),
+            rounds[output_len] = {"event_loop_cpu_s": round(cpu, 4), "tokens": engine.num_tokens - tokens,
+                                  "steps": engine.num_steps - steps,
+                                  "achieved_step_ms": round(1e3 * (engine.busy_s - busy) / (engine.num_steps - steps), 3),
                                   "completed": level["completed"], "itl_ms": level["itl_ms"], "ttft_ms": level["ttft_ms"]}
     finally:
         server.stop()
@@ -157,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     per_request = (full["event_loop_cpu_s"] - per_token * full["tokens"]) / args.concurrency
     report = {
         "device": "cpu", "commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": run_command(), "cpu_count": os.cpu_count(), "engine": args.engine,
+        "command": run_command(), "cpu_count": os.cpu_count(),
         "concurrency": args.concurrency, "output_len": args.output_len, "step_ms": args.step_ms,
         "event_loop_cpu_us_per_token": round(1e6 * per_token, 2),
         "event_loop_cpu_us_per_request": round(1e6 * per_request, 1),

@@ -45,8 +45,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return list(environment_variables)
-
-
-def launched_by_torchrun() -> bool:
-    """This process was started by torchrun (or another launcher that sets torchrun's environment)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -21,10 +21,9 @@ def test_cold_start_reports_the_phases_and_the_first_token(tmp_path):
     for phase in ("imports", "bind_socket", "engine_imports", "engine_init", "resolve_model", "tokenizer", "load_weights",
                   "kv_cache_allocation", "build_app", "server_start", "total"):
         assert phases[phase] >= 0, phase
-    # The engine process's phases lie inside the server's wait for it, and the whole start inside launch -> /health.
-    engine = ("engine_imports", "resolve_model", "tokenizer", "load_weights", "kv_cache_allocation")
-    assert sum(phases[p] for p in engine) <= phases["engine_init"]
-    assert phases["imports"] + phases["engine_init"] <= phases["total"] <= start["launch_to_health_s"] + 0.05
+    # The engine's phases lie inside its init, and the whole start inside launch -> /health.
+    assert phases["resolve_model"] + phases["tokenizer"] + phases["load_weights"] <= phases["engine_init"]
+    assert phases["imports"] + phases["engine_imports"] + phases["engine_init"] <= phases["total"] <= start["launch_to_health_s"] + 0.05
     assert json.loads((tmp_path / "cold_start_smoke.json").read_text())["cold_start_warm_cache_s"] > 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from minivllm.engine.stats import EngineStats
+from minivllm.engine.llm_engine import EngineStats
 from minivllm.server.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,8 +25,6 @@ import threading
 import torch
 import torch.distributed as dist
 
-from minivllm.envs import launched_by_torchrun  # noqa: F401  (re-exported: the engine imports it from here)
-
 logger = logging.getLogger(__name__)
 
 _RANK, _SIZE = 0, 1
@@ -39,6 +37,11 @@ _ABORT_DONE: threading.Event | None = None   # set once the NCCL abort (started 
 # driver's shutdown blocked there on H200s (its main thread stuck at the reset of these globals).
 _RETIRED: list = []
 _PROGRESS_KEY = "minivllm/progress/{}"
+
+
+def launched_by_torchrun() -> bool:
+    """This process was started by torchrun (or another launcher that sets torchrun's environment)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init_distributed(rank: int, world_size: int, backend: str, timeout_s: float) -> None:

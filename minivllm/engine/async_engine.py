@@ -1,22 +1,15 @@
-"""AsyncEngine: an LLMEngine driven by an EngineLoop (engine/engine_loop.py), with one async stream per request.
+"""AsyncEngine: the LLMEngine driven by one background thread, with one async stream per request.
 
-The loop runs in a background thread (`AsyncEngine(engine)`, the library's way) or in a process of its own
-(`AsyncEngine.spawn(config)`, what `minivllm serve` uses; engine/engine_process.py). In a thread the engine's
-host work shares the GIL with the server's: every torch call releases it, and taking it back waits for the
-event loop, which at 150 streams spends milliseconds a step writing chunks; the device then idles for the host
-(`--collect-step-times`' idle histogram, serving.md). A process keeps the two apart.
-
-Owns the per-request output queues and the futures of pending adds and calls. The `LLMEngine` is touched only
-by the loop: coroutines hand it commands (add, abort, pause, resume, stop) in order, so an abort sent after an
-add is always applied after it. Messages come back to the event loop once per step and are applied there,
-so every piece of state here is read and written by the event loop's thread alone.
+Owns the engine loop thread and the per-request output queues. The `LLMEngine` is touched only from
+that thread: coroutines hand it commands (add, abort, pause, resume, stop) through a FIFO queue, so
+an abort sent after an add is always applied after it, and the engine never sees two threads.
+Outputs travel back to the event loop with `call_soon_threadsafe`, once per step.
 
 Does not know about HTTP; the server talks only to this class.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -24,15 +17,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from minivllm.engine.engine_loop import SNAPSHOT_INTERVAL_S, EngineDeadError, EngineLoop
-from minivllm.engine.stats import EngineInfo
+from minivllm.engine.gc_heap import frozen_heap
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "RequestStream"]
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shutdown or a crash in `step`); no request can be served."""
 
 
 class RequestStream:
@@ -91,117 +84,64 @@ class RequestStream:
         self.close()
 
 
-class ThreadLoop:
-    """The EngineLoop in a daemon thread of this process; commands go through a FIFO queue."""
+class AsyncEngine:
+    """Runs `engine.step()` in a background thread while requests stream through asyncio queues."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-
-    def _next_command(self, block: bool) -> tuple | None:
-        try:
-            return self.commands.get(block=block)
-        except queue.Empty:
-            return None
-
-    def start(self, loop: asyncio.AbstractEventLoop, handle) -> None:
-        """Run the loop; each of its messages reaches `handle` on the event loop's thread."""
-        def on_message(message: tuple) -> None:
-            try:
-                loop.call_soon_threadsafe(handle, message)
-            except RuntimeError:   # the event loop is closed: nobody is waiting any more
-                pass
-
-        engine_loop = EngineLoop(self.engine, self._next_command, on_message)
-        self.thread = threading.Thread(target=engine_loop.run, name="minivllm-engine", daemon=True)
-        self.thread.start()
-
-    def send(self, command: tuple) -> None:
-        self.commands.put(command)
-
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def join(self) -> None:
-        self.thread.join()
-
-    def close(self) -> None:   # never started: release the engine here
-        self.engine.shutdown()
-
-
-class AsyncEngine:
-    """Runs the engine loop (a thread, or a process with `spawn`) while requests stream through asyncio queues."""
-
-    SNAPSHOT_INTERVAL_S = SNAPSHOT_INTERVAL_S
-
-    def __init__(self, engine: Any = None, *, runner: Any = None, info: EngineInfo | None = None,
-                 tokenizer: Any = None, stats: Any = None) -> None:
-        """`AsyncEngine(engine)`: the loop runs `engine` in a thread. (`spawn` passes the process's `runner`,
-        with the engine's `info`, the server's own `tokenizer` and the first `stats` instead.)"""
-        self.engine = engine   # the LLMEngine in this process (None when it lives in the engine process)
-        self._runner = runner if runner is not None else ThreadLoop(engine)
-        self.info = info if info is not None else EngineInfo.of(engine)
-        self._tokenizer = tokenizer if engine is None else getattr(engine, "tokenizer", None)
-        self._stats = stats if engine is None else engine.get_stats()
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[int, asyncio.Future] = {}   # adds and calls the loop has not answered yet
-        self._tokens = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._started = False
+        self._thread: threading.Thread | None = None
+        self._paused = False
         self._dead: BaseException | None = None
+        self._dead_lock = threading.Lock()  # orders "is it dead?" + enqueue against the loop's exit
+        self._live_ids: set[str] = set()    # engine-thread view of admitted, unfinished requests
+        self._stats = engine.get_stats()
+        # Dashboard: while anyone subscribes, the loop snapshots queues and KV pool between steps, at
+        # most every SNAPSHOT_INTERVAL_S and never more than 0.25% of its time (a snapshot is O(blocks): a
+        # pool of 30k blocks takes 2 ms on the H100 host, so it is then taken under twice a second; at a 1%
+        # share W1 through the server lost 1.8%, dashboard_cost_h100_1pct.json); nobody subscribed, no cost.
         self.snapshot_subscribers = 0
         self._snapshot: dict | None = None
-        self._snapshot_interval = SNAPSHOT_INTERVAL_S
+        self._snapshot_time = 0.0
+        self._snapshot_interval = self.SNAPSHOT_INTERVAL_S
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncEngine:
-        """The engine built here, its loop in a thread of this process."""
         from minivllm.engine.llm_engine import LLMEngine
         return cls(LLMEngine(config))
-
-    @classmethod
-    def spawn(cls, config: Any, build=None) -> AsyncEngine:
-        """The engine built and run in a process of its own; returns once it is ready (raises what building it
-        raised). The tokenizer is loaded here while the engine process loads the weights. `build`: what builds
-        the engine there (engine_process.build_llm_engine, an LLMEngine for `config`, by default)."""
-        from minivllm.engine.engine_process import EngineProcess
-        process = EngineProcess(config) if build is None else EngineProcess(config, build)
-        tokenizer, info, stats = process.wait_ready()
-        return cls(runner=process, info=info, tokenizer=tokenizer, stats=stats)
 
     # ---- what the server reads -------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
-        return self._tokenizer
+        return self.engine.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.info.model_name
+        return self.engine.model_name
 
     @property
     def quantization(self) -> str | None:
-        return self.info.quantization
+        return self.engine.quantization
 
     @property
     def max_model_len(self) -> int:
-        return self.info.max_model_len
+        return self.engine.max_model_len
 
     @property
     def vocab_size(self) -> int | None:
-        return self.info.vocab_size
+        return getattr(self.engine, "vocab_size", None)
 
     @property
     def config(self) -> Any:
-        return self.info.config
-
-    @property
-    def startup_seconds(self) -> dict:
-        return self.info.startup_seconds
+        return getattr(self.engine, "config", None)
 
     def get_stats(self) -> Any:
         """The engine stats as of the end of the last step or command batch (never blocks)."""
         return self._stats
+
+    SNAPSHOT_INTERVAL_S = 0.1
 
     @property
     def snapshot_interval(self) -> float:
@@ -215,11 +155,21 @@ class AsyncEngine:
     def subscribe_snapshots(self, delta: int) -> None:
         """Count a dashboard subscriber in (+1) or out (-1); a new one gets a snapshot even when idle."""
         self.snapshot_subscribers += delta
-        self._send(("subscribers", self.snapshot_subscribers))
+        if delta > 0:
+            self._commands.put(("snapshot",))
+
+    def _maybe_snapshot(self) -> None:
+        now = time.monotonic()
+        if self.snapshot_subscribers > 0 and now - self._snapshot_time >= self._snapshot_interval:
+            snapshot = self.engine.snapshot()
+            cost = time.monotonic() - now
+            self._snapshot_interval = max(self.SNAPSHOT_INTERVAL_S, 400 * cost)
+            snapshot["time"] = now
+            self._snapshot, self._snapshot_time = snapshot, now
 
     @property
     def is_running(self) -> bool:
-        return self._started and self._dead is None and self._runner.alive()
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
     def num_streams(self) -> int:
@@ -228,37 +178,30 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine loop; must be called from the event loop that will consume outputs."""
-        if self._started:
+        if self._thread is not None:
             return
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead}")
         self._loop = asyncio.get_running_loop()
-        self._started = True
-        self._runner.start(self._loop, self._on_message)
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
 
     async def shutdown(self) -> None:
         """Abort every request, stop the loop and release the engine."""
-        if not self._started:
+        if self._thread is None:
             if self._dead is None:  # never started: nothing is in flight
                 self._dead = EngineDeadError("engine was shut down")
-                self._runner.close()
+                self.engine.shutdown()
             return
-        self._send(("stop",))
-        await asyncio.to_thread(self._runner.join)
-        await asyncio.sleep(0)   # the loop's last messages ("dead") were queued before it ended
-        if self._dead is None:
-            self._on_message(("dead", EngineDeadError("engine was shut down")))
+        self._commands.put(("stop",))
+        await asyncio.to_thread(self._thread.join)
 
     def pause(self) -> None:
         """Stop stepping; adds and aborts are still applied (requests queue up as waiting)."""
-        self._send(("pause",))
+        self._commands.put(("pause",))
 
     def resume(self) -> None:
-        self._send(("resume",))
-
-    def _send(self, command: tuple) -> None:
-        if self._dead is None:
-            self._runner.send(command)
+        self._commands.put(("resume",))
 
     # ---- requests ----------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -268,17 +211,18 @@ class AsyncEngine:
         Raises what `LLMEngine.add_request` raises (ValueError for bad input, SchedulerFullError
         when the waiting queue is full) before any output is produced.
         """
-        if not self._started:
+        if self._thread is None:
             self.start()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is not running: {self._dead}")
+        admitted: asyncio.Future[None] = self._loop.create_future()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
-        token, admitted = self._expect()
-        self._runner.send(("add", token, request_id, prompt, params, priority, arrival_time, lora_request))
+        with self._dead_lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead}")
+            stream = RequestStream(request_id, self)
+            self._streams[request_id] = stream
+            self._commands.put(("add", request_id, prompt, params, priority, arrival_time, lora_request, admitted))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -291,20 +235,16 @@ class AsyncEngine:
         return stream
 
     async def call(self, method: str, *args) -> Any:
-        """`engine.<method>(*args)` in the engine loop, between steps (LoRA adapters: add_lora, remove_lora,
+        """`engine.<method>(*args)` on the engine thread, between steps (LoRA adapters: add_lora, remove_lora,
         list_loras); raises what it raises."""
-        if not self._started:
+        if self._thread is None:
             self.start()
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is not running: {self._dead}")
-        token, done = self._expect()
-        self._runner.send(("call", token, method, args))
+        done: asyncio.Future = self._loop.create_future()
+        with self._dead_lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead}")
+            self._commands.put(("call", method, args, done))
         return await done
-
-    def _expect(self) -> tuple[int, asyncio.Future]:
-        token = next(self._tokens)
-        future = self._pending[token] = self._loop.create_future()
-        return token, future
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -320,39 +260,141 @@ class AsyncEngine:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed by the loop."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if ids:
-            self._send(("abort", ids))
+            self._commands.put(("abort", ids))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    # ---- event-loop side of the loop's messages -------------------------------------------------
-    def _on_message(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "outputs":
-            _, outputs, self._stats = message
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue  # consumer already gone; the abort is on its way
-                stream.put(output)
-                if output.finished:
-                    self._forget(output.request_id)
-        elif kind == "stats":
-            self._stats = message[1]
-        elif kind == "resolved":
-            _, token, result, error = message
-            future = self._pending.pop(token, None)
-            if future is not None and not future.done():
-                future.set_exception(error) if error is not None else future.set_result(result)
-        elif kind == "snapshot":
-            _, self._snapshot, self._snapshot_interval = message
-        elif kind == "dead" and self._dead is None:
-            error = message[1]
+    # ---- event-loop side of delivery -----------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # consumer already gone; the abort is on its way
+            stream.put(output)
+            if output.finished:
+                self._forget(output.request_id)
+
+    def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    @staticmethod
+    def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        self._streams.clear()
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with frozen_heap():   # full collections skip the heap loaded before serving (gc_heap.py)
+                self._loop_until_stopped()
+            error: BaseException = EngineDeadError("engine was shut down")
+        except BaseException as e:  # a bug in the engine: fail every request, report it, stay dead
+            logger.exception("engine loop crashed")
+            error = EngineDeadError(f"engine loop crashed: {e!r}")
+        with self._dead_lock:
             self._dead = error
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(EngineDeadError(f"engine is not running: {error}"))
-            self._pending.clear()
-            for stream in list(self._streams.values()):
-                stream.put(error)
-            self._streams.clear()
+        try:
+            self._reject_pending(error)
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+        except RuntimeError:  # the event loop is already closed: nobody is waiting any more
+            pass
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
+
+    def _loop_until_stopped(self) -> None:
+        while True:
+            # Sleep on the command queue when there is nothing to step: no busy spinning.
+            idle = self._paused or not self.engine.has_unfinished_requests()
+            if self._apply_commands(block=idle):
+                return
+            if self._paused or not self.engine.has_unfinished_requests():
+                self._stats = self.engine.get_stats()  # adds/aborts changed it; no step will refresh it
+                self._snapshot_time = 0.0  # idle: the next snapshot is the last word until work arrives
+                self._maybe_snapshot()
+                continue
+            outputs = self.engine.step()
+            self._stats = self.engine.get_stats()
+            self._maybe_snapshot()
+            for output in outputs:
+                if output.finished:
+                    self._live_ids.discard(output.request_id)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); True when asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return False
+        while True:
+            if self._apply(command):
+                return True
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+
+    def _apply(self, command: tuple) -> bool:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, priority, arrival_time, lora_request, admitted = command
+            error = None
+            try:
+                extra = {} if lora_request is None else {"lora_request": lora_request}
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
+                                        priority=priority, **extra)
+                self._live_ids.add(request_id)
+            except Exception as e:  # bad input or admission control: the caller decides the status
+                error = e
+            self._loop.call_soon_threadsafe(self._resolve, admitted, error)
+        elif kind == "call":
+            _, method, args, done = command
+            try:
+                result, error = getattr(self.engine, method)(*args), None
+            except Exception as e:   # bad input: the caller answers it
+                result, error = None, e
+            self._loop.call_soon_threadsafe(self._settle, done, result, error)
+        elif kind == "abort":
+            self.engine.abort_request(command[1])
+            self._live_ids.difference_update(command[1])
+        elif kind == "pause":
+            self._paused = True
+        elif kind == "resume":
+            self._paused = False
+        elif kind == "snapshot":
+            self._snapshot_time = 0.0
+            self._maybe_snapshot()
+        elif kind == "stop":
+            self._abort_all()
+            return True
+        return False
+
+    def _abort_all(self) -> None:
+        if self._live_ids:
+            self.engine.abort_request(sorted(self._live_ids))
+            self._live_ids.clear()
+
+    def _reject_pending(self, error: BaseException) -> None:
+        """Fail adds still queued after the loop ended, so no caller waits forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] in ("add", "call"):
+                self._loop.call_soon_threadsafe(self._resolve, command[-1],
+                                                EngineDeadError(f"engine is not running: {error}"))

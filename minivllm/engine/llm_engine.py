@@ -18,20 +18,39 @@ from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.detokenizer import IncrementalDetokenizer
-from minivllm.engine.stats import EngineStats
 from minivllm.engine.step_times import StepTimes
 from minivllm.engine.tokenizer import load_tokenizer
-from minivllm.models.loader import ModelSource, resolve_model
+from minivllm.models.loader import resolve_model
 from minivllm.models.registry import applies_sliding_window
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import SpeculationController
+from minivllm.spec_decode.controller import SpecDecodeStats, SpeculationController
 from minivllm.structured_output import StructuredOutputManager
 from minivllm.worker.executor import create_executor
 from minivllm.worker.model_runner import PendingModelOutput, StepStart
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    spec_decode: SpecDecodeStats | None = None
+    num_swapped: int = 0    # requests whose KV is swapped out to CPU now
+    num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
+    # Multi-LoRA: adapter names of running and waiting requests, and the slots (None: LoRA off).
+    running_lora_adapters: list[str] | None = None
+    waiting_lora_adapters: list[str] | None = None
+    max_lora: int | None = None
+    step_times: StepTimes | None = None   # the engine's live step histograms (read, never changed, by /metrics)
 
 
 @dataclass
@@ -74,11 +93,10 @@ def _eos_token_ids(tokenizer, hf_config) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
-        """`source`: the model `resolve_model` found for `config`, when the caller resolved it already."""
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         started = time.perf_counter()
-        source = source or resolve_model(config.model, config.load_format)
+        source = resolve_model(config.model, config.load_format)
         resolved = time.perf_counter()
         self.model_name = source.name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or source.tokenizer_dir)

@@ -26,7 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from minivllm.envs import launched_by_torchrun
+from minivllm.distributed import launched_by_torchrun
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.server import dashboard, errors
 from minivllm.server.limits import LimitsMiddleware, QueuedTokens, ServerLimits
@@ -188,12 +188,11 @@ def run_server(engine_config, host: str = "0.0.0.0", port: int = 8000, served_mo
     startup = StartupTimes()
     sock = bind_socket(host, port)
     startup.lap("bind_socket")
-    if launched_by_torchrun():   # every rank's engine runs in its torchrun process, the driver's in a thread
-        engine = AsyncEngine.from_config(engine_config)
-    else:
-        engine = AsyncEngine.spawn(engine_config)
+    import minivllm.engine.llm_engine  # noqa: F401  (the engine stack's modules: timed as their own phase)
+    startup.lap("engine_imports")
+    engine = AsyncEngine.from_config(engine_config)
     startup.lap("engine_init")
-    startup.phases.update(engine.startup_seconds)
+    startup.phases.update(getattr(engine.engine, "startup_seconds", {}))
     app = build_app(engine, served_model_name, api_key, limits, **tool_options)
     server = make_server(app, log_level, limits, shutdown_timeout)
     startup.lap("build_app")
@@ -222,10 +221,10 @@ def _process_age() -> float | None:
 class StartupTimes:
     """Seconds of each phase of `minivllm serve`'s start, logged as one JSON line (`startup phases (s): {...}`)
     and exported as `minivllm:startup_phase_seconds{phase=...}` once the server accepts requests. "imports" runs
-    from the process's creation to `run_server` (the interpreter and the server's modules); "engine_init" waits
-    for the engine process and holds its phases: engine_imports (from its spawn through torch and the engine
-    stack), resolve_model, tokenizer, cuda_init, load_weights, profile_run, kv_cache_allocation,
-    cuda_graph_capture; "total" runs from the process's creation to serving."""
+    from the process's creation to `run_server` (interpreter, torch, transformers, the server's modules),
+    "engine_imports" imports the engine stack (runner, models, kernels); the engine's phases (resolve_model,
+    tokenizer, cuda_init, load_weights, profile_run, kv_cache_allocation, cuda_graph_capture) lie inside
+    "engine_init"; "total" runs from the process's creation to serving."""
 
     def __init__(self) -> None:
         age = _process_age()

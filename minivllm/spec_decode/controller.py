@@ -50,7 +50,6 @@ from minivllm.core.step_costs import StepCosts
 from minivllm.spec_decode.chaining import ChainPolicy
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer, token_history
-from minivllm.spec_decode.stats import SpecDecodeStats
 from minivllm.spec_decode.suffix import SuffixProposer
 
 _PRIOR_WEIGHT = 2.0      # pseudo-counts of the global acceptance rate in each sequence's estimate
@@ -74,6 +73,15 @@ SUFFIX_WORK_SECONDS = 1e-4
 def _decodes(seq: Sequence) -> bool:
     """Past its prompt: this step computes at most its newest token."""
     return seq.num_computed_tokens >= seq.num_total_tokens - 1
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters as vLLM names them (minivllm:spec_decode_*)."""
+    num_drafts: int = 0            # verifications (one per speculating sequence per step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 def _host_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | None:
