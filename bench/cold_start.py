@@ -13,6 +13,7 @@ does. The difference between the two is Triton's compile time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -85,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server-timeout", type=float, default=900.0)
     p.add_argument("--cache-states", default="empty,warm",
                    help="starts in order, sharing one fresh Triton cache folder: 'empty' must come first")
+    p.add_argument("--cache-dir", default=None,
+                   help="Triton cache folder to use and keep (default: a fresh temporary one); must be empty for "
+                        "an 'empty' start, and a 'warm' start alone then finds what earlier starts left there")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--tag", default=None, help="file name tag (default: the GPU, e.g. h100, or cpu)")
     p.add_argument("--merge-into", default=None, help="also write the top-level keys into this result file")
@@ -102,7 +106,12 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     print(f"device: {device}\nconfig: {json.dumps(vars(args))}", flush=True)
     starts = {}
-    with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache_dir:
+    if args.cache_dir:
+        Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        if "empty" in states and any(Path(args.cache_dir).iterdir()):
+            raise SystemExit(f"--cache-dir {args.cache_dir} is not empty: no 'empty' start from it")
+    with contextlib.nullcontext(args.cache_dir) if args.cache_dir else tempfile.TemporaryDirectory(
+            prefix="triton-cache-") as cache_dir:
         for state in states:
             starts[state] = one_start(args, Path(cache_dir), out / f"cold_start_{tag}.{state}.server.log")
             print(f"{state} Triton cache: {json.dumps(starts[state])}", flush=True)

@@ -98,6 +98,41 @@ def test_mixed_steps_replay_cuda_graphs_and_stay_token_identical(tmp_path):
     assert sum(mixed_replays) >= 4  # 363 prompt tokens under a 96-token budget take at least 4 steps
 
 
+_FRESH_ENGINE = """
+import json, sys
+from minivllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+          max_model_len=256, max_num_seqs=8, max_num_batched_tokens=96)
+prompts = json.loads(sys.argv[2])
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+graphs = llm.llm_engine.runner.graph_runner
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "warmed_up": graphs.warmed_up,
+                  "mixed": graphs.mixed_sizes, "decode": graphs.sizes}))
+"""
+
+
+def test_graphs_captured_without_warm_up_with_an_empty_kernel_cache(tmp_path):
+    """Graphs are captured without an eager warm-up pass (the kernels they use compiled and loaded during the
+    capture, from an empty Triton cache in a fresh process), mixed and decode sizes alike; decodes, prompt
+    chunks and decodes riding along with them replay them and stay token-identical to transformers, fp32."""
+    import json
+    import subprocess
+    import sys
+    reference = make_tiny_hf_checkpoint(tmp_path / "model", "llama3").cuda()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (4, 37, 130)]
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    done = subprocess.run([sys.executable, "-c", _FRESH_ENGINE, str(tmp_path / "model"), json.dumps(prompts)],
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == _hf_greedy(reference, prompts, 24)
+    assert result["mixed"] and result["decode"]
+    assert not set(result["warmed_up"]) & set(result["mixed"])   # no mixed size needed its warm-up
+    assert len(result["warmed_up"]) <= 1   # at most batch 1's decode, whose one-row GEMV is timed at start
+
+
 @pytest.fixture(scope="module")
 def default_hf():
     from transformers import AutoModelForCausalLM

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.pdl import launch_options, wait_for_previous
+from minivllm.kernels.tuning import note_deferred_under_capture
 
 
 def num_sms(device: torch.device) -> int:
@@ -97,6 +98,7 @@ def tile_tickets(device: torch.device, count: int) -> torch.Tensor | None:
     tickets = _tickets.get(device)
     if tickets is None or tickets.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            note_deferred_under_capture()
             return None
         tickets = _tickets[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
     return tickets

@@ -5,7 +5,8 @@ Triton tile at some shapes (large M), so each call site lists candidates (`None`
 path) and the first call of a shape times them all from a CUDA graph (device time: timed eagerly, small
 kernels measure the host's launches) and keeps the fastest. The engine's warm-up passes run each decode
 batch size before its graph is captured, so capture finds the choice made; a shape first seen while a
-graph is being captured takes the default without timing.
+graph is being captured takes the default without timing and counts as deferred (`deferred_under_capture`),
+which tells the graph runner to warm that size up and capture it again.
 
 Weights are timed cold: in a decode step every other layer's weights pass through L2 between two calls of
 one layer, so the timed calls rotate through copies of the weights that together exceed L2. Timing one
@@ -35,7 +36,20 @@ from minivllm import envs
 logger = logging.getLogger(__name__)
 Config = TypeVar("Config")
 _chosen: dict[Hashable, object] = {}
+_deferred = 0
 measured: dict[Hashable, list[tuple[float, object]]] = {}   # key -> (seconds, candidate) as timed (benchmarks report)
+
+
+def note_deferred_under_capture() -> None:
+    """Record that a kernel took a fallback because a CUDA graph was being captured (a choice not timed, a
+    buffer not allocated): the graph works but is not the one an eager warm-up would have set up."""
+    global _deferred
+    _deferred += 1
+
+
+def deferred_under_capture() -> int:
+    """How many times `note_deferred_under_capture` was called in this process."""
+    return _deferred
 
 
 def device_seconds(fn: Callable[[], object], calls: int = 5, repeats: int = 5) -> float:
@@ -117,6 +131,7 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
         _chosen[key] = stored
         return stored
     if torch.cuda.is_current_stream_capturing():
+        note_deferred_under_capture()
         return default
     copies = cold_copies(weights)
     turn = itertools.count()

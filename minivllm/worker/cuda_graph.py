@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
+from minivllm.kernels.tuning import deferred_under_capture
 from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -117,33 +118,45 @@ class CUDAGraphRunner:
         return self.compute_logits is not None and num_tokens <= LOGITS_IN_GRAPH_MAX_ROWS
 
     def _capture_one(self, num_tokens: int, metadata: AttentionMetadata, decode: bool = False) -> torch.cuda.CUDAGraph:
+        """Capture one size straight away; warm it up eagerly and capture again only where a kernel deferred a
+        choice to a warm-up (a tile timed per shape, a buffer allocated on first use). A warm-up forward pass
+        costs as much host time as a capture and, at thousands of tokens, tens of milliseconds of device time;
+        the kernels it would compile or load are loaded during the capture instead (relaxed capture mode)."""
         with_logits = decode and self._logits_in_graph(num_tokens)
+        ids, positions = self.input_ids[:num_tokens], self.positions[:num_tokens]
         with set_forward_context(metadata):
-            ids, positions = self.input_ids[:num_tokens], self.positions[:num_tokens]
-            self.hidden[:num_tokens] = self.model(ids, positions)  # warm-up: compiles kernels, sizes buffers
             if decode and self.compute_logits is not None:
                 # also for rows whose logits run outside the graph: a quantized LM head's GEMM tunes its tile
                 # for this size now, not in the first step that has that many rows
                 logits = self.compute_logits(self.hidden[:num_tokens])
                 if with_logits and self.logits is None:
                     self.logits = logits.new_empty(LOGITS_IN_GRAPH_MAX_ROWS, logits.shape[1])
-            torch.cuda.synchronize()
-            # What the backend derived in the warm-up is recomputed inside the graph, or replays would
-            # reuse the warm-up's values.
-            metadata.backend_state.clear()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            deferred = deferred_under_capture()
+            graph = self._record(num_tokens, metadata, with_logits)
+            if deferred_under_capture() != deferred:
+                del graph
+                self.warmed_up.append(num_tokens)
                 self.hidden[:num_tokens] = self.model(ids, positions)
-                if with_logits:
-                    self.logits[:num_tokens] = self.compute_logits(self.hidden[:num_tokens])
-        if self.pool is None:
-            self.pool = graph.pool()
+                graph = self._record(num_tokens, metadata, with_logits)
+        return graph
+
+    def _record(self, num_tokens: int, metadata: AttentionMetadata, with_logits: bool) -> torch.cuda.CUDAGraph:
+        # What the backend derived for an earlier pass is recomputed inside the graph, or replays would reuse
+        # that pass's values.
+        metadata.backend_state.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
+            self.hidden[:num_tokens] = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+            if with_logits:
+                self.logits[:num_tokens] = self.compute_logits(self.hidden[:num_tokens])
         return graph
 
     @torch.inference_mode()
     def capture(self) -> None:
         # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
         # sequence is a padding one: no query tokens, no context, nothing written.
+        self.pool = torch.cuda.graph_pool_handle()
+        self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
         self.seq_lens.zero_()
         for num_tokens in reversed(self.mixed_sizes):
             self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
@@ -152,8 +165,9 @@ class CUDAGraphRunner:
             self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch), decode=True)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs)",
-                    self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes))
+        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs); "
+                    "warmed up first: %s", self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes),
+                    self.warmed_up or "none")
 
     def _as_decode_rows(self, inputs: ModelInputs) -> bool:
         meta = inputs.metadata
