@@ -44,7 +44,8 @@ def kv_cache_budget(device: torch.device, gpu_memory_utilization: float, kv_cach
     budget = int(total * gpu_memory_utilization) - peak_non_kv_bytes - used_by_others
     if budget <= 0:
         raise ValueError(f"no memory left for the KV cache: {total * gpu_memory_utilization / 2**30:.1f} GiB allowed, "
-                         f"{peak_non_kv_bytes / 2**30:.1f} GiB taken by weights and activations; "
+                         f"{peak_non_kv_bytes / 2**30:.1f} GiB taken by weights and activations, "
+                         f"{used_by_others / 2**30:.1f} GiB by other processes on the device; "
                          f"raise gpu_memory_utilization or use a smaller model")
     return budget
 
