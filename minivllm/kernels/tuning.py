@@ -3,10 +3,9 @@
 The best tile and split-K for a quantized GEMM change with M, N and K, and the library GEMMs beat every
 Triton tile at some shapes (large M), so each call site lists candidates (`None` meaning its library
 path) and the first call of a shape times them all from a CUDA graph (device time: timed eagerly, small
-kernels measure the host's launches) and keeps the fastest. The engine's warm-up passes run each decode
-batch size before its graph is captured, so capture finds the choice made; a shape first seen while a
-graph is being captured takes the default without timing and counts as deferred (`deferred_under_capture`),
-which tells the graph runner to warm that size up and capture it again.
+kernels measure the host's launches) and keeps the fastest. A shape first seen while a CUDA graph is being
+captured takes the default without timing and counts as deferred (`deferred_under_capture`): the graph runner
+then runs that size eagerly, which times it, and captures it again.
 
 Weights are timed cold: in a decode step every other layer's weights pass through L2 between two calls of
 one layer, so the timed calls rotate through copies of the weights that together exceed L2. Timing one
