@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
-    GEMV_TILES, GROUPED_TILES, _grouped_experts, fused_experts, fused_experts_reference, moe_align_block_size)
+    FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, _grouped_experts, fused_experts, fused_experts_reference,
+    moe_align_block_size)
 from minivllm.kernels.quant_rows import quantize_rows_reference, round_trip_rows  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
@@ -55,9 +56,10 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tile", GROUPED_TILES)
+@pytest.mark.parametrize("tile", FEW_ROW_TILES + MID_ROW_TILES + GROUPED_TILES)
 def test_every_timed_grouped_tile_matches_the_reference(tile):
-    """The tiles the tuner chooses from for prefill: odd shapes, one expert empty, one over-full."""
+    """The tiles the tuner chooses from, for decode batches and prefill: odd shapes, one expert empty, one
+    over-full."""
     hidden, inter, dtype = 48, 40, torch.float32
     w13, w2 = _weights(4, hidden, inter, dtype)
     x, weights, ids = _routing(150, 4, 2, hidden, dtype, allowed={0, 1, 3})

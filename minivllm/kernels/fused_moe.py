@@ -23,7 +23,8 @@ host sync) and streams that expert's gate and up rows once, as a GEMV, with SiLU
 routing weights and sums them: two kernels for the whole MoE MLP. Which path runs, and which tiles, is timed per
 slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles) on uniform random
 routing, with the grouped path among the candidates, so the few-token path is only used where it measures faster.
-The grouped GEMMs' tile is timed the same way once each expert sees over 64 rows (`GROUPED_TILES`).
+The grouped GEMMs' tile is timed the same way, from candidates for up to 16 rows per expert (decode batches), up to
+64, and beyond (prefill).
 
 8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row, `w13_scale`,
 `w2_scale` [E, rows]) run through both paths. The grouped GEMMs run them as W8A8, as the dense 8-bit layers
@@ -208,14 +209,21 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-def _tile_config(num_slots: int, num_experts: int) -> dict:
-    """Small tiles while each expert sees few rows (decode), larger once tiles fill up."""
-    rows_per_expert = num_slots / num_experts
-    if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
-    if rows_per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4)
-    return GROUPED_TILES[0]
+# Tiles timed per shape and slot bucket (`kernels/tuning.pick`) while each expert sees up to 16 rows (decode
+# batches: 64 tokens of top-8 routing over 128 experts give each about 4) and up to 64. There the GEMMs stream every
+# touched expert's weights once and are bound by the loads in flight, so the candidates vary the columns and the
+# depth of K a program streams and the pipeline's stages; the first of each is the default where timing can't run.
+FEW_ROW_TILES = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4),
+                 dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5),
+                 dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+                 dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+                 dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
+                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4))
+MID_ROW_TILES = (dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4),
+                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
+                 dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
 
 
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) once each expert sees over 64 rows (prefill):
@@ -360,19 +368,20 @@ def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
 
 def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                   w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> dict:
-    """The grouped GEMMs' tile: fixed up to 64 rows per expert, else the fastest of GROUPED_TILES for this shape
-    and power-of-two bucket of slots, timed on uniform random routing."""
+    """The grouped GEMMs' tile: the fastest for this shape and power-of-two bucket of slots, timed on uniform random
+    routing, of FEW_ROW_TILES up to 16 rows per expert, MID_ROW_TILES up to 64, GROUPED_TILES beyond."""
     num_tokens = hidden_states.shape[0]
     num_experts, two_i, hidden = w13.shape
     num_slots = num_tokens * top_k
-    if num_slots <= 64 * num_experts:
-        return _tile_config(num_slots, num_experts)
+    rows_per_expert = num_slots / num_experts
+    candidates = (FEW_ROW_TILES if rows_per_expert <= 16 else MID_ROW_TILES if rows_per_expert <= 64
+                  else GROUPED_TILES)
     def run(tile, w13_copy, w2_copy):
         routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
         return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing, w13_scale, w2_scale, tile)
     bucket = 1 << (num_slots - 1).bit_length()
     key = ("moe_grouped", hidden_states.dtype, w13.dtype, bucket, num_experts, two_i, hidden)
-    return tuning.pick(key, GROUPED_TILES, run, GROUPED_TILES[0], weights=(w13, w2))
+    return tuning.pick(key, candidates, run, candidates[0], weights=(w13, w2))
 
 
 def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
