@@ -134,9 +134,10 @@ class CUDAGraphRunner:
             deferred = deferred_under_capture()
             graph = self._record(num_tokens, metadata, with_logits)
             if deferred_under_capture() != deferred:
-                del graph
                 self.warmed_up.append(num_tokens)
                 self.hidden[:num_tokens] = self.model(ids, positions)
+                # The first graph is dropped only now: while no graph uses the shared pool, torch frees it, and a
+                # capture into a freed pool fails.
                 graph = self._record(num_tokens, metadata, with_logits)
         return graph
 
