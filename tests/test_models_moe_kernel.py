@@ -69,6 +69,19 @@ def test_every_timed_grouped_tile_matches_the_reference(tile):
     torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tile", [FEW_ROW_TILES[2], MID_ROW_TILES[0], GROUPED_TILES[2]])
+def test_grouped_tiles_that_divide_the_shapes_match_the_reference(tile):
+    """Where a tile divides both GEMMs' N and K only the padding rows are masked: 256 columns and 256 of K for
+    gate/up, 256 and 128 for down; one expert empty, one over-full."""
+    hidden, inter, dtype = 256, 128, torch.float32
+    w13, w2 = _weights(4, hidden, inter, dtype)
+    x, weights, ids = _routing(24, 4, 2, hidden, dtype, allowed={0, 1, 3})
+    ids[:16, 0] = 3
+    ids[:16, 1] = torch.where(ids[:16, 1] == 3, 0, ids[:16, 1])
+    ours = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
+    torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[0], GEMV_TILES[-1]])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, allowed", [
     (1, 8, 2, None),            # one token: two experts hit, six empty

@@ -172,9 +172,10 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
                       N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile."""
+    """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile. EVEN: the tile
+    divides N and K, so only the padding rows are masked."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -191,9 +192,13 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=ZERO)
-        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
+        if EVEN:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_mask[:, None], other=ZERO)
+            b = tl.load(b_base + offs_k[:, None] * stride_bk)
+        else:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=ZERO)
+            b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
         if SCALED:
             acc += dot_8bit(a, b, IS_INT, WIDEN)
         else:
@@ -234,6 +239,7 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4))
 
@@ -249,7 +255,8 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
         sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
         0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
         SCALED=scale is not None, IS_INT=b.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
-        DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype), **config)
+        DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype),
+        EVEN=n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0, **config)
 
 
 @triton.jit
