@@ -9,7 +9,8 @@ behind a token still in flight. Reported per workload and proposer: steps, verif
 (the speedup's ceiling when a verify step costs a plain one), tokens per verify step, acceptance and the
 host microseconds per lookup, for
 n-gram (the benchmark's configuration), a grid of suffix decoding's draft factor and probability floor, and
-suffix decoding's defaults without the cache of other requests' outputs (`suffix_own_only`).
+suffix decoding's defaults under a draft cap of 7 (`suffix_k7`) and without the cache of other requests'
+outputs (`suffix_own_only`).
 The result file is per device (`spec_replay_<device>.json`): the outputs, and so the replay, depend on
 the device's arithmetic.
 
@@ -30,7 +31,7 @@ from bench.spec_workloads import NGRAM, WORKLOADS  # noqa: E402
 from minivllm.spec_decode.ngram import token_history  # noqa: E402
 
 CASES = (("grounded", 9), ("open", 9), ("repetitive", 16))
-SUFFIX_GRID = [(factor, prob) for factor in (1.0, 2.0, 4.0) for prob in (0.1, 0.3)]
+SUFFIX_GRID = [(factor, prob) for factor in (1.0, 2.0, 4.0) for prob in (0.3, 0.5, 0.7)]
 
 
 def replay(proposer, records: list[tuple[list[int], list[int]]], k: int) -> dict:
@@ -72,6 +73,9 @@ def proposers(quick: bool) -> dict:
     for factor, prob in SUFFIX_GRID[:2] if quick else SUFFIX_GRID:
         made[f"suffix_f{factor:g}_p{prob:g}"] = (lambda factor=factor, prob=prob: SuffixProposer(depth, cached, factor, prob),
                                                  default.num_speculative_tokens)
+    # The defaults under a draft cap of 7 (a verify step of 8 rows at batch 1): what the longer cap adds.
+    made["suffix_k7"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
+                                                default.suffix_decoding_min_token_prob), 7)
     # The defaults with no cache of other requests' outputs: what the cache adds.
     made["suffix_own_only"] = (lambda: SuffixProposer(depth, 0, default.suffix_decoding_max_spec_factor,
                                                       default.suffix_decoding_min_token_prob),

@@ -160,13 +160,13 @@ def test_proposals_behind_a_token_in_flight_skip_it_without_losing_drafts():
 
 def test_suffix_config_and_cache_of_other_requests_outputs():
     config = SpeculativeConfig.from_dict({"method": "suffix"})
-    assert config.num_speculative_tokens == 7 and config.suffix_decoding_max_tree_depth == 24
+    assert config.num_speculative_tokens == 15 and config.suffix_decoding_max_tree_depth == 24
     for bad in ({"method": "suffix", "suffix_decoding_max_tree_depth": 1},
                 {"method": "suffix", "suffix_decoding_min_token_prob": 2.0}):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_dict(bad)
     controller = SpeculationController(config, max_model_len=1024)
-    answer = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    answer = list(range(40, 60))
     controller.forget(7, [30, 31] + answer)          # another request's output
     controller.work_after_launch()
     while controller.suffix.cache.has_work:
@@ -174,8 +174,9 @@ def test_suffix_config_and_cache_of_other_requests_outputs():
     seq = SequenceGroup("r", None, [1, 2, 40, 41], SamplingParams(max_tokens=100)).seqs[0]
     seq.append_token(42)
     seq.num_computed_tokens = 4
-    assert controller.choose_k([seq]) == 7           # nothing measured: optimistic
-    assert controller.propose([seq], 7) == 1 and seq.spec_token_ids == answer[3:]   # 3-token match: 6 drafts
+    assert controller.choose_k([seq]) == 15          # nothing measured: optimistic
+    # a 3-token match drafts 4 x 3 = 12 of the 17 tokens that followed it (the draft factor, under the cap of 15)
+    assert controller.propose([seq], 15) == 1 and seq.spec_token_ids == answer[3:15]
 
 
 def test_only_sequences_whose_drafts_pay_for_their_verify_rows_speculate():

@@ -3,15 +3,14 @@
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
     {"method": "draft_model", "draft_layers": N, "num_speculative_tokens": 4}   # the target's first N layers
-    {"method": "suffix", "num_speculative_tokens": 7, "suffix_decoding_max_tree_depth": 24, ...}
+    {"method": "suffix", "num_speculative_tokens": 15, "suffix_decoding_max_tree_depth": 24, ...}
 
-Suffix decoding's keys are vLLM's. Its default draft cap is 7, not 5: its drafts stop early when their
-frequency says they are unlikely, and 7 drafts keep a batch-1 verify step in the 8-row decode graph. Its
-draft factor and probability floor default to 2 and 0.3 (vLLM's: 1 and 0.1). Replayed over the real
-model's greedy outputs (bench/spec_replay.py, bench/results/spec_replay_cpu.json), two drafts per token of
-match take 3-6% fewer steps than one on every workload, and four 1-3% fewer again but with their drafts
-accepted less (0.29 against 0.41 on open chat); the floor of 0.3 saves 4-9% of the verify steps for at most
-0.4% more steps.
+Suffix decoding's keys are vLLM's. Its default draft cap is 15, not 5: its drafts stop where their frequency
+says they are unlikely, so a long cap costs nothing where matches are short, and 15 drafts keep a batch-1
+verify step in the 16-row decode graph that also computes the logits. Its draft factor and probability floor
+default to 4 and 0.7 (vLLM's: 1 and 0.1): long drafts only where the match is long and its continuations agree.
+Replayed over the real model's greedy outputs (bench/spec_replay.py, bench/results/spec_replay_cpu.json), the
+grid and the draft caps behind these defaults are in docs/speculative_decoding.md.
 
 `adaptive` (minivllm's own, default on) lets the engine pick k per step, down to 0, from measured
 acceptance and step cost; off, every eligible sequence speculates `num_speculative_tokens` each step.
@@ -26,7 +25,7 @@ METHODS = ("ngram", "draft_model", "suffix")
 @dataclass
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int | None = None   # 5 (suffix: 7)
+    num_speculative_tokens: int | None = None   # 5 (suffix: 15)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None          # draft_model: a folder, .gguf or dummy config name
@@ -34,8 +33,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     suffix_decoding_max_tree_depth: int = 24           # longest match + draft, in tokens
     suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
-    suffix_decoding_max_spec_factor: float = 2.0       # drafts per token of match
-    suffix_decoding_min_token_prob: float = 0.3        # stop when the draft's estimated chance falls below
+    suffix_decoding_max_spec_factor: float = 4.0       # drafts per token of match
+    suffix_decoding_min_token_prob: float = 0.7        # stop when the draft's estimated chance falls below
 
     @classmethod
     def from_dict(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -57,7 +56,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = 7 if self.method == "suffix" else 5
+            self.num_speculative_tokens = 15 if self.method == "suffix" else 5
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.method == "ngram":
