@@ -69,7 +69,7 @@ def test_every_timed_grouped_tile_matches_the_reference(tile):
     torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tile", [FEW_ROW_TILES[2], FEW_ROW_TILES[6], MID_ROW_TILES[0], GROUPED_TILES[2]])
+@pytest.mark.parametrize("tile", [FEW_ROW_TILES[2], MID_ROW_TILES[0], GROUPED_TILES[2]])
 def test_grouped_tiles_that_divide_the_shapes_match_the_reference(tile):
     """Where a tile divides both GEMMs' N and K only the padding rows are masked: 256 columns and 256 of K for
     gate/up, 256 and 128 for down; one expert empty, one over-full."""
@@ -107,18 +107,6 @@ def test_few_token_path_rounds_like_the_grouped_path_in_bf16():
     torch.testing.assert_close(gemv.float(), grouped.float(), rtol=1e-2, atol=1e-2)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(gemv.float(), expected, rtol=2e-2, atol=2e-2)
-
-
-def test_gated_tile_rounds_like_the_separate_activation_in_bf16():
-    """SiLU-and-mul in the gate/up GEMM's epilogue rounds where the separate kernel does: the same tile with and
-    without it gives the same bf16 output, bit for bit, on shapes that divide the tile and on shapes that do not."""
-    for hidden, inter in ((256, 128), (48, 40)):
-        w13, w2 = _weights(4, hidden, inter, torch.bfloat16)
-        x, weights, ids = _routing(24, 4, 2, hidden, torch.bfloat16, allowed={0, 1, 3})
-        tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
-        separate = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
-        gated = _grouped_experts(x, w13, w2, weights, ids, None, None, {**tile, "GATED": True})
-        assert torch.equal(gated, separate)
 
 
 def _codes(weight, dtype):

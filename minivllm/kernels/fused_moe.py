@@ -172,11 +172,10 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
                       N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile. EVEN: the tile
-    divides N and K, so only the padding rows are masked. GATED: B holds 2N rows (gate, then up) and C[slot, n] is
-    silu(gate) * up, rounded where the separate SiLU-and-mul kernel rounds (the GEMM's output, then silu)."""
+    divides N and K, so only the padding rows are masked."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -189,7 +188,6 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
     n_mask = offs_n < N
     b_base = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -205,21 +203,10 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
             acc += dot_8bit(a, b, IS_INT, WIDEN)
         else:
             acc += _dot(a, b, DOT_PRECISION, UPCAST)
-        if GATED:   # the up rows, N rows after the gate rows
-            if EVEN:
-                b_up = tl.load(b_base + N * stride_bn + offs_k[:, None] * stride_bk)
-            else:
-                b_up = tl.load(b_base + N * stride_bn + offs_k[:, None] * stride_bk,
-                               mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
-            acc_up += _dot(a, b_up, DOT_PRECISION, UPCAST)
     if SCALED:   # the scales factor out of the sum over K
         a_scale = tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)
         b_scale = tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
         acc = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
-    if GATED:
-        dtype = c_ptr.dtype.element_ty
-        gate = acc.to(dtype).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -230,25 +217,18 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) while each expert sees up to 16 rows (decode
 # batches: 64 tokens of top-8 routing over 128 experts give each about 4) and up to 64. There the GEMMs stream every
 # touched expert's weights once and are bound by the loads in flight, so the candidates vary the columns and the
-# depth of K a program streams and the pipeline's stages, and whether the gate/up GEMM applies SiLU-and-mul in its
-# epilogue (GATED: each program streams a gate and an up tile, and the separate activation kernel is saved); the
-# first of each is the default where timing can't run.
+# depth of K a program streams and the pipeline's stages; the first of each is the default where timing can't run.
 FEW_ROW_TILES = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4),
                  dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5),
                  dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                  dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
                  dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
-                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
-                 dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, GATED=True),
-                 dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, GATED=True),
-                 dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, GATED=True))
+                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4))
 MID_ROW_TILES = (dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4),
                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
                  dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, GATED=True),
-                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, GATED=True))
+                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
 
 
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) once each expert sees over 64 rows (prefill):
@@ -265,13 +245,10 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict, scale=None,
-                  a_scale=None, gated: bool = False) -> None:
+                  a_scale=None) -> None:
     """c[slot] = a[slot // rows_per_a] @ b[expert]^T (* weights[slot]); with `scale`, a and b are 8-bit codes
-    with row scales `a_scale` [rows of a] and `scale` [E, N]; `gated`: c[slot] = silu(gate) * up of those
-    products, b's rows being gate then up (c has half of b's rows as columns)."""
+    with row scales `a_scale` [rows of a] and `scale` [E, N]."""
     num_experts, n, k = b.shape
-    n = n // 2 if gated else n
-    config = {key: value for key, value in config.items() if key != "GATED"}
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
         a, b, c, c if weights is None else weights, c if scale is None else scale, c if a_scale is None else a_scale,
@@ -279,7 +256,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
         0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
         SCALED=scale is not None, IS_INT=b.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
         DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype),
-        EVEN=n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0, GATED=gated, **config)
+        EVEN=n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0, **config)
 
 
 @triton.jit
@@ -423,15 +400,10 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     num_slots = num_tokens * top_k
     config = config or _grouped_tile(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
     sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
-    gated = w13_scale is None and config.get("GATED", False)   # SiLU-and-mul in the gate/up GEMM's epilogue
-    gate_up = torch.empty((num_slots, two_i // 2 if gated else two_i), dtype=hidden_states.dtype,
-                          device=hidden_states.device)
+    gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.contiguous().float()
-    if gated:
-        _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config, gated=True)
-        _grouped_gemm(gate_up, w2, down, weights, sorted_ids, expert_ids, 1, config)
-    elif w13_scale is None:
+    if w13_scale is None:
         _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config)
         _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, sorted_ids, expert_ids, 1, config)
     else:   # W8A8: each GEMM's input quantized per row to the experts' format
