@@ -20,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
-from bench.common import git_commit, run_command  # noqa: E402
+from bench.common import run_metadata, write_json  # noqa: E402
 from minivllm.engine.async_engine import AsyncEngine  # noqa: E402
 from minivllm.engine.llm_engine import EngineStats  # noqa: E402
 from minivllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
@@ -138,17 +139,14 @@ def main(argv: list[str] | None = None) -> dict:
     per_token = (full["event_loop_cpu_s"] - short["event_loop_cpu_s"]) / (full["tokens"] - short["tokens"])
     per_request = (full["event_loop_cpu_s"] - per_token * full["tokens"]) / args.concurrency
     report = {
-        "device": "cpu", "commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": run_command(), "cpu_count": os.cpu_count(),
+        **run_metadata(torch.device("cpu")), "cpu_count": os.cpu_count(),
         "concurrency": args.concurrency, "output_len": args.output_len, "step_ms": args.step_ms,
         "event_loop_cpu_us_per_token": round(1e6 * per_token, 2),
         "event_loop_cpu_us_per_request": round(1e6 * per_request, 1),
         "event_loop_cpu_ms_per_step": round(1e3 * full["event_loop_cpu_s"] / full["steps"], 3),
         "rounds": {str(k): v for k, v in rounds.items()},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"server_overhead_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(Path(args.out) / f"server_overhead_{args.tag}.json", report)
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}, indent=2))
     return report
 

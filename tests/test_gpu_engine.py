@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,9 +120,6 @@ def test_graphs_captured_without_warm_up_with_an_empty_kernel_cache(tmp_path):
     """Graphs are captured without an eager warm-up pass (the kernels they use compiled and loaded during the
     capture, from an empty Triton cache in a fresh process), mixed and decode sizes alike; decodes, prompt
     chunks and decodes riding along with them replay them and stay token-identical to transformers, fp32."""
-    import json
-    import subprocess
-    import sys
     reference = make_tiny_hf_checkpoint(tmp_path / "model", "llama3").cuda()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (4, 37, 130)]

@@ -100,6 +100,7 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
 
     def _decode_metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -157,7 +158,6 @@ class CUDAGraphRunner:
         # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
         # sequence is a padding one: no query tokens, no context, nothing written.
         self.pool = torch.cuda.graph_pool_handle()
-        self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
         self.seq_lens.zero_()
         for num_tokens in reversed(self.mixed_sizes):
             self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
