@@ -184,7 +184,10 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
     looped reference, against the floor, at Qwen3-30B-A3B's expert shapes. On the GPU every fused time is a
     CUDA-graph replay (as a decode step runs it: no launch overhead); the loop is timed eagerly."""
     from minivllm.kernels import tuning
-    from minivllm.kernels.fused_moe import GEMV_MAX_SLOTS, GEMV_TILES, fused_experts, fused_experts_reference
+    from minivllm.kernels import moe_grouped_mm
+    from minivllm.kernels.fused_moe import (ALIGN_KERNEL_MAX_SLOTS, GEMV_MAX_SLOTS, GEMV_TILES, _grouped_experts,
+                                            fused_experts, fused_experts_reference, moe_align_block_size)
+    from minivllm.kernels.moe_sort import sort_slots
     from minivllm.layers.fused_moe import select_experts
     config = load_hf_config("qwen3-30b-a3b")
     num_experts, top_k = config.num_experts, config.num_experts_per_tok
@@ -215,6 +218,13 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
         if m * top_k <= GEMV_MAX_SLOTS:
             for tile in GEMV_TILES[:2] if args.quick else GEMV_TILES:
                 gemv[tile] = timed(lambda tile=tile: fused_experts(x, w13, w2, weights, ids, tile=tile))
+        extra = {}
+        if m * top_k > ALIGN_KERNEL_MAX_SLOTS:   # the counting sort against the tensor operations, 128-row tiles
+            extra["sort_us"] = 1e6 * timed(lambda: sort_slots(ids, num_experts, 128))
+            extra["sort_tensor_ops_us"] = 1e6 * timed(lambda: moe_align_block_size(ids, num_experts, 128))
+        if m * top_k > 64 * num_experts and moe_grouped_mm.supported(x, w13, None):
+            extra["grouped_mm_us"] = 1e6 * timed(
+                lambda: _grouped_experts(x, w13, w2, weights, ids, None, None, moe_grouped_mm.GROUPED_MM))
         looped_s = time_median(lambda: fused_experts_reference(x, w13, w2, weights, ids), device,
                                repeats=3 if args.quick else 10)
         diff = (fused_experts(x, w13, w2, weights, ids).float()
@@ -229,7 +239,7 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
                      "gemv_us_by_tile": {str(tile): 1e6 * t for tile, t in gemv.items()}, "looped_us": 1e6 * looped_s,
                      "floor_us": 1e6 * floor_s, "speedup_over_looped": looped_s / fused_s,
                      "achieved_over_floor": floor_s / fused_s, "fused_tflops": flops / fused_s / 1e12,
-                     "fused_gb_per_s": floor_bytes / fused_s / 1e9, "max_abs_diff_vs_looped": diff})
+                     "fused_gb_per_s": floor_bytes / fused_s / 1e9, "max_abs_diff_vs_looped": diff, **extra})
     print_table([{k: v for k, v in row.items() if k != "gemv_us_by_tile"} for row in rows],
                 f"fused MoE kernel: E {num_experts}, top {top_k}, hidden {hidden}, expert {inter}, {dtype}")
     return rows

@@ -14,6 +14,8 @@ import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before
 from minivllm.kernels.fused_moe import (  # noqa: E402
     FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, _grouped_experts, fused_experts, fused_experts_reference,
     moe_align_block_size)
+from minivllm.kernels import moe_grouped_mm  # noqa: E402
+from minivllm.kernels.moe_sort import sort_slots  # noqa: E402
 from minivllm.kernels.quant_rows import quantize_rows_reference, round_trip_rows  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
@@ -56,10 +58,10 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tile", FEW_ROW_TILES + MID_ROW_TILES + GROUPED_TILES)
+@pytest.mark.parametrize("tile", FEW_ROW_TILES + MID_ROW_TILES + GROUPED_TILES + (moe_grouped_mm.GROUPED_MM,))
 def test_every_timed_grouped_tile_matches_the_reference(tile):
-    """The tiles the tuner chooses from, for decode batches and prefill: odd shapes, one expert empty, one
-    over-full."""
+    """The tiles the tuner chooses from, for decode batches and prefill (torch's grouped GEMM among them): odd
+    shapes, one expert empty, one over-full."""
     hidden, inter, dtype = 48, 40, torch.float32
     w13, w2 = _weights(4, hidden, inter, dtype)
     x, weights, ids = _routing(150, 4, 2, hidden, dtype, allowed={0, 1, 3})
@@ -225,3 +227,79 @@ def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, a
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
     assert torch.equal(sorted_ids, expected_sorted)
     assert torch.equal(expert_ids, expected_experts)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m, allowed", [
+    (200, 128, 8, 128, None),   # 1,600 slots in seven blocks of 256, Qwen3's routing
+    (700, 8, 2, 16, {1, 6}),    # two blocks of 1,024, over-full experts, six empty
+    (90, 60, 4, 64, None),      # experts not a power of two
+    (300, 6, 3, 1, {0, 2, 5}),  # jagged groups
+])
+def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, block_m, allowed):
+    """The multi-program counting sort writes exactly what the tensor operations do, and the one-program kernel
+    hands over to it above ALIGN_KERNEL_MAX_SLOTS."""
+    from minivllm.kernels.fused_moe import ALIGN_KERNEL_MAX_SLOTS, align_block_size
+    _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
+    expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
+    slots = sort_slots(ids, num_experts, block_m)
+    assert torch.equal(slots.sorted_ids, expected_sorted)
+    counts = torch.bincount(ids.flatten().cpu(), minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert torch.equal(slots.ends.cpu().long(), padded.cumsum(0))
+    if block_m > 1:
+        assert torch.equal(slots.expert_ids, expected_experts)
+    if num_tokens * top_k > ALIGN_KERNEL_MAX_SLOTS:
+        assert all(torch.equal(a, b) for a, b in zip(align_block_size(ids, num_experts, block_m),
+                                                        (expected_sorted, expected_experts)))
+
+
+def test_counting_sort_gathers_each_slots_row_and_records_where_it_went():
+    num_tokens, num_experts, top_k = 150, 6, 3
+    x, _, ids = _routing(num_tokens, num_experts, top_k, 40, torch.float32, {0, 2, 3, 5})
+    slots = sort_slots(ids, num_experts, hidden_states=x)
+    order = slots.sorted_ids.long()
+    assert torch.equal(order.cpu(), torch.argsort(ids.flatten().cpu(), stable=True))
+    assert torch.equal(slots.rows, x[order // top_k])
+    assert torch.equal(order[slots.position.long()].cpu(), torch.arange(num_tokens * top_k))
+    with pytest.raises(ValueError, match="block_m must be 1"):
+        sort_slots(ids, num_experts, 16, hidden_states=x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_weights_and_sums_each_tokens_rows(dtype):
+    """fp32: exactly the reference; bf16: within a unit in the last place (the interpreter truncates where the
+    GPU rounds to nearest)."""
+    num_tokens, top_k, n = 11, 3, 40
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(num_tokens * top_k, n, generator=g).to(DEVICE, dtype)
+    position = torch.randperm(num_tokens * top_k, generator=g).to(DEVICE, torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=g).to(DEVICE)
+    ours = moe_grouped_mm.combine(rows, position, weights, top_k)
+    expected = moe_grouped_mm.combine_reference(rows, position, weights, top_k)
+    if dtype == torch.float32:
+        assert torch.equal(ours, expected)
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+    by_hand = (rows.float()[position.long()] * weights.reshape(-1, 1)).view(num_tokens, top_k, n).sum(1)
+    torch.testing.assert_close(ours.float(), by_hand, rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_mm_path_takes_only_operands_it_can_run():
+    """Torch's grouped GEMM needs rows of whole 16-byte units and experts in the model's dtype."""
+    w13, _ = _weights(4, 48, 40, torch.float32)
+    x = torch.zeros(3, 48, device=DEVICE)
+    assert moe_grouped_mm.supported(x, w13, None) == (DEVICE.type == "cpu")   # fp32 runs only on the CPU
+    odd, _ = _weights(4, 50, 40, torch.float32)
+    assert not moe_grouped_mm.supported(torch.zeros(3, 50, device=DEVICE), odd, None)   # 200-byte rows
+    assert not moe_grouped_mm.supported(x, w13, torch.ones(4, 80, device=DEVICE))     # 8-bit experts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_path_bf16_realistic_shapes():
+    """Qwen3-30B-A3B's expert shapes at a prefill chunk, through torch's grouped GEMM."""
+    w13, w2 = _weights(128, 2048, 768, torch.bfloat16)
+    x, weights, ids = _routing(1100, 128, 8, 2048, torch.bfloat16)
+    assert moe_grouped_mm.supported(x, w13, None)
+    ours = _grouped_experts(x, w13, w2, weights, ids, None, None, moe_grouped_mm.GROUPED_MM)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(ours.float(), expected, rtol=3e-2, atol=3e-2)

@@ -4,12 +4,12 @@ as two grouped GEMM launches over the stacked expert weights, with no Python loo
 Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate_up_proj`) and
 `w2` [E, H, I]. A token routed to `top_k` experts occupies `top_k` "slots" (slot = token * top_k + k).
 
-1. `moe_align_block_size` sorts the slots by expert and pads each expert's group to a multiple of
+1. `align_block_size` sorts the slots by expert and pads each expert's group to a multiple of
    BLOCK_M, so every BLOCK_M-row tile belongs to a single expert; padding rows hold the sentinel
-   `num_slots`. It uses only tensor ops with a size fixed by (slots, experts, BLOCK_M), so there is no
-   host sync and the step stays capturable in a CUDA graph; tiles past the last group get expert -1
-   and exit at once. Up to `ALIGN_KERNEL_MAX_SLOTS` slots `_align_kernel` writes the same in one program
-   (`align_block_size` picks), where the tensor ops would be a dozen launches per MoE layer.
+   `num_slots`. Its buffers are sized by (slots, experts, BLOCK_M), so there is no host sync and the step
+   stays capturable in a CUDA graph; tiles past the last group get expert -1 and exit at once. Up to
+   `ALIGN_KERNEL_MAX_SLOTS` slots `_align_kernel` does it in one program, beyond that the counting sort of
+   `moe_sort.py` in three kernels; `moe_align_block_size` is the same in tensor operations (the reference).
 2. `_fused_moe_kernel` computes, per (tile, BLOCK_N columns), the tile's gathered input rows times its
    expert's weight: first hidden[slot // top_k] @ w13[e]^T -> [slots, 2I], then (after SiLU-and-mul)
    act[slot] @ w2[e]^T scaled by the routing weight -> [slots, H]; the top_k slots of each token are
@@ -24,7 +24,8 @@ routing weights and sums them: two kernels for the whole MoE MLP. Which path run
 slot count on the GPU (`kernels/tuning.pick`, stored per device like the other kernels' tiles) on uniform random
 routing, with the grouped path among the candidates, so the few-token path is only used where it measures faster.
 The grouped GEMMs' tile is timed the same way, from candidates for up to 16 rows per expert (decode batches), up to
-64, and beyond (prefill).
+64, and beyond (prefill), where torch's grouped GEMM over rows sorted by expert (`moe_grouped_mm.py`) is a candidate
+too.
 
 8-bit experts (quantization/moe_8bit.py: fp8 or int8 codes with an fp32 scale per output row, `w13_scale`,
 `w2_scale` [E, rows]) run through both paths. The grouped GEMMs run them as W8A8, as the dense 8-bit layers
@@ -52,6 +53,8 @@ from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.quant_rows import quantize_rows
 from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
+from minivllm.kernels import moe_grouped_mm
+from minivllm.kernels.moe_sort import padded_rows, sort_slots, token_slots
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
@@ -78,12 +81,6 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
     return out
 
 
-def _padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted, padded slot list: at most min(E, slots) groups are non-empty, each wasting fewer than
-    block_m rows. An upper bound that depends only on the shapes."""
-    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
-
-
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """topk_ids [M, top_k] -> (sorted_slot_ids [S], expert_ids [S // block_m]): slots grouped by
     expert, each group padded to a multiple of block_m with the sentinel M * top_k; a tile's expert is
@@ -100,7 +97,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     sorted_experts = flat[order]
     rank_in_group = torch.arange(num_slots, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
     destination = (padded_end - padded)[sorted_experts] + rank_in_group
-    max_rows = _padded_rows(num_slots, num_experts, block_m)
+    max_rows = padded_rows(num_slots, num_experts, block_m)
     sorted_ids = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, destination, order.to(torch.int32))
     tile_starts = torch.arange(0, max_rows, block_m, device=device)
@@ -146,17 +143,19 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
 
 
 # One program's one-hot passes cost O(slots x experts): at Qwen3-30B-A3B's routing on an H200 (models_bench.py's
-# kernel table) the kernel beat the sort at 512 slots and lost to it at 4,096.
+# kernel table) the kernel beat the tensor operations at 512 slots and lost to them at 4,096.
 ALIGN_KERNEL_MAX_SLOTS = 1024
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`moe_align_block_size` (same outputs), in one kernel up to ALIGN_KERNEL_MAX_SLOTS slots, where the tensor
-    operations are a dozen launches of a few microseconds each per MoE layer."""
+    """`moe_align_block_size` (same outputs): in one kernel up to ALIGN_KERNEL_MAX_SLOTS slots, where the tensor
+    operations are a dozen launches of a few microseconds each per MoE layer, and by the multi-program counting
+    sort beyond."""
     num_slots = topk_ids.numel()
     if num_slots > ALIGN_KERNEL_MAX_SLOTS or num_experts > 1024:
-        return moe_align_block_size(topk_ids, num_experts, block_m)
-    num_rows = _padded_rows(num_slots, num_experts, block_m)
+        sorted_slots = sort_slots(topk_ids, num_experts, block_m)
+        return sorted_slots.sorted_ids, sorted_slots.expert_ids
+    num_rows = padded_rows(num_slots, num_experts, block_m)
     sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=topk_ids.device)
     block_e = triton.next_power_of_2(num_experts)
@@ -308,12 +307,7 @@ def _moe_down_combine_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr,
     TOP_K times the loads of a single GEMV in flight. Each slot's product is rounded to the output dtype before
     the sum, where the grouped path rounds it."""
     wait_for_previous(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, BLOCK_TOPK)
-    k_valid = ks < TOP_K
-    slots = token * TOP_K + ks
-    experts = tl.load(ids_ptr + slots, mask=k_valid, other=0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token, slots, k_valid, experts, offs_n = token_slots(ids_ptr, TOP_K, BLOCK_TOPK, BLOCK_N)
     n_mask = offs_n < N
     rows = (w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn)
     a_rows = a_ptr + slots[:, None] * stride_am
@@ -376,13 +370,16 @@ def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
 def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                   w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> dict:
     """The grouped GEMMs' tile: the fastest for this shape and power-of-two bucket of slots, timed on uniform random
-    routing, of FEW_ROW_TILES up to 16 rows per expert, MID_ROW_TILES up to 64, GROUPED_TILES beyond."""
+    routing, of FEW_ROW_TILES up to 16 rows per expert, MID_ROW_TILES up to 64, GROUPED_TILES beyond (and torch's
+    grouped GEMM where it takes the operands)."""
     num_tokens = hidden_states.shape[0]
     num_experts, two_i, hidden = w13.shape
     num_slots = num_tokens * top_k
     rows_per_expert = num_slots / num_experts
     candidates = (FEW_ROW_TILES if rows_per_expert <= 16 else MID_ROW_TILES if rows_per_expert <= 64
                   else GROUPED_TILES)
+    if candidates is GROUPED_TILES and moe_grouped_mm.supported(hidden_states, w13, w13_scale):
+        candidates += (moe_grouped_mm.GROUPED_MM,)
     def run(tile, w13_copy, w2_copy):
         routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
         return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing, w13_scale, w2_scale, tile)
@@ -399,6 +396,8 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     config = config or _grouped_tile(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
+    if config == moe_grouped_mm.GROUPED_MM:
+        return moe_grouped_mm.grouped_mm_experts(hidden_states, w13, w2, topk_weights, topk_ids)
     sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)

@@ -1,0 +1,173 @@
+"""Sorting a MoE layer's routed slots by expert with a counting sort in three small kernels, for prefill-sized batches.
+
+A token routed to top_k experts occupies top_k slots (slot = token * top_k + k). Both grouped-GEMM paths need the
+slots grouped by expert: the Triton grouped GEMM (`fused_moe.py`) in groups padded to whole BLOCK_M-row tiles,
+torch's grouped GEMM (`moe_grouped_mm.py`) in jagged groups with the hidden rows gathered into that order.
+The tensor operations of `fused_moe.moe_align_block_size` (an argsort and a dozen more) spend over a tenth of the
+experts' time at 4,096 tokens (`moe_kernel` in bench/results/models_h200.json: `sort_us` against
+`sort_tensor_ops_us`). The counting sort here is stable (slots keep their order within a group, as the stable
+argsort's), so both paths compute the same rows in the same tiles as with the tensor operations:
+
+1. `_block_counts_kernel`: per block of BLOCK_S slots, how many go to each expert (a one-hot sum);
+2. `_group_offsets_kernel` (one program): a running sum down the blocks gives where each block's slots of each
+   expert start within the expert's group; the groups' sizes, padded to BLOCK_M, give where each group starts
+   and ends, and each BLOCK_M-row tile's expert (-1 past the last group);
+3. `_scatter_slots_kernel`: each slot's row is its group's start, its block's offset in the group and its rank
+   among the block's slots of the expert (a running sum of the one-hot down the block). It writes the slot id
+   at that row and, for the jagged layout, the row of each slot;
+4. for the jagged layout, `_gather_rows_kernel` copies each sorted row's hidden row into place.
+
+Every buffer is sized by the shapes, so nothing waits on the host and a CUDA graph can hold it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.pdl import launch_options, wait_for_previous
+
+
+class SortedSlots(NamedTuple):
+    sorted_ids: torch.Tensor         # [rows] int32 slot ids grouped by expert; padding rows hold num_slots
+    expert_ids: torch.Tensor | None  # [rows // block_m] int32 each tile's expert, -1 past the last group
+    ends: torch.Tensor               # [E] int32 where each expert's (padded) group ends
+    position: torch.Tensor | None    # [slots] int32 each slot's row (with `gather`)
+    rows: torch.Tensor | None        # [slots, H] the hidden rows in sorted order (with `gather`)
+
+
+def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted, padded slot list: at most min(E, slots) groups are non-empty, each wasting fewer than
+    block_m rows. An upper bound that depends only on the shapes."""
+    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _block_counts_kernel(ids_ptr, counts_ptr, num_slots, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    block = tl.program_id(0)
+    offs = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + block * BLOCK_E + experts, counts)
+
+
+@triton.jit
+def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_ids_ptr, num_blocks, num_experts,
+                          num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                          TILES: tl.constexpr, PDL: tl.constexpr):
+    """offsets[b, e]: slots of expert e in the blocks before b; starts/ends[e]: expert e's padded group."""
+    wait_for_previous(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        where = blocks[:, None] * BLOCK_E + experts[None, :]
+        counts = tl.load(counts_ptr + where, mask=blocks[:, None] < num_blocks, other=0)
+        tl.store(offsets_ptr + where, tl.cumsum(counts, axis=0) - counts + total[None, :],
+                 mask=blocks[:, None] < num_blocks)
+        total += tl.sum(counts, axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(starts_ptr + experts, ends - padded)
+    tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
+    if TILES:   # a tile's expert: how many groups end at or before its first row
+        for t0 in range(0, num_tiles, CHUNK):
+            tiles = t0 + tl.arange(0, CHUNK)
+            before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
+            expert = tl.sum(before.to(tl.int32), axis=1)
+            tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_tiles)
+
+
+@triton.jit
+def _scatter_slots_kernel(ids_ptr, offsets_ptr, starts_ptr, sorted_ids_ptr, position_ptr, num_slots,
+                          POSITION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    block = tl.program_id(0)
+    offs = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = offs < num_slots
+    experts = tl.arange(0, BLOCK_E)
+    onehot = (tl.load(ids_ptr + offs, mask=in_range, other=-1)[:, None] == experts[None, :]).to(tl.int32)
+    first = tl.load(offsets_ptr + block * BLOCK_E + experts) + tl.load(starts_ptr + experts)
+    row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + first[None, :]), axis=1)
+    tl.store(sorted_ids_ptr + row, offs, mask=in_range)
+    if POSITION:
+        tl.store(position_ptr + offs, row, mask=in_range)
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, sorted_ids_ptr, rows_ptr, num_slots, H, stride_x, stride_rows, TOP_K: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """rows[r] = x[sorted_ids[r] // TOP_K]: BLOCK_R sorted rows by BLOCK_H columns a program."""
+    wait_for_previous(PDL)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (r < num_slots)[:, None] & (cols < H)[None, :]
+    src = (tl.load(sorted_ids_ptr + r, mask=r < num_slots, other=0) // TOP_K).to(tl.int64)
+    values = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=mask)
+    tl.store(rows_ptr + r.to(tl.int64)[:, None] * stride_rows + cols[None, :], values, mask=mask)
+
+
+@triton.jit
+def token_slots(per_slot_ptr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a program over (token, BLOCK_N columns): the token's TOP_K slots in a BLOCK_TOPK vector, which of them are
+    real, each one's int64 entry of `per_slot_ptr` (its expert, or its sorted row) and the program's columns."""
+    token = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_TOPK)
+    k_valid = ks < TOP_K
+    slots = token * TOP_K + ks
+    entries = tl.load(per_slot_ptr + slots, mask=k_valid, other=0).to(tl.int64)
+    return token, slots, k_valid, entries, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
+               hidden_states: torch.Tensor | None = None) -> SortedSlots:
+    """Group topk_ids' [T, top_k] slots by expert, stably: groups padded to multiples of `block_m` with each
+    tile's expert (block_m > 1), or, given `hidden_states`, jagged groups with each slot's row and the hidden rows
+    gathered into the sorted order (block_m must be 1)."""
+    gather = hidden_states is not None
+    if gather and block_m != 1:
+        raise ValueError("gathered rows are sorted into jagged groups: block_m must be 1")
+    ids = topk_ids.reshape(-1)
+    num_slots, top_k = ids.numel(), topk_ids.shape[-1]
+    if num_slots == 0:
+        raise ValueError("no slots to sort")
+    device = ids.device
+    block_e = triton.next_power_of_2(num_experts)
+    # Blocks as wide as a one-hot of 32k entries allows (its running sum is staged in shared memory), since the
+    # offsets kernel's one program walks the blocks in turn.
+    block_s = max(16, min(1024, 32768 // block_e))
+    num_blocks = triton.cdiv(num_slots, block_s)
+    num_rows = padded_rows(num_slots, num_experts, block_m) if block_m > 1 else num_slots
+    counts = torch.empty((num_blocks, block_e), dtype=torch.int32, device=device)
+    offsets = torch.empty_like(counts)
+    starts = torch.empty(block_e, dtype=torch.int32, device=device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    if block_m > 1:   # padding rows hold the sentinel
+        sorted_ids = torch.full((num_rows,), num_slots, dtype=torch.int32, device=device)
+    else:
+        sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=device) if block_m > 1 else None
+    position = torch.empty(num_slots, dtype=torch.int32, device=device) if gather else None
+    rows = torch.empty((num_slots, hidden_states.shape[1]), dtype=hidden_states.dtype,
+                       device=device) if gather else None
+    pdl = launch_options(device)
+    _block_counts_kernel[(num_blocks,)](ids, counts, num_slots, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
+                                        num_warps=8)
+    _group_offsets_kernel[(1,)](counts, offsets, starts, ends, sorted_ids if expert_ids is None else expert_ids,
+                                num_blocks, num_experts, num_rows // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
+                                CHUNK=max(1, 16384 // block_e), TILES=block_m > 1, **pdl, num_warps=8)
+    _scatter_slots_kernel[(num_blocks,)](ids, offsets, starts, sorted_ids, position if gather else sorted_ids,
+                                         num_slots, POSITION=gather, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
+                                         num_warps=8)
+    if gather:
+        hidden = hidden_states.shape[1]
+        block_h = min(512, triton.next_power_of_2(hidden))
+        _gather_rows_kernel[(triton.cdiv(num_slots, 8), triton.cdiv(hidden, block_h))](
+            hidden_states, sorted_ids, rows, num_slots, hidden, hidden_states.stride(0), rows.stride(0), TOP_K=top_k,
+            BLOCK_R=8, BLOCK_H=block_h, **pdl, num_warps=4)
+    return SortedSlots(sorted_ids, expert_ids, ends, position, rows)
