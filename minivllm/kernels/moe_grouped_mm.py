@@ -1,9 +1,9 @@
 """Mixture-of-Experts MLP on torch's grouped GEMM, for prefill-sized batches.
 
 At thousands of tokens the experts' GEMMs are compute-bound. torch's grouped GEMM (`torch.nn.functional.grouped_mm`,
-CUTLASS's grouped kernel on Hopper, with TMA loads and warp-specialised pipelines) runs them faster than the Triton
-grouped GEMM of `fused_moe.py`, whose gathered row loads cannot use TMA. It needs each expert's rows contiguous in
-its input, so this path
+CUTLASS's grouped kernel on Hopper, with TMA loads and warp-specialised pipelines) loads its tiles in ways the
+Triton grouped GEMM of `fused_moe.py` cannot, since that one gathers each row as it loads it. It needs each
+expert's rows contiguous in its input, so this path
 
 1. sorts the token x top-k slots by expert and gathers the hidden rows into that order (`moe_sort.sort_slots`,
    which also gives each group's end and each slot's row),
@@ -11,8 +11,10 @@ its input, so this path
 3. brings every token's top_k rows back together in `_combine_kernel`, which applies the routing weights and sums.
 
 Rounding follows the Triton grouped path: each GEMM rounds once to the model dtype, each slot's weighted row is
-rounded before the fp32 sum of a token's slots. `fused_moe._grouped_tile` times this path against the Triton tiles
-per shape and slot bucket, so it runs only where it measures faster.
+rounded before the fp32 sum of a token's slots. The gather and the combine each move every slot's row once more,
+so the GEMMs' gain has to pay for them: `fused_moe._grouped_tile` times this path against the Triton tiles per shape
+and slot bucket, and it runs only where it measures faster (on an H200 at Qwen3-30B-A3B's shapes, at 8,192 tokens
+and not at 4,096: `tuner_us` in bench/results/models_h200.json).
 """
 from __future__ import annotations
 
