@@ -186,7 +186,8 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
     from minivllm.kernels import tuning
     from minivllm.kernels import moe_grouped_mm
     from minivllm.kernels.fused_moe import (ALIGN_KERNEL_MAX_SLOTS, GEMV_MAX_SLOTS, GEMV_TILES, _grouped_experts,
-                                            fused_experts, fused_experts_reference, moe_align_block_size)
+                                            align_one_program, fused_experts, fused_experts_reference,
+                                            moe_align_block_size)
     from minivllm.kernels.moe_sort import sort_slots
     from minivllm.layers.fused_moe import select_experts
     config = load_hf_config("qwen3-30b-a3b")
@@ -218,10 +219,14 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
         if m * top_k <= GEMV_MAX_SLOTS:
             for tile in GEMV_TILES[:2] if args.quick else GEMV_TILES:
                 gemv[tile] = timed(lambda tile=tile: fused_experts(x, w13, w2, weights, ids, tile=tile))
-        extra = {}
-        if m * top_k > ALIGN_KERNEL_MAX_SLOTS:   # the counting sort against the tensor operations, 128-row tiles
-            extra["sort_us"] = 1e6 * timed(lambda: sort_slots(ids, num_experts, 128))
-            extra["sort_tensor_ops_us"] = 1e6 * timed(lambda: moe_align_block_size(ids, num_experts, 128))
+        # The grouped path's sort as a decode batch (16-row tiles) or a prefill (128) pads it: the counting sort,
+        # the one-program kernel (up to 1,024 slots) and the tensor operations.
+        block_m = 16 if m * top_k <= 16 * num_experts else 128
+        extra = {"sort_us": 1e6 * timed(lambda: sort_slots(ids, num_experts, block_m))}
+        if m * top_k <= 1024:
+            extra["align_kernel_us"] = 1e6 * timed(lambda: align_one_program(ids, num_experts, block_m))
+        if m * top_k > ALIGN_KERNEL_MAX_SLOTS:
+            extra["sort_tensor_ops_us"] = 1e6 * timed(lambda: moe_align_block_size(ids, num_experts, block_m))
         if m * top_k > 64 * num_experts and moe_grouped_mm.supported(x, w13, None):
             extra["grouped_mm_us"] = 1e6 * timed(
                 lambda: _grouped_experts(x, w13, w2, weights, ids, None, None, moe_grouped_mm.GROUPED_MM))

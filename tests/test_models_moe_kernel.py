@@ -221,9 +221,9 @@ def test_routing_kernel_matches_select_experts(num_tokens, num_experts, top_k, r
 def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, allowed):
     """The one-program bookkeeping writes exactly what the stable sort does: slot order within each group,
     sentinels in the padding, -1 for tiles past the last group."""
-    from minivllm.kernels.fused_moe import align_block_size
+    from minivllm.kernels.fused_moe import align_one_program
     _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
-    sorted_ids, expert_ids = align_block_size(ids, num_experts, block_m)
+    sorted_ids, expert_ids = align_one_program(ids, num_experts, block_m)
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
     assert torch.equal(sorted_ids, expected_sorted)
     assert torch.equal(expert_ids, expected_experts)
@@ -236,8 +236,8 @@ def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, a
     (300, 6, 3, 1, {0, 2, 5}),  # jagged groups
 ])
 def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, block_m, allowed):
-    """The multi-program counting sort writes exactly what the tensor operations do, and the one-program kernel
-    hands over to it above ALIGN_KERNEL_MAX_SLOTS."""
+    """The multi-program counting sort writes exactly what the tensor operations do, and `align_block_size` hands
+    over to it above ALIGN_KERNEL_MAX_SLOTS."""
     from minivllm.kernels.fused_moe import ALIGN_KERNEL_MAX_SLOTS, align_block_size
     _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
@@ -248,7 +248,7 @@ def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, bl
     assert torch.equal(slots.ends.cpu().long(), padded.cumsum(0))
     if block_m > 1:
         assert torch.equal(slots.expert_ids, expected_experts)
-    if num_tokens * top_k > ALIGN_KERNEL_MAX_SLOTS:
+    if block_m > 1 and num_tokens * top_k > ALIGN_KERNEL_MAX_SLOTS:
         assert all(torch.equal(a, b) for a, b in zip(align_block_size(ids, num_experts, block_m),
                                                         (expected_sorted, expected_experts)))
 

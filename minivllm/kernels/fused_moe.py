@@ -142,19 +142,15 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
         cursor += tl.sum(onehot, axis=0)
 
 
-# One program's one-hot passes cost O(slots x experts): at Qwen3-30B-A3B's routing on an H200 (models_bench.py's
-# kernel table) the kernel beat the tensor operations at 512 slots and lost to them at 4,096.
-ALIGN_KERNEL_MAX_SLOTS = 1024
+# One program's one-hot passes cost O(slots x experts). At Qwen3-30B-A3B's routing on an H200 the one program took
+# 11 against 16 µs for the counting sort's three kernels at 128 slots, 31 against 22 at 512 (a decode step at batch
+# 64) and 56 against 22 at 1,024 (`align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
+ALIGN_KERNEL_MAX_SLOTS = 256
 
 
-def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`moe_align_block_size` (same outputs): in one kernel up to ALIGN_KERNEL_MAX_SLOTS slots, where the tensor
-    operations are a dozen launches of a few microseconds each per MoE layer, and by the multi-program counting
-    sort beyond."""
+def align_one_program(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`moe_align_block_size` (same outputs) in `_align_kernel`'s one program."""
     num_slots = topk_ids.numel()
-    if num_slots > ALIGN_KERNEL_MAX_SLOTS or num_experts > 1024:
-        sorted_slots = sort_slots(topk_ids, num_experts, block_m)
-        return sorted_slots.sorted_ids, sorted_slots.expert_ids
     num_rows = padded_rows(num_slots, num_experts, block_m)
     sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=topk_ids.device)
@@ -163,6 +159,16 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
                         BLOCK_M=block_m, BLOCK_S=max(16, min(128, 8192 // block_e)), BLOCK_E=block_e, BLOCK_T=64,
                         **launch_options(topk_ids.device), num_warps=8)
     return sorted_ids, expert_ids
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`moe_align_block_size` (same outputs), where the tensor operations are a dozen launches of a few
+    microseconds each per MoE layer: in one program up to ALIGN_KERNEL_MAX_SLOTS slots, by the multi-program
+    counting sort beyond."""
+    if topk_ids.numel() > ALIGN_KERNEL_MAX_SLOTS or num_experts > 1024:
+        sorted_slots = sort_slots(topk_ids, num_experts, block_m)
+        return sorted_slots.sorted_ids, sorted_slots.expert_ids
+    return align_one_program(topk_ids, num_experts, block_m)
 
 
 # The slot count changes every eager step; specialising on it would recompile mid-run.

@@ -11,7 +11,8 @@ argsort's), so both paths compute the same rows in the same tiles as with the te
 1. `_block_counts_kernel`: per block of BLOCK_S slots, how many go to each expert (a one-hot sum);
 2. `_group_offsets_kernel` (one program): a running sum down the blocks gives where each block's slots of each
    expert start within the expert's group; the groups' sizes, padded to BLOCK_M, give where each group starts
-   and ends, and each BLOCK_M-row tile's expert (-1 past the last group);
+   and ends and each BLOCK_M-row tile's expert (-1 past the last group); padded, it fills every row with the
+   sentinel;
 3. `_scatter_slots_kernel`: each slot's row is its group's start, its block's offset in the group and its rank
    among the block's slots of the expert (a running sum of the one-hot down the block). It writes the slot id
    at that row and, for the jagged layout, the row of each slot;
@@ -57,10 +58,11 @@ def _block_counts_kernel(ids_ptr, counts_ptr, num_slots, BLOCK_S: tl.constexpr, 
 
 
 @triton.jit
-def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_ids_ptr, num_blocks, num_experts,
-                          num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                          TILES: tl.constexpr, PDL: tl.constexpr):
-    """offsets[b, e]: slots of expert e in the blocks before b; starts/ends[e]: expert e's padded group."""
+def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_blocks,
+                          num_experts, num_tiles, num_slots, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                          CHUNK: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+    """offsets[b, e]: slots of expert e in the blocks before b; starts/ends[e]: expert e's padded group. With
+    TILES, each tile's expert, and the sentinel in every row (the scatter overwrites the slots' rows after)."""
     wait_for_previous(PDL)
     experts = tl.arange(0, BLOCK_E)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -81,6 +83,9 @@ def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_
             before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
             expert = tl.sum(before.to(tl.int32), axis=1)
             tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_tiles)
+        for r0 in range(0, num_tiles * BLOCK_M, CHUNK * BLOCK_E):
+            rows = r0 + tl.arange(0, CHUNK * BLOCK_E)
+            tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots, mask=rows < num_tiles * BLOCK_M)
 
 
 @triton.jit
@@ -147,10 +152,7 @@ def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
     offsets = torch.empty_like(counts)
     starts = torch.empty(block_e, dtype=torch.int32, device=device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    if block_m > 1:   # padding rows hold the sentinel
-        sorted_ids = torch.full((num_rows,), num_slots, dtype=torch.int32, device=device)
-    else:
-        sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=device) if block_m > 1 else None
     position = torch.empty(num_slots, dtype=torch.int32, device=device) if gather else None
     rows = torch.empty((num_slots, hidden_states.shape[1]), dtype=hidden_states.dtype,
@@ -159,7 +161,8 @@ def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
     _block_counts_kernel[(num_blocks,)](ids, counts, num_slots, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
                                         num_warps=8)
     _group_offsets_kernel[(1,)](counts, offsets, starts, ends, sorted_ids if expert_ids is None else expert_ids,
-                                num_blocks, num_experts, num_rows // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
+                                sorted_ids, num_blocks, num_experts, num_rows // block_m, num_slots,
+                                BLOCK_M=block_m, BLOCK_E=block_e,
                                 CHUNK=max(1, 16384 // block_e), TILES=block_m > 1, **pdl, num_warps=8)
     _scatter_slots_kernel[(num_blocks,)](ids, offsets, starts, sorted_ids, position if gather else sorted_ids,
                                          num_slots, POSITION=gather, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
