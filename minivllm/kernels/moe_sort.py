@@ -8,11 +8,11 @@ experts' time at 4,096 tokens (`moe_kernel` in bench/results/models_h200.json: `
 `sort_tensor_ops_us`). The counting sort here is stable (slots keep their order within a group, as the stable
 argsort's), so both paths compute the same rows in the same tiles as with the tensor operations:
 
-1. `_block_counts_kernel`: per block of BLOCK_S slots, how many go to each expert (a one-hot sum);
+1. `_block_counts_kernel`: per block of BLOCK_S slots, how many go to each expert (a one-hot sum); padded, each
+   program also fills its share of the rows with the sentinel;
 2. `_group_offsets_kernel` (one program): a running sum down the blocks gives where each block's slots of each
    expert start within the expert's group; the groups' sizes, padded to BLOCK_M, give where each group starts
-   and ends and each BLOCK_M-row tile's expert (-1 past the last group); padded, it fills every row with the
-   sentinel;
+   and ends and each BLOCK_M-row tile's expert (-1 past the last group);
 3. `_scatter_slots_kernel`: each slot's row is its group's start, its block's offset in the group and its rank
    among the block's slots of the expert (a running sum of the one-hot down the block). It writes the slot id
    at that row and, for the jagged layout, the row of each slot;
@@ -45,9 +45,12 @@ def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
 
 
-@triton.jit
-def _block_counts_kernel(ids_ptr, counts_ptr, num_slots, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                         PDL: tl.constexpr):
+# Slot, block and tile counts change with every eager step: specialising on them would recompile mid-run.
+@triton.jit(do_not_specialize=["num_slots", "num_rows", "rows_per_block"])
+def _block_counts_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, num_slots, num_rows, rows_per_block,
+                         FILL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """counts[b, e]; with FILL, this program's share of the sorted rows gets the sentinel (the scatter, two kernels
+    later, overwrites the slots' rows)."""
     wait_for_previous(PDL)
     block = tl.program_id(0)
     offs = block * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -55,14 +58,20 @@ def _block_counts_kernel(ids_ptr, counts_ptr, num_slots, BLOCK_S: tl.constexpr, 
     experts = tl.arange(0, BLOCK_E)
     counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(counts_ptr + block * BLOCK_E + experts, counts)
+    if FILL:
+        first = block * rows_per_block
+        for r0 in range(0, rows_per_block, BLOCK_S):
+            rows = first + r0 + tl.arange(0, BLOCK_S)
+            tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots,
+                     mask=(rows < num_rows) & (rows < first + rows_per_block))
 
 
-@triton.jit
-def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_blocks,
-                          num_experts, num_tiles, num_slots, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                          CHUNK: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
-    """offsets[b, e]: slots of expert e in the blocks before b; starts/ends[e]: expert e's padded group. With
-    TILES, each tile's expert, and the sentinel in every row (the scatter overwrites the slots' rows after)."""
+@triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
+def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_ids_ptr, num_blocks, num_experts,
+                          num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                          TILES: tl.constexpr, PDL: tl.constexpr):
+    """offsets[b, e]: slots of expert e in the blocks before b; starts/ends[e]: expert e's padded group; with
+    TILES, each tile's expert."""
     wait_for_previous(PDL)
     experts = tl.arange(0, BLOCK_E)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -83,12 +92,9 @@ def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_
             before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
             expert = tl.sum(before.to(tl.int32), axis=1)
             tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_tiles)
-        for r0 in range(0, num_tiles * BLOCK_M, CHUNK * BLOCK_E):
-            rows = r0 + tl.arange(0, CHUNK * BLOCK_E)
-            tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots, mask=rows < num_tiles * BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _scatter_slots_kernel(ids_ptr, offsets_ptr, starts_ptr, sorted_ids_ptr, position_ptr, num_slots,
                           POSITION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
@@ -104,7 +110,7 @@ def _scatter_slots_kernel(ids_ptr, offsets_ptr, starts_ptr, sorted_ids_ptr, posi
         tl.store(position_ptr + offs, row, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _gather_rows_kernel(x_ptr, sorted_ids_ptr, rows_ptr, num_slots, H, stride_x, stride_rows, TOP_K: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """rows[r] = x[sorted_ids[r] // TOP_K]: BLOCK_R sorted rows by BLOCK_H columns a program."""
@@ -158,11 +164,11 @@ def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
     rows = torch.empty((num_slots, hidden_states.shape[1]), dtype=hidden_states.dtype,
                        device=device) if gather else None
     pdl = launch_options(device)
-    _block_counts_kernel[(num_blocks,)](ids, counts, num_slots, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
-                                        num_warps=8)
+    _block_counts_kernel[(num_blocks,)](ids, counts, sorted_ids, num_slots, num_rows,
+                                        triton.cdiv(num_rows, num_blocks), FILL=block_m > 1, BLOCK_S=block_s,
+                                        BLOCK_E=block_e, **pdl, num_warps=8)
     _group_offsets_kernel[(1,)](counts, offsets, starts, ends, sorted_ids if expert_ids is None else expert_ids,
-                                sorted_ids, num_blocks, num_experts, num_rows // block_m, num_slots,
-                                BLOCK_M=block_m, BLOCK_E=block_e,
+                                num_blocks, num_experts, num_rows // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
                                 CHUNK=max(1, 16384 // block_e), TILES=block_m > 1, **pdl, num_warps=8)
     _scatter_slots_kernel[(num_blocks,)](ids, offsets, starts, sorted_ids, position if gather else sorted_ids,
                                          num_slots, POSITION=gather, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
