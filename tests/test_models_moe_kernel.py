@@ -235,10 +235,14 @@ def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, a
     (90, 60, 4, 64, None),      # experts not a power of two
     (300, 6, 3, 1, {0, 2, 5}),  # jagged groups
 ])
-def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, block_m, allowed):
+@pytest.mark.parametrize("one_hot_entries", [32768, 8192])   # the block widths of large and small shared memory
+def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, block_m, allowed, one_hot_entries,
+                                              monkeypatch):
     """The multi-program counting sort writes exactly what the tensor operations do, and `align_block_size` hands
     over to it above ALIGN_KERNEL_MAX_SLOTS."""
+    from minivllm.kernels import moe_sort
     from minivllm.kernels.fused_moe import ALIGN_KERNEL_MAX_SLOTS, align_block_size
+    monkeypatch.setattr(moe_sort, "_one_hot_entries", lambda device: one_hot_entries)
     _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
     slots = sort_slots(ids, num_experts, block_m)

@@ -22,6 +22,7 @@ Every buffer is sized by the shapes, so nothing waits on the host and a CUDA gra
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -37,6 +38,21 @@ class SortedSlots(NamedTuple):
     ends: torch.Tensor               # [E] int32 where each expert's (padded) group ends
     position: torch.Tensor | None    # [slots] int32 each slot's row (with `gather`)
     rows: torch.Tensor | None        # [slots, H] the hidden rows in sorted order (with `gather`)
+
+
+# A block's one-hot [BLOCK_S, BLOCK_E] of int32 and its running sum are staged in shared memory: 32k entries need
+# 128 KiB (Hopper and A100 have more), 8k fit the 100 KiB of smaller GPUs.
+ONE_HOT_ENTRIES = 32768
+SMALL_SHARED_MEMORY_ONE_HOT_ENTRIES = 8192
+
+
+@functools.lru_cache(maxsize=8)
+def _one_hot_entries(device: torch.device) -> int:
+    if device.type != "cuda":
+        return ONE_HOT_ENTRIES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    shared = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return ONE_HOT_ENTRIES if shared >= 160 * 1024 else SMALL_SHARED_MEMORY_ONE_HOT_ENTRIES
 
 
 def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -149,9 +165,9 @@ def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
         raise ValueError("no slots to sort")
     device = ids.device
     block_e = triton.next_power_of_2(num_experts)
-    # Blocks as wide as a one-hot of 32k entries allows (its running sum is staged in shared memory), since the
-    # offsets kernel's one program walks the blocks in turn.
-    block_s = max(16, min(1024, 32768 // block_e))
+    # Blocks as wide as the one-hot allows, since the offsets kernel's one program walks the blocks in turn.
+    entries = _one_hot_entries(device)
+    block_s = max(16, min(1024, entries // block_e))
     num_blocks = triton.cdiv(num_slots, block_s)
     num_rows = padded_rows(num_slots, num_experts, block_m) if block_m > 1 else num_slots
     counts = torch.empty((num_blocks, block_e), dtype=torch.int32, device=device)
@@ -169,7 +185,7 @@ def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
                                         BLOCK_E=block_e, **pdl, num_warps=8)
     _group_offsets_kernel[(1,)](counts, offsets, starts, ends, sorted_ids if expert_ids is None else expert_ids,
                                 num_blocks, num_experts, num_rows // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
-                                CHUNK=max(1, 16384 // block_e), TILES=block_m > 1, **pdl, num_warps=8)
+                                CHUNK=max(1, entries // 2 // block_e), TILES=block_m > 1, **pdl, num_warps=8)
     _scatter_slots_kernel[(num_blocks,)](ids, offsets, starts, sorted_ids, position if gather else sorted_ids,
                                          num_slots, POSITION=gather, BLOCK_S=block_s, BLOCK_E=block_e, **pdl,
                                          num_warps=8)
