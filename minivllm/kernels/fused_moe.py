@@ -143,8 +143,8 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
 
 
 # One program's one-hot passes cost O(slots x experts). At Qwen3-30B-A3B's routing on an H200 the one program took
-# 11 against 16 µs for the counting sort's three kernels at 128 slots, 31 against 22 at 512 (a decode step at batch
-# 64) and 56 against 22 at 1,024 (`align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
+# 10.4 against 19.0 µs for the counting sort's three kernels at 128 slots and 30.3 against 21.0 at 512 (a decode step
+# at batch 64; `align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
 ALIGN_KERNEL_MAX_SLOTS = 256
 
 
