@@ -54,7 +54,8 @@ from minivllm.kernels.quant_rows import quantize_rows
 from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 from minivllm.kernels import moe_grouped_mm
-from minivllm.kernels.moe_sort import padded_rows, sort_slots, token_slots
+from minivllm.kernels.moe_sort import (padded_rows, rows_in_groups, slot_onehot, sort_slots, store_tile_experts,
+                                      token_slots)
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
@@ -114,19 +115,12 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
     experts gives the per-expert counts (first pass) and, through its running sum down the slots, each slot's
     rank in its expert's group (second pass), so slots keep their order within a group, as the stable sort's."""
     wait_for_previous(PDL)
-    experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for s0 in range(0, num_slots, BLOCK_S):
-        offs = s0 + tl.arange(0, BLOCK_S)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        counts += tl.sum(slot_onehot(ids_ptr, s0 + tl.arange(0, BLOCK_S), num_slots, BLOCK_E), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    for t0 in range(0, num_rows // BLOCK_M, BLOCK_T):   # a tile's expert: how many groups end at or before it
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
-        expert = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_rows // BLOCK_M)
+    store_tile_experts(ends, expert_ids_ptr, num_experts, num_rows // BLOCK_M, BLOCK_M, BLOCK_E, BLOCK_T)
     for r0 in range(0, num_rows, BLOCK_T * BLOCK_M):   # padding rows hold the sentinel
         rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
         tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots, mask=rows < num_rows)
@@ -134,11 +128,8 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
     cursor = ends - padded
     for s0 in range(0, num_slots, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
-        in_range = offs < num_slots
-        onehot = (tl.load(ids_ptr + offs, mask=in_range, other=-1)[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - 1 + cursor[None, :]
-        destination = tl.sum(onehot * rank, axis=1)
-        tl.store(sorted_ids_ptr + destination, offs, mask=in_range)
+        onehot = slot_onehot(ids_ptr, offs, num_slots, BLOCK_E)
+        tl.store(sorted_ids_ptr + rows_in_groups(onehot, cursor), offs, mask=offs < num_slots)
         cursor += tl.sum(onehot, axis=0)
 
 

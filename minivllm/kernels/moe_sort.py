@@ -61,6 +61,33 @@ def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
 
 
+@triton.jit
+def slot_onehot(ids_ptr, offs, num_slots, BLOCK_E: tl.constexpr):
+    """[len(offs), BLOCK_E] int32: 1 where slot offs[i] is routed to expert e (no 1 in rows past num_slots)."""
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    return (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def rows_in_groups(onehot, first):
+    """Each slot's sorted row: its expert's `first` free row plus its rank among the chunk's slots of that expert
+    (the one-hot's running sum down the slots), so slots keep their order within a group."""
+    return tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + first[None, :]), axis=1)
+
+
+@triton.jit
+def store_tile_experts(ends, expert_ids_ptr, num_experts, num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Each BLOCK_M-row tile's expert, from the padded groups' ends: how many groups end at or before its first row
+    (-1 past the last group)."""
+    experts = tl.arange(0, BLOCK_E)
+    for t0 in range(0, num_tiles, CHUNK):
+        tiles = t0 + tl.arange(0, CHUNK)
+        before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_tiles)
+
+
 # Slot, block and tile counts change with every eager step: specialising on them would recompile mid-run.
 @triton.jit(do_not_specialize=["num_slots", "num_rows", "rows_per_block"])
 def _block_counts_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, num_slots, num_rows, rows_per_block,
@@ -69,11 +96,8 @@ def _block_counts_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, num_slots, num_row
     later, overwrites the slots' rows)."""
     wait_for_previous(PDL)
     block = tl.program_id(0)
-    offs = block * BLOCK_S + tl.arange(0, BLOCK_S)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + block * BLOCK_E + experts, counts)
+    counts = tl.sum(slot_onehot(ids_ptr, block * BLOCK_S + tl.arange(0, BLOCK_S), num_slots, BLOCK_E), axis=0)
+    tl.store(counts_ptr + block * BLOCK_E + tl.arange(0, BLOCK_E), counts)
     if FILL:
         first = block * rows_per_block
         for r0 in range(0, rows_per_block, BLOCK_S):
@@ -102,12 +126,8 @@ def _group_offsets_kernel(counts_ptr, offsets_ptr, starts_ptr, ends_ptr, expert_
     ends = tl.cumsum(padded, axis=0)
     tl.store(starts_ptr + experts, ends - padded)
     tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
-    if TILES:   # a tile's expert: how many groups end at or before its first row
-        for t0 in range(0, num_tiles, CHUNK):
-            tiles = t0 + tl.arange(0, CHUNK)
-            before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
-            expert = tl.sum(before.to(tl.int32), axis=1)
-            tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_tiles)
+    if TILES:
+        store_tile_experts(ends, expert_ids_ptr, num_experts, num_tiles, BLOCK_M, BLOCK_E, CHUNK)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -118,9 +138,8 @@ def _scatter_slots_kernel(ids_ptr, offsets_ptr, starts_ptr, sorted_ids_ptr, posi
     offs = block * BLOCK_S + tl.arange(0, BLOCK_S)
     in_range = offs < num_slots
     experts = tl.arange(0, BLOCK_E)
-    onehot = (tl.load(ids_ptr + offs, mask=in_range, other=-1)[:, None] == experts[None, :]).to(tl.int32)
     first = tl.load(offsets_ptr + block * BLOCK_E + experts) + tl.load(starts_ptr + experts)
-    row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + first[None, :]), axis=1)
+    row = rows_in_groups(slot_onehot(ids_ptr, offs, num_slots, BLOCK_E), first)
     tl.store(sorted_ids_ptr + row, offs, mask=in_range)
     if POSITION:
         tl.store(position_ptr + offs, row, mask=in_range)
