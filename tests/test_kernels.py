@@ -149,8 +149,11 @@ def test_decode_split_and_unsplit_agree_and_zero_an_empty_context():
 
 def test_decode_split_choice_depends_on_occupancy_and_length():
     from minivllm.kernels.decode_attention import MIN_PARTITION_SIZE, sequence_partition_size
-    # Plenty of (sequence, kv head) programs already: no split.
+    # A program per SM already: no split.
     assert choose_decode_splits(64, 8, 4096, 132) is None
+    assert choose_decode_splits(17, 8, 4096, 132) is None
+    # Fewer programs than SMs: split to about two a SM.
+    assert choose_decode_splits(16, 8, 4096, 132) == 3
     # One sequence: enough splits to give the SMs two programs each (fewer when the context is short).
     assert choose_decode_splits(1, 8, 32768, 132) == 33
     assert choose_decode_splits(1, 8, 768, 132) == 768 // MIN_PARTITION_SIZE

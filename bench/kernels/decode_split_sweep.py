@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     meta = run_metadata(torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for batch in (1, 4, 16, 32):
+    for batch in (1, 4, 16, 17, 24, 32, 64):
         for context, max_context in ((600, 768), (600, 8192), (4000, 4096), (4000, 32768)):
             if batch * max_context * LAYERS * KV_HEADS * HEAD_DIM * 4 > 40e9:
                 continue

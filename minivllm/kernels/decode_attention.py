@@ -187,15 +187,16 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
                          min_partition: int = MIN_PARTITION_SIZE) -> int | None:
-    """Split-K programs per (sequence, KV head), or None when batch x kv_heads already gives
-    PROGRAMS_PER_SM programs per SM. Depends only on shapes, so a CUDA graph captured with it stays
-    valid for any sequence lengths up to `max_context`; each sequence's partition then follows its own
-    length (`sequence_partition_size`)."""
+    """Split-K programs per (sequence, KV head), enough for PROGRAMS_PER_SM programs per SM, or None once
+    batch x kv_heads gives every SM a program: from there a second split buys no parallelism the SMs lack
+    and costs the reduce kernel (256 programs on 132 SMs: Llama-3-8B's batch 32 at a 600-token context,
+    decode_split_h100.json, and Qwen3-30B-A3B's batch 64). Depends only on shapes, so a CUDA graph captured
+    with it stays valid for any sequence lengths up to `max_context`; each sequence's partition then follows
+    its own length (`sequence_partition_size`)."""
     programs = batch * num_kv_heads
-    target = PROGRAMS_PER_SM * num_sms
-    if programs >= target or max_context <= min_partition:
+    if programs >= num_sms or max_context <= min_partition:
         return None
-    return min(triton.cdiv(target, programs), triton.cdiv(max_context, min_partition))
+    return min(triton.cdiv(PROGRAMS_PER_SM * num_sms, programs), triton.cdiv(max_context, min_partition))
 
 
 def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_PARTITION_SIZE) -> int:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from minivllm.kernels import tuning
 from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
@@ -164,14 +165,15 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 # The slot count changes every eager step; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["num_slots"])
-def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, sorted_ids_ptr, expert_ids_ptr,
-                      N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
+def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, sorted_ids_ptr,
+                      expert_ids_ptr, N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile. EVEN: the tile
-    divides N and K, so only the padding rows are masked."""
+    divides N and K, so only the padding rows are masked. TMA (with EVEN): B's tiles come through `b_desc`, a
+    tensor descriptor over B as [E * N, K], and the gathered A rows through pointers."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -188,7 +190,10 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if EVEN:
+        if TMA:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_mask[:, None], other=ZERO)
+            b = tl.trans(b_desc.load([expert.to(tl.int32) * N + pid_n * BLOCK_N, k0]))
+        elif EVEN:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_mask[:, None], other=ZERO)
             b = tl.load(b_base + offs_k[:, None] * stride_bk)
         else:
@@ -214,17 +219,23 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, 
 # batches: 64 tokens of top-8 routing over 128 experts give each about 4) and up to 64. There the GEMMs stream every
 # touched expert's weights once and are bound by the loads in flight, so the candidates vary the columns and the
 # depth of K a program streams and the pipeline's stages; the first of each is the default where timing can't run.
+# A tile marked TMA loads the weights through a tensor descriptor (Hopper's TMA unit: one instruction a tile, no
+# address arithmetic per element) where it divides the shapes, and through pointers elsewhere.
 FEW_ROW_TILES = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4),
                  dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5),
                  dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                  dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
                  dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
-                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4))
+                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+                 dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, TMA=True),
+                 dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, TMA=True))
 MID_ROW_TILES = (dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4),
                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
                  dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
+                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5, TMA=True),
+                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, TMA=True))
 
 
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) once each expert sees over 64 rows (prefill):
@@ -237,7 +248,10 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
-                 dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4))
+                 dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True))
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict, scale=None,
@@ -246,13 +260,18 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
     with row scales `a_scale` [rows of a] and `scale` [E, N]."""
     num_experts, n, k = b.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
+    even = n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0
+    b_desc = None
+    if config.get("TMA") and even and b.dtype != torch.int8 and b.is_contiguous():
+        b_desc = TensorDescriptor(b.view(num_experts * n, k), [num_experts * n, k], [k, 1],
+                                  [config["BLOCK_N"], config["BLOCK_K"]])
     _fused_moe_kernel[grid](
-        a, b, c, c if weights is None else weights, c if scale is None else scale, c if a_scale is None else a_scale,
-        sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
-        0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
+        a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
+        c if a_scale is None else a_scale, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
+        b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
         SCALED=scale is not None, IS_INT=b.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
         DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype),
-        EVEN=n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0, **config)
+        EVEN=even, **{**config, "TMA": b_desc is not None})
 
 
 @triton.jit
