@@ -148,10 +148,18 @@ def test_decode_split_and_unsplit_agree_and_zero_an_empty_context():
 
 
 def test_decode_split_choice_depends_on_occupancy_and_length():
-    from minivllm.kernels.decode_attention import MIN_PARTITION_SIZE, sequence_partition_size
-    # A program per SM already: no split.
+    from minivllm.kernels.decode_attention import (LONG_PARTITION_SIZE, MIN_PARTITION_SIZE, sequence_partition_size,
+                                                   shortest_partition)
+    # Two programs per SM already: no split.
     assert choose_decode_splits(64, 8, 4096, 132) is None
-    assert choose_decode_splits(17, 8, 4096, 132) is None
+    # A program per SM: halves of at least LONG_PARTITION_SIZE tokens, so no split where no context has two.
+    assert choose_decode_splits(17, 8, 4096, 132) == 2
+    assert choose_decode_splits(64, 4, 4096, 132) == 2
+    assert choose_decode_splits(17, 8, LONG_PARTITION_SIZE, 132) is None
+    assert choose_decode_splits(64, 4, 768, 132) is None
+    assert shortest_partition(17, 8, 132) == LONG_PARTITION_SIZE and shortest_partition(16, 8, 132) == 64
+    assert sequence_partition_size(600, 2, LONG_PARTITION_SIZE) == LONG_PARTITION_SIZE
+    assert sequence_partition_size(4000, 2, LONG_PARTITION_SIZE) == 2048
     # Fewer programs than SMs: split to about two a SM.
     assert choose_decode_splits(16, 8, 4096, 132) == 3
     # One sequence: enough splits to give the SMs two programs each (fewer when the context is short).
@@ -169,13 +177,16 @@ def test_decode_split_choice_depends_on_occupancy_and_length():
     assert sequence_partition_size(600, 33) == 64 and sequence_partition_size(4000, 33) == 128
 
 
-def test_decode_split_per_sequence_lengths():
+# max_context (blocks x 16) sets the split count, not these lengths. The interpreter counts 8 SMs: 4 sequences
+# cut contexts from one key tile up, 8 give every SM a program and cut only contexts over LONG_PARTITION_SIZE.
+@pytest.mark.parametrize("seq_lens, blocks_per_seq", [([5, 70, 300, 1], 32),
+                                                      ([5, 700, 1500, 2100, 1, 1024, 1025, 64], 160)])
+def test_decode_split_per_sequence_lengths(seq_lens, blocks_per_seq):
     """Per-sequence partitions (short and long contexts in one batch, a graph-sized block table) give
-    the reference's output: the kernel's device-side rule and the reduction agree on the partitions."""
+    the reference's output: the kernel's device-side rule and the reduction agree on the partitions, and a
+    context in one partition is written by the partition kernel alone."""
     gen = torch.Generator().manual_seed(3)
     block_size, kv_heads, group, head_dim = 16, 1, 2, 32
-    seq_lens = [5, 70, 300, 1]
-    blocks_per_seq = 32   # max_context 512: the split count comes from it, not from these lengths
     num_blocks = len(seq_lens) * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE)

@@ -1,8 +1,9 @@
 """Decode attention's split-K partition size at small batch, timed as the engine runs it: 32 layers' caches
 (so the keys come from HBM, not L2) called in turn from one CUDA graph, Llama-3-8B's heads (32 query, 8 KV,
 head_dim 128, bf16). Rows: batch x actual context x the graph's longest context (the block-table width),
-for the partition the old rule chose (256-token floor, just enough programs to fill the SMs), the current
-rule (per-sequence partitions: `choose_decode_splits`, `sequence_partition_size`), fixed sizes, and no split.
+for the partition a rule without the long-partition floor chose (per-sequence partitions from one key tile up
+until two programs a SM, however many (sequence, KV head) programs there are), the current rule
+(`choose_decode_splits`, `shortest_partition`, `sequence_partition_size`), fixed sizes, and no split.
 
     python bench/kernels/decode_split_sweep.py --out DIR      # -> decode_split_<gpu>.json
 """
@@ -18,19 +19,21 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import device_slug, run_metadata, write_json  # noqa: E402
-from minivllm.kernels.decode_attention import (choose_decode_splits, paged_decode_attention,  # noqa: E402
-                                              sequence_partition_size)
+from minivllm.kernels.decode_attention import (MIN_PARTITION_SIZE, choose_decode_splits,  # noqa: E402
+                                              paged_decode_attention, sequence_partition_size, shortest_partition)
 from minivllm.kernels.tuning import device_seconds  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
 
 
-def old_rule(batch: int, max_context: int, sms: int) -> int | None:
+def tile_floor_rule(batch: int, context: int, max_context: int, sms: int) -> int | None:
+    """The partition of a rule that splits from one key tile up until two programs a SM, at any occupancy."""
     programs = batch * KV_HEADS
-    if programs >= 2 * sms:
+    if programs >= 2 * sms or max_context <= MIN_PARTITION_SIZE:
         return None
-    partition = max(256, triton.next_power_of_2(triton.cdiv(max_context, triton.cdiv(2 * sms, programs))))
-    return None if partition >= max_context else partition
+    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max_context, MIN_PARTITION_SIZE))
+    partition = sequence_partition_size(context, splits)
+    return None if partition >= context else partition
 
 
 def make_case(batch: int, context: int, max_context: int):
@@ -68,8 +71,10 @@ def main(argv=None) -> dict:
             if batch * max_context * LAYERS * KV_HEADS * HEAD_DIM * 4 > 40e9:
                 continue
             splits = choose_decode_splits(batch, KV_HEADS, max_context, sms)
-            current = sequence_partition_size(context, splits) if splits else None
-            rules = {"old rule": old_rule(batch, max_context, sms), "current rule": "auto"}
+            current = (sequence_partition_size(context, splits, shortest_partition(batch, KV_HEADS, sms))
+                       if splits else None)
+            current = None if current is not None and current >= context else current
+            rules = {"tile floor": tile_floor_rule(batch, context, max_context, sms), "current rule": "auto"}
             sizes = dict(rules, **{str(p): p for p in (64, 128, 256, 512)}, **{"no split": None})
             times, case = {}, make_case(batch, context, max_context)
             for label, partition in sizes.items():
@@ -77,8 +82,8 @@ def main(argv=None) -> dict:
                 rows.append({"batch": batch, "context": context, "max_context": max_context, "label": label,
                              "partition": current if partition == "auto" else partition,
                              "us_per_layer": times[label]})
-            print(f"batch {batch:>3} context {context:>5} / {max_context:>6}: old {rules['old rule']} "
-                  f"{times['old rule']:.2f} us, current {current} {times['current rule']:.2f} us; "
+            print(f"batch {batch:>3} context {context:>5} / {max_context:>6}: tile floor {rules['tile floor']} "
+                  f"{times['tile floor']:.2f} us, current {current} {times['current rule']:.2f} us; "
                   + ", ".join(f"{k} {v:.2f}" for k, v in times.items() if k not in rules), flush=True)
             del case
             torch.cuda.empty_cache()

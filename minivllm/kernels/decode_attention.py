@@ -36,12 +36,13 @@ from minivllm.kernels.pdl import launch_options, wait_for_previous
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
+LONG_PARTITION_SIZE = 1024  # tokens: the shortest partition once batch x kv_heads gives every SM a program
 
 
 @triton.jit
-def _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION: tl.constexpr):
+def _partition_size(seq_len, splits, fixed_partition, min_partition):
     """`sequence_partition_size` on the device, or the forced size when there is one (> 0)."""
-    partition = seq_len * 0 + MIN_PARTITION
+    partition = seq_len * 0 + min_partition
     while partition * splits < seq_len:
         partition *= 2
     return tl.where(fixed_partition > 0, fixed_partition, partition)
@@ -71,7 +72,7 @@ def _decode_partition_kernel(
         qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
-        partial_stride_seq, partial_stride_head, fixed_partition,
+        partial_stride_seq, partial_stride_head, fixed_partition, min_partition,
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -81,8 +82,10 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    num_used = 1
     if SPLIT:
-        partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, BLOCK_N)
+        partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, min_partition)
+        num_used = (seq_len + partition - 1) // partition
         start = split * partition
         if start >= seq_len:  # this partition lies past the context: no work, nothing written
             return
@@ -130,7 +133,7 @@ def _decode_partition_kernel(
 
     acc = acc * v_scale   # the values' dequantization scale, once per output instead of per element
     out_mask = head_mask[:, None] & dim_mask[None, :]
-    if SPLIT:
+    if SPLIT and num_used > 1:
         # Normalised partial output plus (max, sum): the reduction reweights partitions exactly.
         base = seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split
         tl.store(partial_max_ptr + base, m_i, mask=head_mask)
@@ -142,7 +145,8 @@ def _decode_partition_kernel(
         tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :],
                  acc / l_i_safe[:, None], mask=out_mask)
     else:
-        # An empty context (padding row) yields zeros, as the reference does.
+        # A context in one partition is the output itself (the reduction skips it). An empty context
+        # (padding row) yields zeros, as the reference does.
         denominator = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denominator[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h
@@ -153,13 +157,15 @@ def _decode_partition_kernel(
 def _decode_reduce_kernel(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
         head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
-        MIN_PARTITION: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        min_partition, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition = _partition_size(seq_len, splits, fixed_partition, MIN_PARTITION)
+    partition = _partition_size(seq_len, splits, fixed_partition, min_partition)
     num_used = (seq_len + partition - 1) // partition   # only these were written
+    if num_used == 1:   # the partition kernel wrote the output
+        return
     base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
     split_ids = tl.arange(0, MAX_SPLITS)
     used = split_ids < num_used
@@ -185,18 +191,26 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: any small number keeps split decisions realistic
 
 
+def shortest_partition(batch: int, num_kv_heads: int, num_sms: int, min_partition: int = MIN_PARTITION_SIZE) -> int:
+    """The fewest tokens a partition holds: one key tile while the SMs lack (sequence, KV head) programs, and
+    LONG_PARTITION_SIZE once batch x kv_heads gives each SM one. There cutting a short context buys no
+    parallelism the SMs lack and costs the reduction, while a long one still gains from its halves being read
+    side by side (decode_split_h200.json, Llama-3-8B's heads at batch 17 to 32: a 600-token context whole
+    against in two, a 4,000-token one in two against whole)."""
+    return LONG_PARTITION_SIZE if batch * num_kv_heads >= num_sms else min_partition
+
+
 def choose_decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
                          min_partition: int = MIN_PARTITION_SIZE) -> int | None:
-    """Split-K programs per (sequence, KV head), enough for PROGRAMS_PER_SM programs per SM, or None once
-    batch x kv_heads gives every SM a program: from there a second split buys no parallelism the SMs lack
-    and costs the reduce kernel (256 programs on 132 SMs: Llama-3-8B's batch 32 at a 600-token context,
-    decode_split_h100.json, and Qwen3-30B-A3B's batch 64). Depends only on shapes, so a CUDA graph captured
-    with it stays valid for any sequence lengths up to `max_context`; each sequence's partition then follows
-    its own length (`sequence_partition_size`)."""
+    """Split-K programs per (sequence, KV head): enough for PROGRAMS_PER_SM programs per SM, at most as many
+    as partitions of `shortest_partition` tokens fit in `max_context`; None when that is one. Depends only on
+    shapes, so a CUDA graph captured with it stays valid for any sequence lengths up to `max_context`; each
+    sequence's partition then follows its own length (`sequence_partition_size`), and a sequence whose
+    context fits one partition is written by the partition kernel alone."""
     programs = batch * num_kv_heads
-    if programs >= num_sms or max_context <= min_partition:
-        return None
-    return min(triton.cdiv(PROGRAMS_PER_SM * num_sms, programs), triton.cdiv(max_context, min_partition))
+    shortest = shortest_partition(batch, num_kv_heads, num_sms, min_partition)
+    splits = min(triton.cdiv(PROGRAMS_PER_SM * num_sms, programs), triton.cdiv(max_context, shortest))
+    return splits if splits > 1 else None
 
 
 def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_PARTITION_SIZE) -> int:
@@ -244,8 +258,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
-    `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split. The cache has the query's dtype, or is fp8
-    read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
+    `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split.
+    The cache has the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
     its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -263,9 +277,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(num_queries_per_kv))   # tl.dot needs M >= 16
     block_n, num_warps, num_stages = _decode_config(block_d, query.dtype)
+    min_partition = block_n
     if partition_size is None:   # per sequence, at least one key tile
         fixed_partition = 0
-        num_splits = choose_decode_splits(batch, num_kv_heads, max_context, _num_sms(query.device), block_n)
+        num_sms = _num_sms(query.device)
+        num_splits = choose_decode_splits(batch, num_kv_heads, max_context, num_sms, block_n)
+        min_partition = shortest_partition(batch, num_kv_heads, num_sms, block_n)
     elif partition_size >= max_context:
         fixed_partition, num_splits = 0, None
     else:
@@ -290,7 +307,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads * num_splits, num_splits, fixed_partition,
+        num_heads * num_splits, num_splits, fixed_partition, min_partition,
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
@@ -300,6 +317,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            MIN_PARTITION=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
+            min_partition, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
             num_warps=1 if block_d <= 64 else 4)
     return out
