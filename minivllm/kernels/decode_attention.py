@@ -259,8 +259,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
     `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split.
-    The cache has the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values). `sliding_window` W: the query sees
-    its last W positions only; `logits_soft_cap` c: scores s become c * tanh(s / c) (None: off)."""
+    The cache has the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values).
+    `sliding_window` W: the query sees its last W positions only; `logits_soft_cap` c: scores s become
+    c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0

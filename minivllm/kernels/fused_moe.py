@@ -263,10 +263,10 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
     _fused_moe_kernel[grid](
         a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
         c if a_scale is None else a_scale, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
-        b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None,
-        SCALED=scale is not None, IS_INT=b.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
-        DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype),
-        EVEN=even, **{**config, "TMA": b_desc is not None})
+        b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a,
+        MUL_WEIGHT=weights is not None, SCALED=scale is not None, IS_INT=b.dtype == torch.int8,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", DOT_PRECISION=_dot_precision(c.dtype),
+        UPCAST=_upcast_dot(c.dtype), EVEN=even, **{**config, "TMA": b_desc is not None})
 
 
 @triton.jit
