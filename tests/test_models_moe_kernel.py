@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
-    FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, _grouped_experts, fused_experts, fused_experts_reference,
+    FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, UNSORTED_TILES, _grouped_experts, fused_experts, fused_experts_reference,
     moe_align_block_size)
 from minivllm.kernels import moe_grouped_mm  # noqa: E402
 from minivllm.kernels.moe_sort import sort_slots  # noqa: E402
@@ -58,7 +58,7 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, allowed):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
-TILES = FEW_ROW_TILES + MID_ROW_TILES + GROUPED_TILES
+TILES = FEW_ROW_TILES + MID_ROW_TILES + GROUPED_TILES + UNSORTED_TILES
 TMA_TILES = [tile for tile in TILES if tile.get("TMA")]
 
 
@@ -87,6 +87,22 @@ def test_grouped_tiles_that_divide_the_shapes_match_the_reference(tile):
     ids[:16, 1] = torch.where(ids[:16, 1] == 3, 0, ids[:16, 1])
     ours = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
     torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", UNSORTED_TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unsorted_tiles_compute_the_sorted_tiles_rows(tile, dtype):
+    """Without the sort each expert's programs take its slots in slot order, BLOCK_M at a time: the tiles the sorted,
+    padded list gives, so the output is bit for bit the sorted path's (one expert over-full, over several tiles,
+    one empty)."""
+    hidden, inter = 256, 128
+    w13, w2 = _weights(4, hidden, inter, dtype)
+    x, weights, ids = _routing(60, 4, 2, hidden, dtype, allowed={0, 1, 3})
+    ids[:50, 0] = 3
+    ids[:50, 1] = torch.where(ids[:50, 1] == 3, 0, ids[:50, 1])
+    sorted_tile = {key: value for key, value in tile.items() if key != "UNSORTED"}
+    unsorted = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
+    assert torch.equal(unsorted, _grouped_experts(x, w13, w2, weights, ids, None, None, sorted_tile))
 
 
 @pytest.mark.parametrize("tile", ["grouped", GEMV_TILES[0], GEMV_TILES[-1]])
@@ -195,6 +211,19 @@ def test_fused_experts_bf16_realistic_shapes(num_tokens):
     ours = fused_experts(x, w13, w2, weights, ids)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(ours.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tile", UNSORTED_TILES)
+def test_unsorted_tiles_bf16_realistic_shapes(tile):
+    """A 64-token decode step at Qwen3-30B-A3B's expert shapes (512 slots): without the sort, bit for bit the
+    sorted path's output."""
+    w13, w2 = _weights(128, 2048, 768, torch.bfloat16)
+    x, weights, ids = _routing(64, 128, 8, 2048, torch.bfloat16)
+    sorted_tile = {key: value for key, value in tile.items() if key != "UNSORTED"}
+    unsorted = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
+    assert torch.equal(unsorted, _grouped_experts(x, w13, w2, weights, ids, None, None, sorted_tile))
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [

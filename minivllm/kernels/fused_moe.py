@@ -10,6 +10,8 @@ Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate
    stays capturable in a CUDA graph; tiles past the last group get expert -1 and exit at once. Up to
    `ALIGN_KERNEL_MAX_SLOTS` slots `_align_kernel` does it in one program, beyond that the counting sort of
    `moe_sort.py` in three kernels; `moe_align_block_size` is the same in tensor operations (the reference).
+   Up to `UNSORTED_MAX_SLOTS` slots the tuner also times tiles that skip it (`UNSORTED_TILES`): each expert's
+   programs find their slots in the routing ids themselves and take them in the same tiles.
 2. `_fused_moe_kernel` computes, per (tile, BLOCK_N columns), the tile's gathered input rows times its
    expert's weight: first hidden[slot // top_k] @ w13[e]^T -> [slots, 2I], then (after SiLU-and-mul)
    act[slot] @ w2[e]^T scaled by the routing weight -> [slots, H]; the top_k slots of each token are
@@ -163,24 +165,15 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return align_one_program(topk_ids, num_experts, block_m)
 
 
-# The slot count changes every eager step; specialising on it would recompile mid-run.
-@triton.jit(do_not_specialize=["num_slots"])
-def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, sorted_ids_ptr,
-                      expert_ids_ptr, N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
-                      ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
-                      IS_INT: tl.constexpr, WIDEN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for one tile. EVEN: the tile
-    divides N and K, so only the padding rows are masked. TMA (with EVEN): B's tiles come through `b_desc`, a
-    tensor descriptor over B as [E * N, K], and the gathered A rows through pointers."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = slots < num_slots
+@triton.jit
+def _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots, row_mask, pid_n,
+                 N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
+                 ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr, IS_INT: tl.constexpr,
+                 WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
+                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for the BLOCK_M `slots` (rows
+    off `row_mask` untouched) and BLOCK_N columns. EVEN: the tile divides N and K, so only rows are masked. TMA (with
+    EVEN): B's tiles come through `b_desc`, a tensor descriptor over B as [E * N, K]; A's rows through pointers."""
     a_rows = (slots // ROWS_PER_A).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -215,6 +208,44 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+# The slot count changes every eager step; specialising on it would recompile mid-run.
+@triton.jit(do_not_specialize=["num_slots"])
+def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, ids_ptr, expert_ids_ptr,
+                      N, K, num_slots, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
+                      ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
+                      IS_INT: tl.constexpr, WIDEN: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
+                      SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The grouped GEMM over (row tile, BLOCK_N columns) programs. SLOTS = 0: `ids_ptr` is the sorted, padded slot
+    list and `expert_ids_ptr` each BLOCK_M-row tile's expert. SLOTS > 0 (a power of two >= num_slots): no sort;
+    program row 0 is expert 0's, 1 expert 1's and so on, each finding its slots in the routing ids `ids_ptr`
+    itself (a compare and a running sum over every slot) and taking them BLOCK_M at a time, in slot order: the
+    same rows in the same tiles as the sorted list."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if SLOTS == 0:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return
+        slots = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots,
+                     slots < num_slots, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                     stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION, UPCAST, EVEN, TMA,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        offs = tl.arange(0, SLOTS)
+        match = (tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1) == pid_m).to(tl.int32)
+        count = tl.sum(match, axis=0)
+        rank = tl.where(match > 0, tl.cumsum(match, axis=0) - 1, -1)   # each of the expert's slots' place
+        rows = tl.arange(0, BLOCK_M)
+        for first in range(0, count, BLOCK_M):
+            slots = tl.sum(tl.where(rank[None, :] == first + rows[:, None], offs[None, :], 0), axis=1)
+            _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, pid_m.to(tl.int64),
+                         slots, first + rows < count, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk,
+                         stride_cm, stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION,
+                         UPCAST, EVEN, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) while each expert sees up to 16 rows (decode
 # batches: 64 tokens of top-8 routing over 128 experts give each about 4) and up to 64. There the GEMMs stream every
 # touched expert's weights once and are bound by the loads in flight, so the candidates vary the columns and the
@@ -230,6 +261,14 @@ MID_ROW_TILES = (dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4),
                  dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
+
+
+# Up to UNSORTED_MAX_SLOTS (a decode step of 64 tokens of top-8 routing), these tiles also run without the sort:
+# each expert's programs find its slots themselves, a compare and a running sum over every slot, which costs less
+# than the sort's launches (three kernels of the counting sort from 257 slots).
+UNSORTED_MAX_SLOTS = 512
+UNSORTED_TILES = tuple(dict(tile, UNSORTED=True) for tile in (FEW_ROW_TILES[0], FEW_ROW_TILES[2], MID_ROW_TILES[0],
+                                                             MID_ROW_TILES[4]))
 
 
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) once each expert sees over 64 rows (prefill):
@@ -249,12 +288,15 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True))
 
 
-def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, config: dict, scale=None,
+def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: dict, scale=None,
                   a_scale=None) -> None:
     """c[slot] = a[slot // rows_per_a] @ b[expert]^T (* weights[slot]); with `scale`, a and b are 8-bit codes
-    with row scales `a_scale` [rows of a] and `scale` [E, N]."""
+    with row scales `a_scale` [rows of a] and `scale` [E, N]. `ids`: the sorted, padded slot list with each tile's
+    `expert_ids`, or for an UNSORTED config the routing ids in slot order (`expert_ids` None)."""
     num_experts, n, k = b.shape
-    grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
+    config = dict(config)
+    slots = triton.next_power_of_2(max(c.shape[0], 16)) if config.pop("UNSORTED", False) else 0
+    grid = (num_experts if slots else expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     even = n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0
     b_desc = None
     if config.get("TMA") and even and b.dtype != torch.int8 and b.is_contiguous():
@@ -262,11 +304,12 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, rows_per_a: int, con
                                   [config["BLOCK_N"], config["BLOCK_K"]])
     _fused_moe_kernel[grid](
         a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
-        c if a_scale is None else a_scale, sorted_ids, expert_ids, n, k, c.shape[0], a.stride(0), b.stride(0),
-        b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0), ROWS_PER_A=rows_per_a,
+        c if a_scale is None else a_scale, ids, ids if expert_ids is None else expert_ids, n, k, c.shape[0],
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0),
+        ROWS_PER_A=rows_per_a,
         MUL_WEIGHT=weights is not None, SCALED=scale is not None, IS_INT=b.dtype == torch.int8,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", DOT_PRECISION=_dot_precision(c.dtype),
-        UPCAST=_upcast_dot(c.dtype), EVEN=even, **{**config, "TMA": b_desc is not None})
+        UPCAST=_upcast_dot(c.dtype), EVEN=even, SLOTS=slots, **{**config, "TMA": b_desc is not None})
 
 
 @triton.jit
@@ -382,7 +425,7 @@ def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                   w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> dict:
     """The grouped GEMMs' tile: the fastest for this shape and power-of-two bucket of slots, timed on uniform random
     routing, of FEW_ROW_TILES up to 16 rows per expert, MID_ROW_TILES up to 64, GROUPED_TILES beyond (and torch's
-    grouped GEMM where it takes the operands)."""
+    grouped GEMM where it takes the operands), with UNSORTED_TILES up to UNSORTED_MAX_SLOTS slots."""
     num_tokens = hidden_states.shape[0]
     num_experts, two_i, hidden = w13.shape
     num_slots = num_tokens * top_k
@@ -391,6 +434,8 @@ def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                   else GROUPED_TILES)
     if candidates is GROUPED_TILES and moe_grouped_mm.supported(hidden_states, w13, w13_scale):
         candidates += (moe_grouped_mm.GROUPED_MM,)
+    if num_slots <= UNSORTED_MAX_SLOTS:
+        candidates += UNSORTED_TILES
     def run(tile, w13_copy, w2_copy):
         routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
         return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing, w13_scale, w2_scale, tile)
@@ -409,7 +454,10 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     config = config or _grouped_tile(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
     if config == moe_grouped_mm.GROUPED_MM:
         return moe_grouped_mm.grouped_mm_experts(hidden_states, w13, w2, topk_weights, topk_ids)
-    sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    if config.get("UNSORTED"):   # each expert's programs find its slots in the routing ids: no sort
+        sorted_ids, expert_ids = topk_ids.reshape(-1).contiguous(), None
+    else:
+        sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.contiguous().float()
