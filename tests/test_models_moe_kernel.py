@@ -321,6 +321,18 @@ def test_combine_weights_and_sums_each_tokens_rows(dtype):
     torch.testing.assert_close(ours.float(), by_hand, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_sums_weighted_rows_in_slot_order(dtype):
+    """The Triton grouped path's top-k sum: rows in slot order, weighted by the down GEMM already."""
+    num_tokens, top_k, n = 9, 8, 72
+    rows = torch.randn(num_tokens * top_k, n, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    ours = moe_grouped_mm.combine(rows, None, None, top_k)
+    expected = moe_grouped_mm.combine_reference(rows, None, None, top_k)
+    if dtype == torch.float32:   # the same sum in another order
+        torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(ours.float(), rows.float().view(num_tokens, top_k, n).sum(1), rtol=1.6e-2, atol=2e-2)
+
+
 def test_grouped_mm_path_takes_only_operands_it_can_run():
     """Torch's grouped GEMM needs rows of whole 16-byte units and experts in the model's dtype."""
     w13, _ = _weights(4, 48, 40, torch.float32)

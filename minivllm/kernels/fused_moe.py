@@ -470,7 +470,7 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
         activated = silu_and_mul(gate_up, quant_dtype=w2.dtype)
         _grouped_gemm(activated.codes, w2, down, weights, sorted_ids, expert_ids, 1, config, w2_scale,
                       activated.scales)
-    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+    return moe_grouped_mm.combine(down, None, None, top_k)   # the slots' rows are weighted already
 
 
 @functools.lru_cache(maxsize=16)   # made on a tuner's first timed call, then reused: none made while capturing

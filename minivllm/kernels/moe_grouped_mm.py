@@ -8,7 +8,8 @@ expert's rows contiguous in its input, so this path
 1. sorts the token x top-k slots by expert and gathers the hidden rows into that order (`moe_sort.sort_slots`,
    which also gives each group's end and each slot's row),
 2. runs gate/up, SiLU-and-mul and down over the sorted rows (no padding: the groups are jagged), and
-3. brings every token's top_k rows back together in `_combine_kernel`, which applies the routing weights and sums.
+3. brings every token's top_k rows back together in `_combine_kernel`, which applies the routing weights and sums. (The Triton grouped path sums
+   its rows, weighted by its down GEMM already and in slot order, through the same kernel.)
 
 Rounding follows the Triton grouped path: each GEMM rounds once to the model dtype, each slot's weighted row is
 rounded before the fp32 sum of a token's slots. The gather and the combine each move every slot's row once more,
@@ -46,31 +47,48 @@ def supported(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: torch.T
 
 @triton.jit
 def _combine_kernel(rows_ptr, position_ptr, weights_ptr, out_ptr, N, stride_rm, stride_om, TOP_K: tl.constexpr,
-                    BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """out[token, n] = sum over the token's TOP_K slots of round(weight[slot] * rows[position[slot], n])."""
+                    BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, SORTED: tl.constexpr, WEIGHTED: tl.constexpr,
+                    PDL: tl.constexpr):
+    """out[token, n] = sum over the token's TOP_K slots of round(weight[slot] * rows[position[slot], n]); without
+    SORTED the rows are in slot order (position[slot] = slot), without WEIGHTED already weighted."""
     wait_for_previous(PDL)
-    token, slots, k_valid, rows, offs_n = token_slots(position_ptr, TOP_K, BLOCK_TOPK, BLOCK_N)
+    if SORTED:
+        token, slots, k_valid, rows, offs_n = token_slots(position_ptr, TOP_K, BLOCK_TOPK, BLOCK_N)
+    else:
+        token = tl.program_id(0).to(tl.int64)
+        k_valid = tl.arange(0, BLOCK_TOPK) < TOP_K
+        slots = token * TOP_K + tl.arange(0, BLOCK_TOPK)
+        rows = slots
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = k_valid[:, None] & (offs_n < N)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    weights = tl.load(weights_ptr + slots, mask=k_valid, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    out = tl.sum((values * weights[:, None]).to(dtype).to(tl.float32), axis=0)
-    tl.store(out_ptr + token * stride_om + offs_n, out.to(dtype), mask=offs_n < N)
+    if WEIGHTED:
+        weights = tl.load(weights_ptr + slots, mask=k_valid, other=0.0).to(tl.float32)
+        values = (values * weights[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + offs_n, tl.sum(values, axis=0).to(dtype), mask=offs_n < N)
 
 
-def combine_reference(rows: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`_combine_kernel` in PyTorch: rows [S, N] in sorted order -> [S // top_k, N]."""
-    weighted = (rows[position].float() * weights.reshape(-1, 1).float()).to(rows.dtype)
-    return weighted.view(-1, top_k, rows.shape[1]).float().sum(dim=1).to(rows.dtype)
+def combine_reference(rows: torch.Tensor, position: torch.Tensor | None, weights: torch.Tensor | None,
+                      top_k: int) -> torch.Tensor:
+    """`_combine_kernel` in PyTorch: rows [S, N] in sorted order (slot order without `position`; already weighted
+    without `weights`) -> [S // top_k, N]."""
+    rows = rows if position is None else rows[position]
+    if weights is not None:
+        rows = (rows.float() * weights.reshape(-1, 1).float()).to(rows.dtype)
+    return rows.view(-1, top_k, rows.shape[1]).float().sum(dim=1).to(rows.dtype)
 
 
-def combine(rows: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+def combine(rows: torch.Tensor, position: torch.Tensor | None, weights: torch.Tensor | None,
+            top_k: int) -> torch.Tensor:
+    """Each token's top_k rows summed in fp32, rounded once (`combine_reference`)."""
     num_slots, n = rows.shape
     out = torch.empty((num_slots // top_k, n), dtype=rows.dtype, device=rows.device)
     block_n = min(1024, triton.next_power_of_2(n))
     _combine_kernel[(num_slots // top_k, triton.cdiv(n, block_n))](
-        rows, position, weights.reshape(-1).float().contiguous(), out, n, rows.stride(0), out.stride(0), TOP_K=top_k,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=block_n, num_warps=4, **launch_options(rows.device))
+        rows, rows if position is None else position, rows if weights is None else weights.reshape(-1).float(), out,
+        n, rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=block_n,
+        SORTED=position is not None, WEIGHTED=weights is not None, num_warps=4, **launch_options(rows.device))
     return out
 
 
