@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
-    FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, UNSORTED_TILES, _grouped_experts, fused_experts, fused_experts_reference,
+    FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, UNSORTED_TILES, _grouped_experts, fused_experts,
+    fused_experts_reference,
     moe_align_block_size)
 from minivllm.kernels import moe_grouped_mm  # noqa: E402
 from minivllm.kernels.moe_sort import sort_slots  # noqa: E402

@@ -8,8 +8,8 @@ expert's rows contiguous in its input, so this path
 1. sorts the token x top-k slots by expert and gathers the hidden rows into that order (`moe_sort.sort_slots`,
    which also gives each group's end and each slot's row),
 2. runs gate/up, SiLU-and-mul and down over the sorted rows (no padding: the groups are jagged), and
-3. brings every token's top_k rows back together in `_combine_kernel`, which applies the routing weights and sums. (The Triton grouped path sums
-   its rows, weighted by its down GEMM already and in slot order, through the same kernel.)
+3. brings every token's top_k rows back together in `_combine_kernel`, which applies the routing weights and sums.
+   (The Triton grouped path sums its rows, weighted by its down GEMM already and in slot order, through it too.)
 
 Rounding follows the Triton grouped path: each GEMM rounds once to the model dtype, each slot's weighted row is
 rounded before the fp32 sum of a token's slots. The gather and the combine each move every slot's row once more,
