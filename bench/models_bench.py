@@ -185,10 +185,9 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
     CUDA-graph replay (as a decode step runs it: no launch overhead); the loop is timed eagerly."""
     from minivllm.kernels import tuning
     from minivllm.kernels import moe_grouped_mm
-    from minivllm.kernels.fused_moe import (ALIGN_KERNEL_MAX_SLOTS, GEMV_MAX_SLOTS, GEMV_TILES, _grouped_experts,
-                                            align_one_program, fused_experts, fused_experts_reference,
-                                            moe_align_block_size)
-    from minivllm.kernels.moe_sort import sort_slots
+    from minivllm.kernels.fused_moe import (GEMV_MAX_SLOTS, GEMV_TILES, _grouped_experts, fused_experts,
+                                            fused_experts_reference)
+    from minivllm.kernels.moe_sort import ALIGN_KERNEL_MAX_SLOTS, align_one_program, moe_align_block_size, sort_slots
     from minivllm.layers.fused_moe import select_experts
     config = load_hf_config("qwen3-30b-a3b")
     num_experts, top_k = config.num_experts, config.num_experts_per_tok

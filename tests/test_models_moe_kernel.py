@@ -13,10 +13,9 @@ import pytest  # noqa: E402
 import minivllm.kernels  # noqa: E402,F401  (installs the interpreter fix before any launch)
 from minivllm.kernels.fused_moe import (  # noqa: E402
     FEW_ROW_TILES, GEMV_TILES, GROUPED_TILES, MID_ROW_TILES, UNSORTED_TILES, _grouped_experts, fused_experts,
-    fused_experts_reference,
-    moe_align_block_size)
+    fused_experts_reference)
 from minivllm.kernels import moe_grouped_mm  # noqa: E402
-from minivllm.kernels.moe_sort import sort_slots  # noqa: E402
+from minivllm.kernels.moe_sort import moe_align_block_size, sort_slots  # noqa: E402
 from minivllm.kernels.quant_rows import quantize_rows_reference, round_trip_rows  # noqa: E402
 from minivllm.layers.fused_moe import select_experts  # noqa: E402
 
@@ -256,7 +255,7 @@ def test_routing_kernel_matches_select_experts(num_tokens, num_experts, top_k, r
 def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, allowed):
     """The one-program bookkeeping writes exactly what the stable sort does: slot order within each group,
     sentinels in the padding, -1 for tiles past the last group."""
-    from minivllm.kernels.fused_moe import align_one_program
+    from minivllm.kernels.moe_sort import align_one_program
     _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
     sorted_ids, expert_ids = align_one_program(ids, num_experts, block_m)
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
@@ -276,7 +275,7 @@ def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, bl
     """The multi-program counting sort writes exactly what the tensor operations do, and `align_block_size` hands
     over to it above ALIGN_KERNEL_MAX_SLOTS."""
     from minivllm.kernels import moe_sort
-    from minivllm.kernels.fused_moe import ALIGN_KERNEL_MAX_SLOTS, align_block_size
+    from minivllm.kernels.moe_sort import ALIGN_KERNEL_MAX_SLOTS, align_block_size
     monkeypatch.setattr(moe_sort, "_one_hot_entries", lambda device: one_hot_entries)
     _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)

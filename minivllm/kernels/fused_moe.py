@@ -4,12 +4,11 @@ as two grouped GEMM launches over the stacked expert weights, with no Python loo
 Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate_up_proj`) and
 `w2` [E, H, I]. A token routed to `top_k` experts occupies `top_k` "slots" (slot = token * top_k + k).
 
-1. `align_block_size` sorts the slots by expert and pads each expert's group to a multiple of
+1. `moe_sort.align_block_size` sorts the slots by expert and pads each expert's group to a multiple of
    BLOCK_M, so every BLOCK_M-row tile belongs to a single expert; padding rows hold the sentinel
    `num_slots`. Its buffers are sized by (slots, experts, BLOCK_M), so there is no host sync and the step
-   stays capturable in a CUDA graph; tiles past the last group get expert -1 and exit at once. Up to
-   `ALIGN_KERNEL_MAX_SLOTS` slots `_align_kernel` does it in one program, beyond that the counting sort of
-   `moe_sort.py` in three kernels; `moe_align_block_size` is the same in tensor operations (the reference).
+   stays capturable in a CUDA graph; tiles past the last group get expert -1 and exit at once (one kernel
+   program up to 256 slots, a counting sort in three kernels beyond; see moe_sort.py).
    Up to `UNSORTED_MAX_SLOTS` slots the tuner also times tiles that skip it (`UNSORTED_TILES`): each expert's
    programs find their slots in the routing ids themselves and take them in the same tiles.
 2. `_fused_moe_kernel` computes, per (tile, BLOCK_N columns), the tile's gathered input rows times its
@@ -57,8 +56,7 @@ from minivllm.kernels.quant_rows import quantize_rows
 from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 from minivllm.kernels import moe_grouped_mm
-from minivllm.kernels.moe_sort import (padded_rows, rows_in_groups, slot_onehot, sort_slots, store_tile_experts,
-                                      token_slots)
+from minivllm.kernels.moe_sort import align_block_size, token_slots
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
@@ -83,86 +81,6 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
         y = y * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """topk_ids [M, top_k] -> (sorted_slot_ids [S], expert_ids [S // block_m]): slots grouped by
-    expert, each group padded to a multiple of block_m with the sentinel M * top_k; a tile's expert is
-    -1 past the last group. S is an upper bound that depends only on the shapes."""
-    flat = topk_ids.flatten().long()
-    num_slots = flat.numel()
-    device = flat.device
-    # scatter_add, not bincount: bincount on CUDA syncs to size its output (no CUDA graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    rank_in_group = torch.arange(num_slots, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    destination = (padded_end - padded)[sorted_experts] + rank_in_group
-    max_rows = padded_rows(num_slots, num_experts, block_m)
-    sorted_ids = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, destination, order.to(torch.int32))
-    tile_starts = torch.arange(0, max_rows, block_m, device=device)
-    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids
-
-
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, num_rows,
-                  BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PDL: tl.constexpr):
-    """`moe_align_block_size` in one program: per chunk of BLOCK_S slots a one-hot [BLOCK_S, BLOCK_E] of their
-    experts gives the per-expert counts (first pass) and, through its running sum down the slots, each slot's
-    rank in its expert's group (second pass), so slots keep their order within a group, as the stable sort's."""
-    wait_for_previous(PDL)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for s0 in range(0, num_slots, BLOCK_S):
-        counts += tl.sum(slot_onehot(ids_ptr, s0 + tl.arange(0, BLOCK_S), num_slots, BLOCK_E), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    store_tile_experts(ends, expert_ids_ptr, num_experts, num_rows // BLOCK_M, BLOCK_M, BLOCK_E, BLOCK_T)
-    for r0 in range(0, num_rows, BLOCK_T * BLOCK_M):   # padding rows hold the sentinel
-        rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
-        tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots, mask=rows < num_rows)
-    tl.debug_barrier()   # the sentinels land before any slot's id overwrites one
-    cursor = ends - padded
-    for s0 in range(0, num_slots, BLOCK_S):
-        offs = s0 + tl.arange(0, BLOCK_S)
-        onehot = slot_onehot(ids_ptr, offs, num_slots, BLOCK_E)
-        tl.store(sorted_ids_ptr + rows_in_groups(onehot, cursor), offs, mask=offs < num_slots)
-        cursor += tl.sum(onehot, axis=0)
-
-
-# One program's one-hot passes cost O(slots x experts). At Qwen3-30B-A3B's routing on an H200 the one program took
-# 10.4 against 19.0 µs for the counting sort's three kernels at 128 slots and 30.3 against 21.0 at 512 (a decode step
-# at batch 64; `align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
-ALIGN_KERNEL_MAX_SLOTS = 256
-
-
-def align_one_program(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`moe_align_block_size` (same outputs) in `_align_kernel`'s one program."""
-    num_slots = topk_ids.numel()
-    num_rows = padded_rows(num_slots, num_experts, block_m)
-    sorted_ids = torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device)
-    expert_ids = torch.empty(num_rows // block_m, dtype=torch.int32, device=topk_ids.device)
-    block_e = triton.next_power_of_2(num_experts)
-    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, expert_ids, num_slots, num_experts, num_rows,
-                        BLOCK_M=block_m, BLOCK_S=max(16, min(128, 8192 // block_e)), BLOCK_E=block_e, BLOCK_T=64,
-                        **launch_options(topk_ids.device), num_warps=8)
-    return sorted_ids, expert_ids
-
-
-def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`moe_align_block_size` (same outputs), where the tensor operations are a dozen launches of a few
-    microseconds each per MoE layer: in one program up to ALIGN_KERNEL_MAX_SLOTS slots, by the multi-program
-    counting sort beyond."""
-    if topk_ids.numel() > ALIGN_KERNEL_MAX_SLOTS or num_experts > 1024:
-        sorted_slots = sort_slots(topk_ids, num_experts, block_m)
-        return sorted_slots.sorted_ids, sorted_slots.expert_ids
-    return align_one_program(topk_ids, num_experts, block_m)
 
 
 @triton.jit
