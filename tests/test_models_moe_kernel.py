@@ -353,3 +353,20 @@ def test_grouped_mm_path_bf16_realistic_shapes():
     ours = _grouped_experts(x, w13, w2, weights, ids, None, None, moe_grouped_mm.GROUPED_MM)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(ours.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def test_grouped_tile_reuses_the_tuners_choice(monkeypatch):
+    """Once a bucket's tile is chosen, every later call takes it without building the candidate list again."""
+    from minivllm.kernels import fused_moe, tuning
+    w13, w2 = _weights(4, 48, 40, torch.float32)
+    x = torch.randn(300, 48).to(DEVICE)
+    key = ("moe_grouped", x.dtype, w13.dtype, 1024, 4, 80, 48)   # 300 tokens x top 2: the 1,024-slot bucket
+    monkeypatch.setitem(tuning._chosen, key, GROUPED_TILES[3])
+
+    def never(*args):
+        raise AssertionError("candidates built for a chosen bucket")
+    monkeypatch.setattr(moe_grouped_mm, "supported", never)
+    assert fused_moe._grouped_tile(x, w13, w2, 2, None, None) == GROUPED_TILES[3]
+    monkeypatch.delitem(tuning._chosen, key)
+    with pytest.raises(AssertionError, match="candidates built"):
+        fused_moe._grouped_tile(x, w13, w2, 2, None, None)

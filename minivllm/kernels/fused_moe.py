@@ -347,6 +347,11 @@ def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     num_tokens = hidden_states.shape[0]
     num_experts, two_i, hidden = w13.shape
     num_slots = num_tokens * top_k
+    bucket = 1 << (num_slots - 1).bit_length()
+    key = ("moe_grouped", hidden_states.dtype, w13.dtype, bucket, num_experts, two_i, hidden)
+    chosen = tuning.chosen(key)   # every eager prefill call of every MoE layer asks: skip building the candidates
+    if chosen is not None:
+        return chosen
     rows_per_expert = num_slots / num_experts
     candidates = (FEW_ROW_TILES if rows_per_expert <= 16 else MID_ROW_TILES if rows_per_expert <= 64
                   else GROUPED_TILES)
@@ -357,8 +362,6 @@ def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     def run(tile, w13_copy, w2_copy):
         routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
         return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing, w13_scale, w2_scale, tile)
-    bucket = 1 << (num_slots - 1).bit_length()
-    key = ("moe_grouped", hidden_states.dtype, w13.dtype, bucket, num_experts, two_i, hidden)
     return tuning.pick(key, candidates, run, candidates[0], weights=(w13, w2))
 
 

@@ -116,6 +116,12 @@ def stored_choice(key: Hashable, candidates: Sequence[Config], device_name: str)
     return next((c for c in candidates if repr(c) == wanted), None) if wanted is not None else None
 
 
+def chosen(key: Hashable):
+    """The candidate `pick` chose for `key` in this process, or None: for callers whose candidate list costs
+    something to build."""
+    return _chosen.get(key)
+
+
 def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object], default: Config,
          weights: Sequence[torch.Tensor] = ()) -> Config:
     """The fastest of `candidates` for `key` (stored for this device, or timed on its first call), or `default`
