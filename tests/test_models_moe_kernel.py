@@ -173,6 +173,20 @@ def test_8bit_experts_w8a8_on_the_grouped_path_and_weight_only_on_the_few_token_
         fused_experts(x, w13q, w2q, weights, ids, w13_scale=s13)
 
 
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_8bit_experts_take_the_same_tiles_without_the_sort(code_dtype):
+    """W8A8 through an unsorted tile: the sorted tile's output bit for bit (an expert over-full, one empty)."""
+    w13, w2 = _weights(6, 72, 40, torch.float32)
+    (w13q, s13), (w2q, s2) = _codes(w13, code_dtype), _codes(w2, code_dtype)
+    x, weights, ids = _routing(40, 6, 2, 72, torch.float32, {0, 2, 3, 5})
+    ids[:30, 0] = 5
+    ids[:30, 1] = torch.where(ids[:30, 1] == 5, 0, ids[:30, 1])
+    tile = UNSORTED_TILES[0]
+    sorted_tile = {key: value for key, value in tile.items() if key != "UNSORTED"}
+    unsorted = _grouped_experts(x, w13q, w2q, weights, ids, s13, s2, tile)
+    assert torch.equal(unsorted, _grouped_experts(x, w13q, w2q, weights, ids, s13, s2, sorted_tile))
+
+
 def test_fused_experts_bf16_rounds_like_a_linear_layer():
     """bf16 inputs, fp32 accumulation: within bf16 rounding of the fp32 computation."""
     w13, w2 = _weights(4, 32, 24, torch.bfloat16)
