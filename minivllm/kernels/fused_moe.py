@@ -101,12 +101,12 @@ def _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_pt
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if TMA:
+        if EVEN:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_mask[:, None], other=ZERO)
-            b = tl.trans(b_desc.load([expert.to(tl.int32) * N + pid_n * BLOCK_N, k0]))
-        elif EVEN:
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_mask[:, None], other=ZERO)
-            b = tl.load(b_base + offs_k[:, None] * stride_bk)
+            if TMA:
+                b = tl.trans(b_desc.load([expert.to(tl.int32) * N + pid_n * BLOCK_N, k0]))
+            else:
+                b = tl.load(b_base + offs_k[:, None] * stride_bk)
         else:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=ZERO)
@@ -224,8 +224,7 @@ def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: di
         a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
         c if a_scale is None else a_scale, ids, ids if expert_ids is None else expert_ids, n, k, c.shape[0],
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0),
-        ROWS_PER_A=rows_per_a,
-        MUL_WEIGHT=weights is not None, SCALED=scale is not None, IS_INT=b.dtype == torch.int8,
+        ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, SCALED=scale is not None, IS_INT=b.dtype == torch.int8,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", DOT_PRECISION=_dot_precision(c.dtype),
         UPCAST=_upcast_dot(c.dtype), EVEN=even, SLOTS=slots, **{**config, "TMA": b_desc is not None})
 
