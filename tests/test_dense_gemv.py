@@ -162,3 +162,119 @@ def test_norm_folds_into_small_grids_only_and_matches_in_a_graph():
             assert torch.equal(stream, expected_stream) and torch.equal(normed, expected_normed)
             expected = F.linear(expected_normed, weight).float()
             torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("tile", dense_gemv.GEMV_TILES)
+@pytest.mark.parametrize("num_experts, top_k, renormalize", [(128, 8, True), (37, 3, False), (8, 2, True)])
+def test_router_gemv_routes_its_row_in_its_last_program(tile, num_experts, top_k, renormalize):
+    """A router's GEMV given a RowRoute: its logits as without one, and the routing of them (by the program that
+    finishes last) equal to select_experts'; the ticket is back at zero, so the next call routes again."""
+    from minivllm.kernels.moe_routing import RowRoute
+    from minivllm.layers.fused_moe import select_experts
+    k = 1100
+    weight = (torch.randn(num_experts, k, generator=torch.Generator().manual_seed(5)) / k ** 0.5).to(DEVICE,
+                                                                                                     torch.bfloat16)
+    tickets = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    for seed in (6, 7):
+        x = _row(k, seed, 4.0)
+        route = RowRoute.new(top_k, renormalize, tickets)
+        logits = dense_gemv.gemv(x, weight, None, tile, epilogue=route)
+        assert torch.equal(logits, dense_gemv.gemv(x, weight, None, tile))
+        expected_weights, expected_ids = select_experts(logits.float(), top_k, renormalize)
+        assert torch.equal(route.ids, expected_ids)
+        torch.testing.assert_close(route.weights, expected_weights, rtol=1e-6, atol=1e-7)
+        assert tickets.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("tile", [dense_gemv.GEMV_TILES[0], dense_gemv.GEMV_TILES[-1]])
+@pytest.mark.parametrize("norms, gemma", [(False, False), (True, False), (True, True)])
+def test_qkv_gemv_rotates_and_stores_its_row_in_its_last_program(tile, norms, gemma):
+    """A qkv GEMV given a RowRotary: its q and k heads equal the rotary kernel's output on the plain GEMV's row (per-head
+    norms first, in Qwen3's or Gemma's form), its v untouched, and k and v stored in the paged cache at the token's
+    slot exactly as the rotary kernel stores them; the ticket is back at zero."""
+    from minivllm.kernels.rotary import RowRotary, apply_rotary_
+    from minivllm.layers.rotary import get_rope
+    q_heads, kv_heads, head_dim, k = 4, 2, 32, 200
+    n = (q_heads + 2 * kv_heads) * head_dim
+    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(8)) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    x = _row(k, 9, 2.0)
+    rope = get_rope(head_dim, 512, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([37], device=DEVICE)
+    weights = None
+    if norms:
+        g = torch.Generator().manual_seed(10)
+        weights = tuple((1.0 + 0.1 * torch.randn(head_dim, generator=g)).to(DEVICE, torch.bfloat16) for _ in range(2))
+    caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    slot = torch.tensor([6], device=DEVICE)
+    tickets = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    rotary = RowRotary(positions, rope.cos_sin_cache, q_heads, kv_heads, head_dim, weights, 1e-6, gemma,
+                       (caches[0], caches[1], slot, kv_heads), tickets)
+    ours = dense_gemv.gemv(x, weight, None, tile, epilogue=rotary)
+    expected = dense_gemv.gemv(x, weight, None, tile)
+    q, kk, v = expected.view(-1).split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+    apply_rotary_(positions, q.view(1, q_heads, head_dim), kk.view(1, kv_heads, head_dim), rope.cos_sin_cache,
+                  weights, 1e-6, gemma_norm=gemma, value=v.view(1, kv_heads, head_dim),
+                  kv_cache=(caches[2], caches[3], slot, kv_heads))
+    assert torch.equal(ours, expected)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][1, 2].abs().sum() > 0 and caches[0].abs().sum() == caches[0][1, 2].abs().sum()   # slot 6 only
+    assert tickets.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.gpu
+def test_routing_and_rotary_epilogues_in_a_pdl_graph_equal_the_separate_kernels():
+    """At Qwen3-30B-A3B's shapes, four chained layers (router GEMV that routes, the few-token experts with their
+    prefetch, qkv GEMV that rotates and stores k and v) replayed from one CUDA graph with PDL give bit for bit what
+    the GEMVs, the routing kernel and the rotary kernel compute launched one by one; the tickets end at zero."""
+    from minivllm.kernels.fused_moe import GEMV_TILES as MOE_TILES, _few_token_experts
+    from minivllm.kernels.moe_routing import RowRoute, route
+    from minivllm.kernels.rotary import RowRotary, apply_rotary_
+    from minivllm.kernels.split_k import tile_tickets
+    from minivllm.layers.rotary import get_rope
+    g = torch.Generator().manual_seed(11)
+    hidden, experts, top_k, inter, q_heads, kv_heads, head_dim = 2048, 128, 8, 768, 32, 4, 128
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to("cuda", torch.bfloat16)
+    router, w13, w2 = randn(experts, hidden, scale=0.05), randn(experts, 2 * inter, hidden, scale=0.02), \
+        randn(experts, hidden, inter, scale=0.02)
+    qkv = randn((q_heads + 2 * kv_heads) * head_dim, hidden, scale=0.02)
+    norms = (randn(head_dim, scale=0.1) + 1, randn(head_dim, scale=0.1) + 1)
+    rope = get_rope(head_dim, 4096, 1e6, None).to("cuda")
+    positions, slots = torch.tensor([700], device="cuda"), torch.tensor([45], device="cuda")
+    tickets = tile_tickets(torch.device("cuda"), 1)
+    x0 = randn(1, hidden)
+
+    def layers(x, fused, cache):
+        for _ in range(4):
+            if fused:
+                routing = RowRoute.new(top_k, True, tickets)
+                dense_gemv.gemv(x, router, None, dense_gemv.GEMV_TILES[0], epilogue=routing)
+                weights, ids = routing.weights, routing.ids
+            else:
+                weights, ids = route(dense_gemv.gemv(x, router, None, dense_gemv.GEMV_TILES[0]), top_k, True)
+            h = _few_token_experts(x, w13, w2, weights, ids, None, None, MOE_TILES[5])
+            rotary = RowRotary(positions, rope.cos_sin_cache, q_heads, kv_heads, head_dim, norms, 1e-6, False,
+                               (cache[0], cache[1], slots, kv_heads), tickets)
+            row = dense_gemv.gemv(h, qkv, None, dense_gemv.GEMV_TILES[1], epilogue=rotary if fused else None)
+            if not fused:
+                q, k, v = row.view(-1).split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+                apply_rotary_(positions, q.view(1, q_heads, head_dim), k.view(1, kv_heads, head_dim),
+                              rope.cos_sin_cache, norms, 1e-6, value=v.view(1, kv_heads, head_dim),
+                              kv_cache=(cache[0], cache[1], slots, kv_heads))
+            x = row[:, :hidden]
+        return x
+
+    caches = [[torch.zeros(8, 16, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+              for _ in range(2)]
+    expected = layers(x0, False, caches[0])
+    layers(x0, True, caches[1])   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ours = layers(x0, True, caches[1])
+    caches[1][0].zero_(), caches[1][1].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ours, expected)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert int(tickets.abs().sum()) == 0
