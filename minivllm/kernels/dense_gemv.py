@@ -26,11 +26,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.moe_routing import RowRoute, route_row
-from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 from minivllm.kernels.rmsnorm import RowNorm
-from minivllm.kernels.rotary import RowRotary, rotate_token
-from minivllm.kernels.split_k import last_to_arrive
 
 # (BLOCK_N, BLOCK_K, num_warps): one or two rows a program keep the most loads in flight. Timed on an H200 against
 # cuBLAS for the attention, router and MLP shapes of Llama-3-8B, Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the
@@ -48,18 +45,14 @@ NORM_FOLD_MAX_ROWS = 1024
 
 
 @triton.jit
-def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
-               eps, row_bytes, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-               WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """This program's BLOCK_N entries of out[n] = x . w[n] (+ b[n]); NORM: of RMSNorm(x (+ residual)) * norm
-    weight."""
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
+                 eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                 WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[n] = x . w[n] (+ b[n]); NORM: of RMSNorm(x (+ residual)) * norm weight."""
+    wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if PREFETCH:   # the weights depend on no earlier kernel: this program's rows start for L2 while it runs
-        prefetch_l2(w_ptr + offs_n.to(tl.int64) * stride_wn, tl.zeros_like(offs_n) + row_bytes, n_mask, PDL)
-    wait_for_previous(PDL)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -94,55 +87,10 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stre
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
-                 eps, row_bytes, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-                 WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
-               eps, row_bytes, HAS_BIAS, NORM, ADD, WRITE_NORMED, WRITE_BLOCK, BLOCK_N, BLOCK_K, PREFETCH, PDL)
-
-
-@triton.jit
-def _gemv_route_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K,
-                       stride_wn, eps, row_bytes, tickets_ptr, weights_ptr, ids_ptr, HAS_BIAS: tl.constexpr,
-                       NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, TOP_K: tl.constexpr,
-                       RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROUTE_BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
-    """The GEMV of a token's MoE router logits; the program that finishes last routes them."""
-    _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
-               eps, row_bytes, HAS_BIAS, NORM, ADD, WRITE_NORMED, WRITE_BLOCK, BLOCK_N, BLOCK_K, PREFETCH, PDL)
-    if last_to_arrive(tickets_ptr, tl.num_programs(0)):
-        route_row(out_ptr, weights_ptr, ids_ptr, 0, N, 0, TOP_K, RENORMALIZE, BLOCK_E, ROUTE_BLOCK_K, CACHE=".cg")
-        tl.atomic_xchg(tickets_ptr, 0)
-
-
-@triton.jit
-def _gemv_rotary_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K,
-                        stride_wn, eps, row_bytes, tickets_ptr, k_offset, positions_ptr, cos_sin_ptr, cos_sin_stride,
-                        q_norm_ptr, k_norm_ptr, qk_eps, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                        cache_stride_block, cache_stride_row, cache_stride_h, HAS_BIAS: tl.constexpr,
-                        NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                        NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QK_NORM: tl.constexpr, STORE: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
-    """The GEMV of a token's q | k | v row; the program that finishes last does the rotary kernel's work on it."""
-    _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
-               eps, row_bytes, HAS_BIAS, NORM, ADD, WRITE_NORMED, WRITE_BLOCK, BLOCK_N, BLOCK_K, PREFETCH, PDL)
-    if last_to_arrive(tickets_ptr, tl.num_programs(0)):
-        rotate_token(0, out_ptr, out_ptr + k_offset, 0, 0, positions_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr,
-                     k_norm_ptr, qk_eps, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                     cache_stride_block, cache_stride_row, cache_stride_h, NUM_Q_HEADS, NUM_K_HEADS, HALF, BLOCK_H,
-                     BLOCK_D, QK_NORM, STORE, BLOCK_SIZE, CACHE=".cg")
-        tl.atomic_xchg(tickets_ptr, 0)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int],
-         norm: RowNorm | None = None, epilogue: RowRoute | RowRotary | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a [1, K] row (or [K]) with the given tile; with `norm`, of x's RMSNorm; with
-    `epilogue`, the row routed or rotated by the last program (see the module docstring)."""
+         norm: RowNorm | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a [1, K] row (or [K]) with the given tile; with `norm`, of x's RMSNorm (see
+    the module docstring)."""
     block_n, block_k, warps = tile
     n, k = weight.shape
     x = x.contiguous()
@@ -151,22 +99,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     residual = stream = normed = norm_weight = None
     if norm is not None:
         norm_weight, residual, stream, normed = norm.weight, norm.residual, norm.stream, norm.normed
-    pdl = launch_options(x.device)
-    args = (x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
-            x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
-            n, k, weight.stride(0), 0.0 if norm is None else norm.eps, k * weight.element_size())
-    options = dict(HAS_BIAS=bias is not None, NORM=norm is not None, ADD=residual is not None,
-                   WRITE_NORMED=normed is not None, WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))),
-                   BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=bool(pdl["PDL"]) and rows_prefetchable(weight),
-                   num_warps=warps, **pdl)
-    if epilogue is None:
-        _gemv_kernel[(grid,)](*args, **options)
-    elif isinstance(epilogue, RowRoute):
-        _gemv_route_kernel[(grid,)](*args, epilogue.tickets, epilogue.weights, epilogue.ids,
-                                    **epilogue.kernel_args(n), **options)
-    else:
-        _gemv_rotary_kernel[(grid,)](*args, epilogue.tickets, epilogue.k_offset, **epilogue.kernel_args(out),
-                                     **options)
+    _gemv_kernel[(grid,)](
+        x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
+        x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
+        n, k, weight.stride(0), 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None, NORM=norm is not None,
+        ADD=residual is not None, WRITE_NORMED=normed is not None,
+        WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **launch_options(x.device))
     return out
 
 
@@ -182,14 +121,13 @@ def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           norm: RowNorm | None = None, epilogue: RowRoute | RowRotary | None = None) -> torch.Tensor:
+           norm: RowNorm | None = None) -> torch.Tensor:
     """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape;
-    with `norm` (where `folds_norm`) or an `epilogue`, through the GEMV with the tile timed fastest with them."""
-    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *("norm",) * (norm is not None),
-           *(() if epilogue is None else (type(epilogue).__name__,)))
+    with `norm` (where `folds_norm`), through the GEMV with the tile timed fastest with the norm folded in."""
+    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *("norm",) * (norm is not None))
 
     def run(candidate, w):
-        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm, epilogue)
-    candidates = GEMV_TILES if norm is not None or epilogue is not None else (None, *GEMV_TILES)
+        return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
+    candidates = GEMV_TILES if norm is not None else (None, *GEMV_TILES)
     tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
-    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm, epilogue)
+    return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)

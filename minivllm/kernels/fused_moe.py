@@ -57,7 +57,7 @@ from minivllm.kernels.w8a8_gemm import dot_8bit
 from minivllm.kernels.decode_attention import _dot, _dot_precision, _upcast_dot
 from minivllm.kernels import moe_grouped_mm
 from minivllm.kernels.moe_sort import align_block_size, token_slots
-from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -270,23 +270,15 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, st
 
 @triton.jit
 def _moe_down_combine_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we,
-                                  stride_wn, stride_om, stride_se, row_bytes, TOP_K: tl.constexpr,
-                                  SCALED: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                                  stride_wn, stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
+                                  BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  PDL: tl.constexpr):
     """out[token, n] = sum over the token's TOP_K slots of weight[slot] * (a[slot] . w2[e, n]), e the slot's expert.
     All TOP_K experts' rows stream as one 3-D tile [TOP_K, BLOCK_N, BLOCK_K] per step, so the program keeps
     TOP_K times the loads of a single GEMV in flight. Each slot's product is rounded to the output dtype before
-    the sum, where the grouped path rounds it.
-    PREFETCH: the routing ids were written two kernels back (the gate/up GEMV waited for them before this kernel
-    could launch), so the program asks L2 for its experts' rows before it waits for the gate/up GEMV. The ids are
-    read again after the wait for the product; these only pick what to prefetch."""
-    if PREFETCH:
-        _token, _slots, k_valid, early, offs_n = token_slots(ids_ptr, TOP_K, BLOCK_TOPK, BLOCK_N, LOAD=True, CACHE=".cg")
-        rows = w_ptr + early[:, None] * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-        prefetch_l2(rows, tl.zeros((BLOCK_TOPK, BLOCK_N), tl.int32) + row_bytes, k_valid[:, None] & (offs_n < N)[None, :],
-                    PDL)
+    the sum, where the grouped path rounds it."""
     wait_for_previous(PDL)
-    token, slots, k_valid, experts, offs_n = token_slots(ids_ptr, TOP_K, BLOCK_TOPK, BLOCK_N, LOAD=True, CACHE="")
+    token, slots, k_valid, experts, offs_n = token_slots(ids_ptr, TOP_K, BLOCK_TOPK, BLOCK_N)
     n_mask = offs_n < N
     rows = (w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn)
     a_rows = a_ptr + slots[:, None] * stride_am
@@ -319,11 +311,6 @@ DOWN_TILES = ((2, 256, 8), (1, 128, 4), (2, 256, 2), (8, 256, 8), (4, 1024, 8))
 GEMV_TILES = tuple(itertools.product(GATE_UP_TILES, DOWN_TILES))
 
 
-def _experts_prefetchable(w: torch.Tensor) -> bool:
-    """Whether `prefetch_l2` may take whole rows of every expert of the stacked `w` [E, rows, cols]."""
-    return rows_prefetchable(w[0]) and w.stride(0) * w.element_size() % 16 == 0
-
-
 def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                        tile: tuple) -> torch.Tensor:
@@ -346,8 +333,7 @@ def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
     _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         activated, w2, w2_scale if scaled else w2, ids, topk_weights.reshape(-1).contiguous().float(), out, hidden,
         inter, activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if scaled else 0,
-        inter * w2.element_size(), TOP_K=top_k, SCALED=scaled, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=down_n, BLOCK_K=down_k, PREFETCH=bool(pdl["PDL"]) and _experts_prefetchable(w2),
+        TOP_K=top_k, SCALED=scaled, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down_n, BLOCK_K=down_k,
         num_warps=down_warps, **pdl)
     return out
 

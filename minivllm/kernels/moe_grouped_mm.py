@@ -53,7 +53,7 @@ def _combine_kernel(rows_ptr, position_ptr, weights_ptr, out_ptr, N, stride_rm, 
     """out[token, n] = sum over the token's TOP_K slots of round(weight[slot] * rows[position[slot], n]); without
     SORTED the rows are in slot order (position[slot] = slot), without WEIGHTED already weighted."""
     wait_for_previous(PDL)
-    token, slots, k_valid, rows, offs_n = token_slots(position_ptr, TOP_K, BLOCK_TOPK, BLOCK_N, LOAD=SORTED, CACHE="")
+    token, slots, k_valid, rows, offs_n = token_slots(position_ptr, TOP_K, BLOCK_TOPK, BLOCK_N, LOAD=SORTED)
     mask = k_valid[:, None] & (offs_n < N)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty

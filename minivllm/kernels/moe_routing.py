@@ -4,12 +4,9 @@ probabilities in descending order and, where the model asks, their rescaling to 
 The plain-PyTorch form (`select_experts` in layers/fused_moe.py, the reference) is four kernels: softmax, topk,
 sum and divide. At decode a step runs them once per MoE layer on a handful of rows, where each costs a launch
 and a few microseconds of latency and nothing in bytes; here one program per token holds the token's logits in
-registers and picks the top_k by repeated argmax (ties go to the lower expert id). At one token, the router's
-GEMV may route the row itself instead (`RowRoute`): its last program to finish runs the same `route_row`.
+registers and picks the top_k by repeated argmax (ties go to the lower expert id).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -19,13 +16,13 @@ from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
-def route_row(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_lm, TOP_K: tl.constexpr,
-              RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
-    """Routes one token: its logits row (loaded with cache modifier CACHE) -> its TOP_K weights and expert ids."""
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_lm + experts, mask=valid, other=-float("inf"),
-                     cache_modifier=CACHE).to(tl.float32)
+    logits = tl.load(logits_ptr + token * stride_lm + experts, mask=valid, other=-float("inf")).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, 0))
     probs = exps / tl.sum(exps, 0)
     remaining = tl.where(valid, probs, -1.0)   # probabilities are >= 0, so a taken or padded expert never wins
@@ -42,37 +39,6 @@ def route_row(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_lm, T
     out = slots < TOP_K
     tl.store(weights_ptr + token * TOP_K + slots, picked, mask=out)
     tl.store(ids_ptr + token * TOP_K + slots, picked_ids.to(tl.int64), mask=out)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    route_row(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), num_experts, stride_lm, TOP_K,
-              RENORMALIZE, BLOCK_E, BLOCK_K, CACHE="")
-
-
-class RowRoute(NamedTuple):
-    """Routing for a kernel that computes one token's router logits (kernels/dense_gemv.py): the program that
-    finishes last (a ticket in `tickets`, kept zero) routes the row into `weights` [1, top_k] fp32 and `ids`
-    [1, top_k] int64, as `route` would, saving the routing kernel's launch."""
-    top_k: int
-    renormalize: bool
-    weights: torch.Tensor
-    ids: torch.Tensor
-    tickets: torch.Tensor
-
-    @classmethod
-    def new(cls, top_k: int, renormalize: bool, tickets: torch.Tensor) -> "RowRoute":
-        device = tickets.device
-        return cls(top_k, renormalize, torch.empty((1, top_k), dtype=torch.float32, device=device),
-                   torch.empty((1, top_k), dtype=torch.int64, device=device), tickets)
-
-    def kernel_args(self, num_experts: int) -> dict:
-        """The routing's compile-time arguments of the GEMV's kernel."""
-        block_e = triton.next_power_of_2(num_experts)
-        return {"TOP_K": self.top_k, "RENORMALIZE": self.renormalize, "BLOCK_E": block_e,
-                "ROUTE_BLOCK_K": triton.next_power_of_2(self.top_k)}
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -165,16 +165,16 @@ def _gather_rows_kernel(x_ptr, sorted_ids_ptr, rows_ptr, num_slots, H, stride_x,
 
 @triton.jit
 def token_slots(per_slot_ptr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-                LOAD: tl.constexpr, CACHE: tl.constexpr):
+                LOAD: tl.constexpr = True):
     """For a program over (token, BLOCK_N columns): the token's TOP_K slots in a BLOCK_TOPK vector, which of them are
-    real, each one's int64 entry of `per_slot_ptr` (its expert, or its sorted row; without LOAD the slot itself;
-    loaded with cache modifier CACHE) and the program's columns."""
+    real, each one's int64 entry of `per_slot_ptr` (its expert, or its sorted row; without LOAD the slot itself)
+    and the program's columns."""
     token = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_TOPK)
     k_valid = ks < TOP_K
     slots = token * TOP_K + ks
     if LOAD:
-        entries = tl.load(per_slot_ptr + slots, mask=k_valid, other=0, cache_modifier=CACHE).to(tl.int64)
+        entries = tl.load(per_slot_ptr + slots, mask=k_valid, other=0).to(tl.int64)
     else:
         entries = slots
     return token, slots, k_valid, entries, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

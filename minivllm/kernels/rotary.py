@@ -3,13 +3,9 @@
 One program per token rotates every query and key head of that token: the cos/sin row is read once and
 q/k are read and written once, instead of the ~20 elementwise kernels of the plain-PyTorch path (which
 under CUDA graphs cost more in launches than in bytes). Math in fp32, like the reference
-`RotaryEmbedding.forward` in minivllm/layers/rotary.py. The same per-head norms and KV-cache store as in
-`apply_rotary_` can run inside the one-row GEMV that computes a token's q | k | v (`RowRotary`): at batch 1
-the rotary kernel is one program, and there the GEMV's last program does its work without a launch.
+`RotaryEmbedding.forward` in minivllm/layers/rotary.py.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -21,11 +17,11 @@ from minivllm.kernels.pdl import launch_options, wait_for_previous
 @triton.jit
 def _rotate_heads(row_ptr, norm_ptr, eps, cos, sin, d, d_mask, cache_row_ptr, cache_stride_h, store_row,
                   NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                  STORE: tl.constexpr, CACHE: tl.constexpr):
-    """Rotate, in place, the NUM_HEADS contiguous heads (each 2 * HALF wide) starting at `row_ptr` (loaded with cache
-    modifier CACHE); with NORM, each head is first RMS-normalised and scaled by the weight at `norm_ptr` (NORM 1:
-    Llama's rounding, normalise, round, scale, round; NORM 2: Gemma's, scale by 1 + w in fp32, round once). With
-    STORE, the rotated heads also go to the KV cache row at `cache_row_ptr` (if `store_row`: not a padding token)."""
+                  STORE: tl.constexpr):
+    """Rotate, in place, the NUM_HEADS contiguous heads (each 2 * HALF wide) starting at `row_ptr`; with NORM, each
+    head is first RMS-normalised and scaled by the weight at `norm_ptr` (NORM 1: Llama's rounding, normalise,
+    round, scale, round; NORM 2: Gemma's, scale by 1 + w in fp32, round once). With STORE, the rotated heads also
+    go to the KV cache row at `cache_row_ptr` (if `store_row`: not a padding token)."""
     heads = tl.arange(0, BLOCK_H)
     dtype = row_ptr.dtype.element_ty
     if NORM > 0:
@@ -35,8 +31,8 @@ def _rotate_heads(row_ptr, norm_ptr, eps, cos, sin, d, d_mask, cache_row_ptr, ca
         h = start + heads
         mask = (h < NUM_HEADS)[:, None] & d_mask[None, :]
         ptr = row_ptr + h[:, None] * (2 * HALF) + d[None, :]
-        x1 = tl.load(ptr, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
         if NORM > 0:
             inv_rms = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
             if NORM == 1:
@@ -56,104 +52,36 @@ def _rotate_heads(row_ptr, norm_ptr, eps, cos, sin, d, d_mask, cache_row_ptr, ca
 
 
 @triton.jit
-def rotate_token(token, q_ptr, k_ptr, q_stride, k_stride, positions_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr,
-                 k_norm_ptr, eps, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_block,
-                 cache_stride_row, cache_stride_h, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-                 STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CACHE: tl.constexpr):
-    """One token's q and k heads rotated in place (normed first with NORM), and with STORE its k and v heads stored
-    in the paged cache; q, k and v rows loaded with cache modifier CACHE."""
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, q_stride, k_stride,
+                   cos_sin_stride, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_block,
+                   cache_stride_row, cache_stride_h, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                   STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HALF
     cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d, mask=d_mask, other=0.0)[None, :]
     _rotate_heads(q_ptr + token * q_stride, q_norm_ptr, eps, cos, sin, d, d_mask, q_ptr, 0, False, NUM_Q_HEADS, HALF,
-                  BLOCK_H, NORM, False, CACHE)
+                  BLOCK_H, NORM, False)
     slot = 0
     cache_row = 0
     if STORE:   # k (rotated) and v into the paged cache, as kernels/kv_write.py stores them (slot -1: padding)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         cache_row = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_row
     _rotate_heads(k_ptr + token * k_stride, k_norm_ptr, eps, cos, sin, d, d_mask, k_cache_ptr + cache_row,
-                  cache_stride_h, slot >= 0, NUM_K_HEADS, HALF, BLOCK_H, NORM, STORE, CACHE)
+                  cache_stride_h, slot >= 0, NUM_K_HEADS, HALF, BLOCK_H, NORM, STORE)
     if STORE:
         heads = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, 2 * BLOCK_D)
         for start in tl.static_range(0, NUM_K_HEADS, BLOCK_H):
             h = start + heads
             mask = (h < NUM_K_HEADS)[:, None] & (dims < 2 * HALF)[None, :]
-            value = tl.load(v_ptr + token * v_stride + h[:, None] * (2 * HALF) + dims[None, :], mask=mask,
-                            cache_modifier=CACHE)
+            value = tl.load(v_ptr + token * v_stride + h[:, None] * (2 * HALF) + dims[None, :], mask=mask)
             tl.store(v_cache_ptr + cache_row + h[:, None] * cache_stride_h + dims[None, :], value,
                      mask=mask & (slot >= 0))
-
-
-@triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_stride, k_stride, positions_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr,
-                   k_norm_ptr, eps, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_block,
-                   cache_stride_row, cache_stride_h, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-                   STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    rotate_token(tl.program_id(0).to(tl.int64), q_ptr, k_ptr, q_stride, k_stride, positions_ptr, cos_sin_ptr,
-                 cos_sin_stride, q_norm_ptr, k_norm_ptr, eps, v_ptr, v_stride, k_cache_ptr, v_cache_ptr,
-                 slot_mapping_ptr, cache_stride_block, cache_stride_row, cache_stride_h, NUM_Q_HEADS, NUM_K_HEADS,
-                 HALF, BLOCK_H, BLOCK_D, NORM, STORE, BLOCK_SIZE, CACHE="")
-
-
-def rotary_args(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int, num_k_heads: int,
-                head_dim: int, norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0,
-                gemma_norm: bool = False, value: torch.Tensor | None = None, value_stride: int = 0,
-                kv_cache: tuple | None = None) -> dict:
-    """`rotate_token`'s arguments from positions on (see `apply_rotary_`), for the kernels that call it: the
-    rotary kernel, and a one-row GEMV whose last program rotates the row it computed (kernels/dense_gemv.py)."""
-    half = head_dim // 2
-    q_norm, k_norm = norm_weights if norm_weights is not None else (cos_sin_cache, cos_sin_cache)
-    if kv_cache is not None:
-        k_cache, v_cache, slot_mapping, _ = kv_cache
-        assert value is not None and k_cache.stride() == v_cache.stride()
-        store = dict(v_ptr=value, v_stride=value_stride, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
-                     slot_mapping_ptr=slot_mapping, cache_stride_block=k_cache.stride(0),
-                     cache_stride_row=k_cache.stride(1), cache_stride_h=k_cache.stride(2), STORE=True,
-                     BLOCK_SIZE=k_cache.shape[1])
-    else:
-        store = dict(v_ptr=cos_sin_cache, v_stride=0, k_cache_ptr=cos_sin_cache, v_cache_ptr=cos_sin_cache,
-                     slot_mapping_ptr=positions, cache_stride_block=0, cache_stride_row=0, cache_stride_h=0,
-                     STORE=False, BLOCK_SIZE=1)
-    return dict(positions_ptr=positions, cos_sin_ptr=cos_sin_cache, cos_sin_stride=cos_sin_cache.stride(0),
-                q_norm_ptr=q_norm, k_norm_ptr=k_norm, eps=eps, **store, NUM_Q_HEADS=num_q_heads,
-                NUM_K_HEADS=num_k_heads, HALF=half,
-                BLOCK_H=min(16, triton.next_power_of_2(max(num_q_heads, num_k_heads))), BLOCK_D=triton.next_power_of_2(half), NORM=0 if norm_weights is None else 2 if gemma_norm else 1)
-
-
-class RowRotary(NamedTuple):
-    """The rotary kernel's work on one token's q | k | v row (`num_q_heads` then `num_k_heads` heads of `head_dim`, then
-    v), for the GEMV that computes the row (kernels/dense_gemv.py): the program that finishes last (a ticket in
-    `tickets`, kept zero) rotates q and k in place, after their per-head norms where `norm_weights` are given, and
-    stores k and v in `kv_cache` (Attention.kv_write_target) where given, saving the rotary kernel's launch."""
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    num_q_heads: int
-    num_k_heads: int
-    head_dim: int
-    norm_weights: tuple[torch.Tensor, torch.Tensor] | None
-    eps: float
-    gemma_norm: bool
-    kv_cache: tuple | None
-    tickets: torch.Tensor
-
-    @property
-    def k_offset(self) -> int:
-        return self.num_q_heads * self.head_dim
-
-    def kernel_args(self, row: torch.Tensor) -> dict:
-        """The GEMV kernel's rotary arguments for its output `row`."""
-        args = rotary_args(self.positions, self.cos_sin_cache, self.num_q_heads, self.num_k_heads, self.head_dim,
-                           self.norm_weights, self.eps, self.gemma_norm,
-                           row.view(-1)[(self.num_q_heads + self.num_k_heads) * self.head_dim:], 0, self.kv_cache)
-        args["qk_eps"], args["QK_NORM"] = args.pop("eps"), args.pop("NORM")
-        return args
 
 
 def apply_rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -170,13 +98,24 @@ def apply_rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     num_k_heads = key.shape[1]
     assert query.stride(2) == 1 and query.stride(1) == head_dim and key.stride(2) == 1 \
         and key.stride(1) == head_dim, "heads and dims must be contiguous"
+    half = head_dim // 2
+    q_norm, k_norm = norm_weights if norm_weights is not None else (query, key)
     if kv_cache is not None:
+        k_cache, v_cache, slot_mapping, _ = kv_cache
         assert value is not None and value.shape == key.shape and value.stride(2) == 1 \
-            and value.stride(1) == head_dim and kv_cache[0].dtype == key.dtype
+            and value.stride(1) == head_dim and k_cache.dtype == key.dtype and k_cache.stride() == v_cache.stride()
+        store = dict(v_ptr=value, v_stride=value.stride(0), k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+                     slot_mapping_ptr=slot_mapping, cache_stride_block=k_cache.stride(0),
+                     cache_stride_row=k_cache.stride(1), cache_stride_h=k_cache.stride(2), STORE=True,
+                     BLOCK_SIZE=k_cache.shape[1])
+    else:
+        store = dict(v_ptr=key, v_stride=0, k_cache_ptr=key, v_cache_ptr=key, slot_mapping_ptr=positions,
+                     cache_stride_block=0, cache_stride_row=0, cache_stride_h=0, STORE=False, BLOCK_SIZE=1)
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            query, key, query.stride(0), key.stride(0),
-            **rotary_args(positions, cos_sin_cache, num_q_heads, num_k_heads, head_dim, norm_weights, eps, gemma_norm,
-                          value, 0 if value is None else value.stride(0), kv_cache),
-            **launch_options(query.device), num_warps=4)
+            positions, query, key, cos_sin_cache, q_norm, k_norm, eps, query.stride(0), key.stride(0),
+            cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
+            BLOCK_H=min(16, triton.next_power_of_2(max(num_q_heads, num_k_heads))),
+            BLOCK_D=triton.next_power_of_2(half), NORM=0 if norm_weights is None else 2 if gemma_norm else 1,
+            **store, **launch_options(query.device), num_warps=4)
     return query, key

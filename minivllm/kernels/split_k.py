@@ -56,22 +56,15 @@ SUM_CHUNK = tl.constexpr(16)   # partials in flight at once in `sum_slices_in_la
 
 
 @triton.jit
-def last_to_arrive(ticket_ptr, arrivals):
-    """Called by each of `arrivals` programs after storing its share of a result: True in the last of them, which
-    may then read every share (with .cg loads: other SMs wrote them) and must reset the ticket to 0 for the next
-    call (`tl.atomic_xchg(ticket_ptr, 0)`)."""
-    tl.debug_barrier()   # every thread's share is stored before the ticket releases it
-    return tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-
-
-@triton.jit
 def sum_slices_in_last(partials_ptr, y_ptr, tickets_ptr, tile, partial_offs, y_offs, mask, stride_slice):
     """Called by every K slice (grid axis 2) of a tile after storing its fp32 partial at `partial_offs`: the
     last to take the tile's ticket sums the partials in slice order (deterministic) into y and resets the
     ticket for the next call. Offsets and mask are of any tile shape, the same for every slice."""
+    tl.debug_barrier()   # every thread's partial is stored before the ticket releases them
     ticket_ptr = tickets_ptr + tile
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     slices = tl.num_programs(2)
-    if last_to_arrive(ticket_ptr, slices):
+    if ticket == slices - 1:
         # read from L2 (.cg): other SMs wrote them. SUM_CHUNK loads are issued before their adds, so the
         # sum waits for L2 about slices / SUM_CHUNK times, not once per slice.
         acc = tl.zeros(partial_offs.shape, dtype=tl.float32)
@@ -100,7 +93,7 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def tile_tickets(device: torch.device, count: int) -> torch.Tensor | None:
-    """A zeroed int32 counter per output tile for `last_to_arrive`, kept zero by the kernels that use it
+    """A zeroed int32 counter per output tile for `sum_slices_in_last`, kept zero by the kernels that use it
     (None: not available while a CUDA graph is being captured, as its memory would belong to the graph)."""
     tickets = _tickets.get(device)
     if tickets is None or tickets.numel() < count:

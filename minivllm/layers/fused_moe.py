@@ -5,8 +5,7 @@ up rows) and `w2_weight` [E, H, I], filled from the HF per-expert tensors by `we
 shard id (expert, "w1" | "w3" | "w2") (Mixtral's names; Qwen's gate/up/down map onto them). On CUDA
 Triton kernels route (minivllm.kernels.moe_routing) and run the experts (minivllm.kernels.fused_moe); elsewhere
 their PyTorch references.
-The router's linear layer belongs to the model's MoE block, which passes its logits in, or at one token lets the
-router's GEMV route the token too (`route_in_router`).
+The router's linear layer belongs to the model's MoE block, which passes its logits in.
 
 Tensor parallelism splits every expert's intermediate dimension across the ranks, as the dense MLP's
 column/row-parallel pair does: each rank holds its rows of gate and up and its columns of down, so every
@@ -19,8 +18,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed import get_tp_rank, get_tp_size, split_evenly, tensor_model_parallel_all_reduce
-from minivllm.layers.fusion import PendingNorm, fusions_enabled
-from minivllm.layers.linear import UnquantizedLinearMethod
+from minivllm.layers.fusion import fusions_enabled
 from minivllm.quantization import current_moe_method
 
 
@@ -93,40 +91,15 @@ class FusedMoE(nn.Module):
                              f"{tuple(target.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
         target.copy_(loaded_weight)
 
-    def route_in_router(self, router: nn.Module, x: torch.Tensor | PendingNorm):
-        """Where x is one token on the GPU and the router a plain 16-bit linear layer without bias: the router's
-        one-row GEMV (which also norms a PendingNorm's x) routes the token in its last program
-        (kernels/moe_routing.RowRoute), saving the routing kernel. Returns (x as the experts take it, (weights,
-        ids)), else None."""
-        from minivllm.kernels import dense_gemv
-        from minivllm.kernels.moe_routing import RowRoute
-        from minivllm.kernels.split_k import tile_tickets
-        row = x.x if isinstance(x, PendingNorm) else x
-        if not (self.use_triton and type(router.quant_method) is UnquantizedLinearMethod and router.bias is None
-                and dense_gemv.supports(row, router.weight)):
-            return None
-        tickets = tile_tickets(row.device, 1)
-        if tickets is None:
-            return None
-        route = RowRoute.new(self.top_k, self.renormalize, tickets)
-        norm = None
-        if isinstance(x, PendingNorm):
-            normed = torch.empty_like(row)
-            norm = x.row_norm(normed.view(1, -1))
-        dense_gemv.linear(row.view(1, -1), router.weight, norm=norm, epilogue=route)
-        return (row if norm is None else normed), (route.weights, route.ids)
-
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """hidden [T, H], router_logits [T, E] -> [T, H]; or, instead of the logits, `routing` already made
-        (fp32 weights, int64 ids, each [T, top_k]; `route_in_router`)."""
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, E] -> [T, H]."""
         if self.use_triton and hidden_states.is_cuda:
             from minivllm.kernels.fused_moe import fused_experts
             from minivllm.kernels.moe_routing import route
-            topk_weights, topk_ids = routing or route(router_logits, self.top_k, self.renormalize)
+            topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
         else:
             from minivllm.kernels.fused_moe import fused_experts_reference as fused_experts
-            topk_weights, topk_ids = routing or select_experts(router_logits, self.top_k, self.renormalize)
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                             w13_scale=getattr(self, "w13_scale", None), w2_scale=getattr(self, "w2_scale", None))
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out

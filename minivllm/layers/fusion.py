@@ -127,22 +127,17 @@ def gate_up_activation(gate_up: nn.Module, act: nn.Module, x: torch.Tensor | Pen
 
 
 def qkv_rotary(qkv_proj: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
-               head_dim: int, rotated_heads: int, kv_cache: tuple | None = None,
-               qk_norms: tuple[nn.Module, nn.Module] | None = None) -> tuple[torch.Tensor, bool]:
+               head_dim: int, rotated_heads: int, kv_cache: tuple | None = None) -> tuple[torch.Tensor, bool]:
     """(qkv_proj(x), whether its first `rotated_heads` heads (q, k) already hold the rotary embedding at
-    `positions`, after the per-head `qk_norms` where given): rotated in the GEMM's kernel where the rotary layer is
-    the plain full-width neox one on its Triton path, the norms are ones the rotary kernels apply
-    (layers/rotary.kernel_norms), and qkv_proj's quant method can (`apply_rotary`: one 16-bit row on the GPU; int4
-    at one row on Hopper, without qk norms), which also norms a PendingNorm's x. `kv_cache`
-    (Attention.kv_write_target): where rotated, k and v were also stored there by the same kernel."""
-    from minivllm.layers.rotary import kernel_norms
+    `positions`): rotated in the GEMM's epilogue where the rotary layer is the plain full-width neox one on its
+    Triton path and qkv_proj's quant method can (`apply_rotary`: int4 at one row on Hopper), which also norms a
+    PendingNorm's x. `kv_cache` (Attention.kv_write_target): where rotated, k and v were also stored there by
+    the same kernel."""
     method = getattr(qkv_proj.quant_method, "apply_rotary", None)
-    norms = kernel_norms(qk_norms)
     if (method is not None and getattr(rotary, "fusable_into_qkv", False) and rotary.use_triton
-            and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1
-            and (qk_norms is None or norms is not None)):
+            and rotary.cos_sin_cache.shape[-1] == head_dim and positions.numel() == 1):
         out, x = _normed_call(method, qkv_proj, x, positions, rotary.cos_sin_cache, head_dim, rotated_heads,
-                              kv_cache=kv_cache, qk_norms=norms)
+                              kv_cache=kv_cache)
         if out is not None:
             return out, True
     return normed_linear(qkv_proj, x)[0], False

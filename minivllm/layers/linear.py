@@ -57,30 +57,6 @@ class UnquantizedLinearMethod:
         return out.view(*x.shape[:-1], -1), normed
 
 
-    def apply_rotary(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     head_dim: int, rotated_heads: int, norm=None, kv_cache=None, qk_norms=None) -> torch.Tensor | None:
-        """A qkv layer's output for one row with its first `rotated_heads` heads (q, k) rotated at `positions`, after
-        their per-head norms where `qk_norms` ((q weight, k weight), eps, gemma form; layers/rotary.kernel_norms), and
-        its k and v stored in `kv_cache` where given: one GEMV whose last program does the rotary kernel's work
-        (kernels/rotary.RowRotary); with `norm` (a layers/fusion.PendingNorm whose x is x) where `norms_input`, of
-        its norm too. Else None."""
-        from minivllm.kernels.rotary import RowRotary
-        from minivllm.kernels.split_k import tile_tickets
-        if not dense_gemv.supports(x, layer.weight) or (norm is not None and not self.norms_input(layer, x)):
-            return None
-        total_heads, rest = divmod(layer.weight.shape[0], head_dim)
-        kv_heads = total_heads - rotated_heads
-        tickets = tile_tickets(x.device, 1)
-        if rest or kv_heads <= 0 or rotated_heads - kv_heads <= 0 or tickets is None:
-            return None
-        weights, eps, gemma = qk_norms if qk_norms is not None else (None, 0.0, False)
-        rotary = RowRotary(positions, cos_sin_cache, rotated_heads - kv_heads, kv_heads, head_dim, weights, eps, gemma,
-                           kv_cache, tickets)
-        out = dense_gemv.linear(x.view(1, -1), layer.weight, layer.bias,
-                                norm=None if norm is None else norm.row_norm(), epilogue=rotary)
-        return out.view(*x.shape[:-1], -1)
-
-
 class LinearBase(nn.Module):
     """y = x W^T + b. Subclasses decide how checkpoint tensors map onto W and b."""
 

@@ -40,15 +40,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def kernel_norms(norms: tuple[nn.Module, nn.Module] | None) -> tuple | None:
-    """The per-head q and k norms as the rotary kernels apply them, ((q weight, k weight), eps, Gemma's form), where
-    they can: both plain RMSNorms or both Gemma's, with one eps. Else None."""
-    if norms is None or not (type(norms[0]) is type(norms[1]) in (RMSNorm, GemmaRMSNorm)
-                             and norms[0].eps == norms[1].eps):
-        return None
-    return (norms[0].weight, norms[1].weight), norms[0].eps, type(norms[0]) is GemmaRMSNorm
-
-
 class RotaryEmbedding(nn.Module):
     fusable_into_qkv = True   # layers/fusion.qkv_rotary: the cos | sin table read by a GEMM's epilogue
 
@@ -76,14 +67,17 @@ class RotaryEmbedding(nn.Module):
                          kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`forward`, and with `kv_cache` (Attention.kv_write_target) the rotated keys and `value` also stored in
         the paged cache where the Triton kernel runs: (query, key, whether k and v were stored)."""
-        kernel = kernel_norms(norms)
+        fused_norms = norms is not None and type(norms[0]) is type(norms[1]) in (RMSNorm, GemmaRMSNorm) \
+            and norms[0].eps == norms[1].eps
         triton_path = self.use_triton and query.is_cuda
-        if norms is not None and not (kernel is not None and triton_path):
+        if norms is not None and not (fused_norms and triton_path):
             query, key = norms[0](query), norms[1](key)
         if not triton_path:
             return (*self.forward_reference(positions, query, key), False)
         from minivllm.kernels.rotary import apply_rotary_
-        weights, eps, gemma = kernel or (None, 0.0, False)
+        weights, eps, gemma = None, 0.0, False
+        if fused_norms:
+            weights, eps, gemma = (norms[0].weight, norms[1].weight), norms[0].eps, type(norms[0]) is GemmaRMSNorm
         store = kv_cache is not None and value is not None
         query, key = apply_rotary_(positions, query, key, self.cos_sin_cache, weights, eps, gemma_norm=gemma,
                                    value=value if store else None, kv_cache=kv_cache if store else None)

@@ -22,7 +22,7 @@ from torch import nn
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.fusion import PendingNorm, gate_up_activation, norms_in_gemvs, qkv_rotary
+from minivllm.layers.fusion import PendingNorm, gate_up_activation, normed_linear, norms_in_gemvs, qkv_rotary
 from minivllm.layers.layernorm import RMSNorm, norm_layer_input
 from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
                                     RowParallelLinear)
@@ -67,12 +67,14 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm) -> torch.Tensor:
-        # The q/k norms, the rotation and the KV write may run in qkv_proj's kernel (layers/fusion.qkv_rotary).
-        x = hidden_states.x if isinstance(hidden_states, PendingNorm) else hidden_states
-        kv_cache = self.attn.kv_write_target(x.dtype)
-        qkv, rotated = qkv_rotary(self.qkv_proj, self.rotary_emb, positions, hidden_states, self.head_dim,
-                                  self.num_heads + self.num_kv_heads, kv_cache,
-                                  None if self.q_norm is None else (self.q_norm, self.k_norm))
+        kv_cache = None
+        if self.q_norm is None:   # the rotation (and the KV write) may run in qkv_proj's epilogue (layers/fusion)
+            x = hidden_states.x if isinstance(hidden_states, PendingNorm) else hidden_states
+            kv_cache = self.attn.kv_write_target(x.dtype)
+            qkv, rotated = qkv_rotary(self.qkv_proj, self.rotary_emb, positions, hidden_states, self.head_dim,
+                                      self.num_heads + self.num_kv_heads, kv_cache)
+        else:
+            qkv, rotated = normed_linear(self.qkv_proj, hidden_states)[0], False
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

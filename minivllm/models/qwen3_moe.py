@@ -38,13 +38,8 @@ class SparseMoeBlock(nn.Module):
         return self.gate
 
     def forward(self, hidden_states: torch.Tensor | PendingNorm) -> torch.Tensor:
-        routed = self.experts.route_in_router(self.gate, hidden_states)
-        if routed is None:
-            router_logits, hidden_states = normed_linear(self.gate, hidden_states, keep_input=True)
-            out = self.experts(hidden_states, router_logits)
-        else:
-            hidden_states, routing = routed
-            out = self.experts(hidden_states, None, routing)
+        router_logits, hidden_states = normed_linear(self.gate, hidden_states, keep_input=True)
+        out = self.experts(hidden_states, router_logits)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden_states))
             out = out + gate * self.shared_expert(hidden_states)

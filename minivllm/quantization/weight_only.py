@@ -119,15 +119,14 @@ class WeightOnlyLinearMethod:
         return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def apply_rotary(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     head_dim: int, rotated_heads: int, norm=None, kv_cache=None,
-                     qk_norms=None) -> torch.Tensor | None:
+                     head_dim: int, rotated_heads: int, norm=None, kv_cache=None) -> torch.Tensor | None:
         """A bias-free qkv layer's output with its first `rotated_heads` heads rotated (neox) at `positions`
         from one kernel where the GEMM can take the rotation (kernels/int4_gemm.weight_only_gemv_rotary: one
         row on Hopper); with `norm` (a layers/fusion.PendingNorm whose x is x), of its norm, computed in the
         same kernel; with `kv_cache` (k_cache, v_cache, slot_mapping, kv_heads), its k and v heads also stored
-        there by the same kernel. Else None, also with per-head `qk_norms`, which the epilogue does not apply."""
+        there by the same kernel. Else None."""
         row = self._one_row(layer, x, normed=norm is not None)
-        if row is None or qk_norms is not None:
+        if row is None:
             return None
         from minivllm.kernels.int4_gemm import weight_only_gemv_rotary
         from minivllm.kernels.int4_gemv_tma import KVWrite, Rotary, kv_write_supported
