@@ -84,41 +84,64 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
 
 
 @triton.jit
+def _b_tile(b_base, b_desc, row, k0, offs_k, k_mask, n_mask, stride_bk, EVEN: tl.constexpr, TMA: tl.constexpr,
+            ZERO: tl.constexpr):
+    """B's [BLOCK_K, BLOCK_N] tile at K step k0: through the descriptor from its row `row` of [E * rows, K] (TMA),
+    or through the pointers `b_base` [1, BLOCK_N] to its columns' rows."""
+    if TMA:
+        b = tl.trans(b_desc.load([row, k0]))
+    elif EVEN:
+        b = tl.load(b_base + offs_k[:, None] * stride_bk)
+    else:
+        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
+    return b
+
+
+@triton.jit
 def _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots, row_mask, pid_n,
                  N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_se,
                  ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr, IS_INT: tl.constexpr,
                  WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
-                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 TMA: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // ROWS_PER_A, k] * B[expert, n, k] (* weight[slot]) for the BLOCK_M `slots` (rows
     off `row_mask` untouched) and BLOCK_N columns. EVEN: the tile divides N and K, so only rows are masked. TMA (with
-    EVEN): B's tiles come through `b_desc`, a tensor descriptor over B as [E * N, K]; A's rows through pointers."""
+    EVEN): B's tiles come through `b_desc`, a tensor descriptor over B as [E * rows, K]; A's rows through pointers.
+    GATED: B has 2N rows an expert (gate, then up) and C[slot, n] = silu(gate) * up of the two products, rounded
+    where the separate SiLU-and-mul kernel rounds (each product, then silu)."""
     a_rows = (slots // ROWS_PER_A).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b_base = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    if GATED:
+        desc_row = expert.to(tl.int32) * (2 * N) + pid_n * BLOCK_N
+    else:
+        desc_row = expert.to(tl.int32) * N + pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ZERO: tl.constexpr = 0 if IS_INT else 0.0
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if EVEN:
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_mask[:, None], other=ZERO)
-            if TMA:
-                b = tl.trans(b_desc.load([expert.to(tl.int32) * N + pid_n * BLOCK_N, k0]))
-            else:
-                b = tl.load(b_base + offs_k[:, None] * stride_bk)
-        else:
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=ZERO)
-            b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
+        a_mask = row_mask[:, None] if EVEN else row_mask[:, None] & k_mask[None, :]
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=a_mask, other=ZERO)
+        b = _b_tile(b_base, b_desc, desc_row, k0, offs_k, k_mask, n_mask, stride_bk, EVEN, TMA, ZERO)
         if SCALED:
             acc += dot_8bit(a, b, IS_INT, WIDEN)
         else:
             acc += _dot(a, b, DOT_PRECISION, UPCAST)
+        if GATED:   # the up rows, N rows after the gate rows
+            b_up = _b_tile(b_base + N * stride_bn, b_desc, desc_row + N, k0, offs_k, k_mask, n_mask, stride_bk,
+                           EVEN, TMA, ZERO)
+            acc_up += _dot(a, b_up, DOT_PRECISION, UPCAST)
     if SCALED:   # the scales factor out of the sum over K
         a_scale = tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)
         b_scale = tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
         acc = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if GATED:
+        dtype = c_ptr.dtype.element_ty
+        gate = acc.to(dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -133,7 +156,8 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                      SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     """The grouped GEMM over (row tile, BLOCK_N columns) programs. SLOTS = 0: `ids_ptr` is the sorted, padded slot
     list and `expert_ids_ptr` each BLOCK_M-row tile's expert. SLOTS > 0 (a power of two >= num_slots): no sort;
     program row 0 is expert 0's, 1 expert 1's and so on, each finding its slots in the routing ids `ids_ptr`
@@ -149,7 +173,7 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
         _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots,
                      slots < num_slots, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                      stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION, UPCAST, EVEN, TMA,
-                     BLOCK_M, BLOCK_N, BLOCK_K)
+                     GATED, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         offs = tl.arange(0, SLOTS)
         match = (tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1) == pid_m).to(tl.int32)
@@ -161,7 +185,7 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
             _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, pid_m.to(tl.int64),
                          slots, first + rows < count, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk,
                          stride_cm, stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION,
-                         UPCAST, EVEN, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+                         UPCAST, EVEN, TMA, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # Tiles timed per shape and slot bucket (`kernels/tuning.pick`) while each expert sees up to 16 rows (decode
@@ -203,22 +227,29 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
-                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True))
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True))
 
 
 def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: dict, scale=None,
-                  a_scale=None) -> None:
+                  a_scale=None, gated: bool = False) -> None:
     """c[slot] = a[slot // rows_per_a] @ b[expert]^T (* weights[slot]); with `scale`, a and b are 8-bit codes
     with row scales `a_scale` [rows of a] and `scale` [E, N]. `ids`: the sorted, padded slot list with each tile's
-    `expert_ids`, or for an UNSORTED config the routing ids in slot order (`expert_ids` None)."""
-    num_experts, n, k = b.shape
-    config = dict(config)
+    `expert_ids`, or for an UNSORTED config the routing ids in slot order (`expert_ids` None). `gated`: b's rows are
+    gate then up, and c[slot] = silu(gate) * up of the products, each program taking BLOCK_N / 2 columns of each
+    (so the same B bytes a step as the plain tile)."""
+    num_experts, rows, k = b.shape
+    config = {key: value for key, value in config.items() if key != "GATED"}
+    if gated:
+        config["BLOCK_N"] //= 2
+    n = rows // 2 if gated else rows
     slots = triton.next_power_of_2(max(c.shape[0], 16)) if config.pop("UNSORTED", False) else 0
     grid = (num_experts if slots else expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     even = n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0
     b_desc = None
     if config.get("TMA") and even and b.dtype != torch.int8 and b.is_contiguous():
-        b_desc = TensorDescriptor(b.view(num_experts * n, k), [num_experts * n, k], [k, 1],
+        b_desc = TensorDescriptor(b.view(num_experts * rows, k), [num_experts * rows, k], [k, 1],
                                   [config["BLOCK_N"], config["BLOCK_K"]])
     _fused_moe_kernel[grid](
         a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
@@ -226,7 +257,7 @@ def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: di
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0),
         ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, SCALED=scale is not None, IS_INT=b.dtype == torch.int8,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", DOT_PRECISION=_dot_precision(c.dtype),
-        UPCAST=_upcast_dot(c.dtype), EVEN=even, SLOTS=slots, **{**config, "TMA": b_desc is not None})
+        UPCAST=_upcast_dot(c.dtype), EVEN=even, GATED=gated, SLOTS=slots, **{**config, "TMA": b_desc is not None})
 
 
 @triton.jit
@@ -358,6 +389,9 @@ def _grouped_tile(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         candidates += (moe_grouped_mm.GROUPED_MM,)
     if num_slots <= UNSORTED_MAX_SLOTS:
         candidates += UNSORTED_TILES
+    if w13_scale is not None:   # 8-bit experts run the activation apart (it quantizes the down GEMM's input)
+        candidates = tuple(tile for tile in candidates if not tile.get("GATED"))
+
     def run(tile, w13_copy, w2_copy):
         routing = _uniform_routing(num_tokens, num_experts, top_k, hidden_states.device)
         return _grouped_experts(hidden_states, w13_copy, w2_copy, *routing, w13_scale, w2_scale, tile)
@@ -378,10 +412,15 @@ def _grouped_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
         sorted_ids, expert_ids = topk_ids.reshape(-1).contiguous(), None
     else:
         sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, config["BLOCK_M"])
-    gate_up = torch.empty((num_slots, two_i), dtype=hidden_states.dtype, device=hidden_states.device)
+    gated = w13_scale is None and config.get("GATED", False)   # SiLU-and-mul in the gate/up GEMM's epilogue
+    gate_up = torch.empty((num_slots, two_i // 2 if gated else two_i), dtype=hidden_states.dtype,
+                          device=hidden_states.device)
     down = torch.empty((num_slots, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.contiguous().float()
-    if w13_scale is None:
+    if gated:
+        _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config, gated=True)
+        _grouped_gemm(gate_up, w2, down, weights, sorted_ids, expert_ids, 1, config)
+    elif w13_scale is None:
         _grouped_gemm(hidden_states, w13, gate_up, None, sorted_ids, expert_ids, top_k, config)
         _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, sorted_ids, expert_ids, 1, config)
     else:   # W8A8: each GEMM's input quantized per row to the experts' format
