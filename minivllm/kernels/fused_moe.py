@@ -15,6 +15,8 @@ Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate
    expert's weight: first hidden[slot // top_k] @ w13[e]^T -> [slots, 2I], then (after SiLU-and-mul)
    act[slot] @ w2[e]^T scaled by the routing weight -> [slots, H]; the top_k slots of each token are
    summed at the end. fp32 accumulation, one rounding to the model dtype per GEMM, like a linear layer.
+   A GATED prefill tile applies SiLU-and-mul in the gate/up GEMM's epilogue instead (each program streams the
+   matching gate and up rows, half of BLOCK_N each), saving the activation's pass and half the gate/up writes.
 
 A few tokens (decode) take another path: with `top_k` slots a token and up to `GEMV_MAX_SLOTS` slots, the
 sort, the padding to whole tiles and the tensor-core tiles cost more than they save, since each expert sees
