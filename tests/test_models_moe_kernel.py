@@ -113,8 +113,7 @@ def test_tail_tiles_at_half_the_rows_compute_the_same_rows(tile, hidden, inter):
     w13, w2 = _weights(6, hidden, inter, torch.float32)
     counts = [1, 64, 65, 128, 200, 0]
     order = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(3))
-    # top 2: a token's two slots may share an expert here, which the kernels do not mind
-    ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])[order].view(-1, 2)
+    ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])[order].view(-1, 2)   # top 2: a token's two slots may share an expert here, which the kernels do not mind
     x = torch.randn(ids.shape[0], hidden, generator=torch.Generator().manual_seed(4))
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5))
     one_launch = {key: value for key, value in tile.items() if key != "TAIL"}
