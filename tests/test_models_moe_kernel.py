@@ -104,25 +104,6 @@ def test_gated_tiles_round_like_the_separate_activation_in_bf16(tile):
         assert torch.equal(_grouped_experts(x, w13, w2, weights, ids, None, None, tile), separate)
 
 
-@pytest.mark.parametrize("tile", [tile for tile in GROUPED_TILES if tile.get("TAIL")])
-@pytest.mark.parametrize("hidden, inter", [(256, 256), (48, 40)])
-def test_tail_tiles_at_half_the_rows_compute_the_same_rows(tile, hidden, inter):
-    """TAIL: the groups' last tiles with at most half their rows filled run in a second launch at half the rows; every
-    slot is computed once, as the one-launch tile computes it. Groups of 1, 64, 65, 128 and 200 rows (128-row tiles):
-    a tail of one row, tails at and over half a tile, a whole tile, a tile and a tail; one expert empty."""
-    w13, w2 = _weights(6, hidden, inter, torch.float32)
-    counts = [1, 64, 65, 128, 200, 0]
-    order = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(3))
-    ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])[order].view(-1, 2)   # top 2: a token's two slots may share an expert here, which the kernels do not mind
-    x = torch.randn(ids.shape[0], hidden, generator=torch.Generator().manual_seed(4))
-    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5))
-    one_launch = {key: value for key, value in tile.items() if key != "TAIL"}
-    ours = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
-    torch.testing.assert_close(ours, _grouped_experts(x, w13, w2, weights, ids, None, None, one_launch),
-                               rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("tile", UNSORTED_TILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unsorted_tiles_compute_the_sorted_tiles_rows(tile, dtype):

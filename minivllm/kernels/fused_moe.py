@@ -158,31 +158,20 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                      GATED: tl.constexpr, SLOTS: tl.constexpr, TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     """The grouped GEMM over (row tile, BLOCK_N columns) programs. SLOTS = 0: `ids_ptr` is the sorted, padded slot
     list and `expert_ids_ptr` each BLOCK_M-row tile's expert. SLOTS > 0 (a power of two >= num_slots): no sort;
     program row 0 is expert 0's, 1 expert 1's and so on, each finding its slots in the routing ids `ids_ptr`
     itself (a compare and a running sum over every slot) and taking them BLOCK_M at a time, in slot order: the
-    same rows in the same tiles as the sorted list.
-    TAIL (sorted list only) splits the tiles between two launches by whether their second half holds any slot (the
-    padding of a group is at the end of its last tile): TAIL = 1 computes the tiles that do; TAIL = 2, with BLOCK_M
-    half the sorted list's tiles, computes the first half of those that do not, so a group's nearly empty last
-    tile costs half a tile's products."""
+    same rows in the same tiles as the sorted list."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SLOTS == 0:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         if expert < 0:
             return
-        tile = ids_ptr + pid_m * (2 * BLOCK_M if TAIL == 2 else BLOCK_M)
-        if TAIL == 1:
-            if tl.load(tile + BLOCK_M // 2) >= num_slots:
-                return
-        if TAIL == 2:
-            if tl.load(tile + BLOCK_M) < num_slots:
-                return
-        slots = tl.load(tile + tl.arange(0, BLOCK_M))
+        slots = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots,
                      slots < num_slots, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                      stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION, UPCAST, EVEN, TMA,
@@ -242,8 +231,6 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True),
-                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True,
-                      TAIL=True),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True))
 
 
@@ -260,23 +247,19 @@ def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: di
         config["BLOCK_N"] //= 2
     n = rows // 2 if gated else rows
     slots = triton.next_power_of_2(max(c.shape[0], 16)) if config.pop("UNSORTED", False) else 0
-    tail = config.pop("TAIL", False) and not slots
     grid = (num_experts if slots else expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     even = n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0
     b_desc = None
     if config.get("TMA") and even and b.dtype != torch.int8 and b.is_contiguous():
         b_desc = TensorDescriptor(b.view(num_experts * rows, k), [num_experts * rows, k], [k, 1],
                                   [config["BLOCK_N"], config["BLOCK_K"]])
-    args = (a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
-            c if a_scale is None else a_scale, ids, ids if expert_ids is None else expert_ids, n, k, c.shape[0],
-            a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0))
-    options = dict(ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, SCALED=scale is not None,
-                   IS_INT=b.dtype == torch.int8, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
-                   DOT_PRECISION=_dot_precision(c.dtype), UPCAST=_upcast_dot(c.dtype), EVEN=even, GATED=gated,
-                   SLOTS=slots, **{**config, "TMA": b_desc is not None})
-    _fused_moe_kernel[grid](*args, TAIL=1 if tail else 0, **options)
-    if tail:   # the groups' last tiles with at most half their rows filled, at half the tile's rows
-        _fused_moe_kernel[grid](*args, TAIL=2, **{**options, "BLOCK_M": config["BLOCK_M"] // 2})
+    _fused_moe_kernel[grid](
+        a, b, b_desc, c, c if weights is None else weights, c if scale is None else scale,
+        c if a_scale is None else a_scale, ids, ids if expert_ids is None else expert_ids, n, k, c.shape[0],
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0), 0 if scale is None else scale.stride(0),
+        ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, SCALED=scale is not None, IS_INT=b.dtype == torch.int8,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", DOT_PRECISION=_dot_precision(c.dtype),
+        UPCAST=_upcast_dot(c.dtype), EVEN=even, GATED=gated, SLOTS=slots, **{**config, "TMA": b_desc is not None})
 
 
 @triton.jit
