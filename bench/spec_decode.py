@@ -19,6 +19,9 @@ Parts, all in one run on one device (results in spec_decode_<gpu>.json with devi
          the speedup at any acceptance rate can be read: (1 - a^(k+1)) / (1 - a) / cost(k).
   steps  the real model's shapes (dummy weights) at batch 1 through the whole engine loop: wall time
          per step of plain decoding and of steps verifying k = 1..5 drafts (not run by default).
+  graphs the real model's shapes (dummy weights): device microseconds per replay of the decode CUDA graph of
+         1, 2, 4, 8 and 16 rows (a batch-1 verify step of up to 7 drafts replays the 8-row one), replayed
+         back to back, so no host time is in it (top-level graph_replay_us; not run by default).
 
 Usage: python bench/spec_decode.py --out DIR [--parts compare,real,load,verify,idle] [--quick]
 """
@@ -363,6 +366,41 @@ def run_step_cost(args) -> list[dict]:
     return rows
 
 
+def run_graph_replays(args) -> dict:
+    """Device microseconds per replay of each decode graph of up to 16 rows, 200 replays back to back after 20
+    untimed ones, every row at a 400-token context; the dense GEMV choices the tuner made are printed."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.kernels import tuning
+    llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=16,
+              max_model_len=2048, **args.engine_options)
+    engine = llm.llm_engine
+    engine.add_request("graphs", list(range(1000, 1400)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():   # compiles and tunes every kernel of the decode path
+        engine.step()
+    runner = engine.runner.graph_runner
+    runner.seq_lens[:16] = 400
+    result = {}
+    for rows in (1, 2, 4, 8, 16):
+        graph = runner.graphs[rows]
+        for _ in range(20):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(200):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        result[str(rows)] = 1e3 * start.elapsed_time(end) / 200
+    runner.seq_lens.zero_()
+    for key, timings in tuning.measured.items():   # the fastest three candidates of each shape, us
+        if key[0] == "dense_gemv":
+            print(key[2:], [(round(1e6 * t, 2), c) for t, c in sorted(timings, key=lambda tc: tc[0])][:3])
+    del llm, engine, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
 def run_idle_cost(args) -> dict:
     """Host microseconds per step that an enabled speculator adds when its drafts never pay: `choose_k`,
     `propose`, `observe_step` and `work_after_launch`, as the engine calls them, on decoding sequences of
@@ -503,6 +541,9 @@ def main(argv: list[str] | None = None) -> dict:
                   for row in rows for kind, medians in row.get("trace", {}).items()]
         if traced:
             print_table(traced, "per step kind, medians (ms): host launch parts, host wait, device time, device idle")
+    if "graphs" in parts:
+        result["graph_replay_us"] = run_graph_replays(args)
+        print("decode graph replays, device us by rows:", {k: round(v, 1) for k, v in result["graph_replay_us"].items()})
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")
         result["load"] = run_load(args)

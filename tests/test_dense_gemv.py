@@ -1,7 +1,8 @@
-"""The one-row dense GEMV against F.linear (under TRITON_INTERPRET=1 without CUDA): every tile, odd row and column
-counts that no tile divides, with and without bias; the norm folded in front of it (against the norm kernel's
-reference, residual stream and normed row included); the dispatch rules that send only single 16-bit rows to it and
-norms only to small grids; and decoder layers whose norms run in their GEMVs against the plain layers."""
+"""The dense GEMV against F.linear (under TRITON_INTERPRET=1 without CUDA): every tile, one row and a few, odd row
+and column counts that no tile divides, with and without bias; the norm folded in front of it (against the norm
+kernel's reference, residual stream and normed row included); the dispatch rules that send only a few 16-bit rows to
+it and norms only to single rows of small grids; and decoder layers whose norms run in their GEMVs against the plain
+layers."""
 import os
 
 import torch
@@ -32,6 +33,30 @@ def test_gemv_matches_linear(tile, with_bias):
     assert out.shape == (1, n) and out.dtype == torch.bfloat16
     # fp32 sums, one rounding to bf16 at the end (the bias added before it)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("tile, num_rows, with_bias", [
+    (tile, num_rows, with_bias) for num_rows, with_bias in [(2, False), (3, True), (8, True), (13, False)]
+    for tile in dense_gemv.GEMV_ROWS_TILES * (num_rows <= 8) + dense_gemv.GEMV_MMA_TILES])
+def test_gemv_of_a_few_rows_matches_linear(tile, num_rows, with_bias):
+    """Each row of a few (3: padded to 4 inside the per-row kernel; any count up to 16 on the tensor cores) equals
+    F.linear's, with a leading batch dimension and rows that are a strided view (a slice of wider rows, as a fused
+    projection's output is)."""
+    g = torch.Generator().manual_seed(num_rows)
+    n, k = 37, 1100
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    wide = torch.randn(num_rows, k + 30, generator=g).to(DEVICE, torch.bfloat16)
+    x = wide[:, 10:10 + k].unsqueeze(0)
+    bias = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16) if with_bias else None
+    out = dense_gemv.gemv(x, weight, bias, tile)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.shape == (1, num_rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="one row"):
+        dense_gemv.gemv(x, weight, bias, tile, norm=RowNorm(torch.ones(k, dtype=torch.bfloat16), 1e-5))
+    if tile not in dense_gemv.GEMV_MMA_TILES:
+        with pytest.raises(ValueError, match="at most 8"):
+            dense_gemv.gemv(torch.zeros(9, k, dtype=torch.bfloat16, device=DEVICE), weight, bias, tile)
 
 
 def _assert_rounded_alike(ours, expected):
@@ -102,37 +127,44 @@ def test_decoder_layers_with_norms_in_their_gemvs_match_the_plain_layers(arch, t
         assert_logits_close(ours, reference(torch.tensor([tokens])).logits[0])
 
 
-def test_only_single_16bit_rows_take_the_gemv():
+def test_only_a_few_16bit_rows_take_the_gemv_and_one_row_its_norm():
     weight = torch.zeros(8, 16, dtype=torch.bfloat16)
     one_row = torch.zeros(1, 16, dtype=torch.bfloat16)
     on_cuda = DEVICE.type == "cuda"
     assert dense_gemv.supports(one_row.to(DEVICE), weight.to(DEVICE)) == on_cuda   # the GPU only
     if on_cuda:
-        assert not dense_gemv.supports(torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE), weight.to(DEVICE))
+        def rows(m):
+            return torch.zeros(m, 16, dtype=torch.bfloat16, device=DEVICE)
+        assert dense_gemv.supports(rows(dense_gemv.MAX_ROWS), weight.to(DEVICE))
+        assert not dense_gemv.supports(rows(dense_gemv.MAX_ROWS + 1), weight.to(DEVICE))
+        assert not dense_gemv.supports(rows(0), weight.to(DEVICE))
+        assert dense_gemv.folds_norm(rows(1), weight.to(DEVICE)) and not dense_gemv.folds_norm(rows(2), weight.to(DEVICE))
         assert not dense_gemv.supports(one_row.float().to(DEVICE), weight.float().to(DEVICE))
         assert not dense_gemv.supports(one_row.to(DEVICE), weight.to(DEVICE).t().contiguous().t())
 
 
 @pytest.mark.gpu
 def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
-    """On the GPU `linear` times cuBLAS against the GEMV tiles at a shape's first call and keeps the choice; its
-    output, replayed from a CUDA graph, equals F.linear's to bf16 rounding at attention, router and odd shapes."""
+    """On the GPU `linear` times cuBLAS against the GEMV tiles at a shape's and row count's first call and keeps the
+    choice; its output, one row and six, replayed from a CUDA graph, equals F.linear's to bf16 rounding at attention,
+    router and odd shapes."""
     from minivllm.kernels import tuning
     g = torch.Generator().manual_seed(1)
     for n, k, with_bias in ((5120, 2048, False), (128, 2048, False), (1600, 1600, True), (37, 1100, True)):
         weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
         bias = torch.randn(n, generator=g).to("cuda", torch.bfloat16) if with_bias else None
-        x = torch.randn(1, k, generator=g).to("cuda", torch.bfloat16)
-        dense_gemv.linear(x, weight, bias)   # times the candidates (outside any capture)
-        key = ("dense_gemv", torch.bfloat16, (n, k), with_bias)
-        assert key in tuning._chosen and tuning._chosen[key] in (None, *dense_gemv.GEMV_TILES)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = dense_gemv.linear(x, weight, bias)
-        x.copy_(torch.randn(1, k, generator=g).to("cuda", torch.bfloat16))
-        graph.replay()
-        expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+        for num_rows, tiles in ((1, dense_gemv.GEMV_TILES), (6, dense_gemv.GEMV_ROWS_TILES + dense_gemv.GEMV_MMA_TILES)):
+            x = torch.randn(num_rows, k, generator=g).to("cuda", torch.bfloat16)
+            dense_gemv.linear(x, weight, bias)   # times the candidates (outside any capture)
+            key = ("dense_gemv", torch.bfloat16, (n, k), with_bias, *((("rows", 8),) if num_rows > 1 else ()))
+            assert key in tuning._chosen and tuning._chosen[key] in (None, *tiles)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = dense_gemv.linear(x, weight, bias)
+            x.copy_(torch.randn(num_rows, k, generator=g).to("cuda", torch.bfloat16))
+            graph.replay()
+            expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""One-row dense GEMV for 16-bit weights: y = x W^T (+ b) with x a single row, as a batch-1 decode step runs every
-linear layer.
+"""Dense GEMV for 16-bit weights: y = x W^T (+ b) with x one row, as a batch-1 decode step runs every linear layer,
+or a few rows (up to `MAX_ROWS`: a decode step of a few sequences, a verify step of one sequence and its drafts).
 
 A step at batch 1 is bound by how fast each weight streams from memory, and for the small matrices of MoE models'
 attention and router (a few to 20 MB) cuBLAS's kernels stop short of it: they split K into a second reduction
@@ -7,6 +7,12 @@ kernel, or run too few programs to keep enough loads in flight. Here each progra
 streams them whole (BLOCK_K columns per load, fp32 sums), so the grid has N / BLOCK_N programs and one kernel
 does the layer. Whether it or cuBLAS runs, and with which tile, is timed per weight shape on the GPU
 (`kernels/tuning.pick`, cuBLAS among the candidates), so a shape where cuBLAS is faster keeps it.
+
+A few rows take `_gemv_rows_kernel`: each program streams its weight rows once and multiplies them by every
+input row. cuBLAS's kernels for such shapes are as fast alone, but they do not take part in programmatic dependent
+launch (kernels/pdl.py), so each one ends the overlap of the Triton kernels around it: on an H200 SmolLM2-135M's
+decode graph of 8 rows took 943 us a replay against 579 for one row, whose GEMMs are this file's GEMVs
+(bench/results/spec_decode_h200.json `graph_replay_us`).
 
 With `norm` (a RowNorm) x is a decoder layer's un-normed input and the GEMV applies the layer's RMSNorm (of
 x + residual, which it writes to the residual stream's next value) as it streams, saving the norm's kernel. The
@@ -34,6 +40,11 @@ from minivllm.kernels.rmsnorm import RowNorm
 # fastest tile at every shape was one of these three (`tuner_us` in bench/results/models_h200.json and
 # throughput_w1_h200.json); each candidate costs start-up time to time.
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
+# Most input rows the GEMV takes; the tiles of `_gemv_rows_kernel` (up to 8 rows; each program reads the rows of x
+# once per BLOCK_N weight rows, from L2) and of `_gemv_rows_mma_kernel` (up to 16, marked "mma").
+MAX_ROWS = 16
+GEMV_ROWS_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4), (2, 1024, 4), (4, 512, 4))
+GEMV_MMA_TILES = ((16, 256, 4, "mma"), (32, 128, 4, "mma"), (16, 512, 4, "mma"), (32, 256, 4, "mma"))
 
 
 # The norm folds into projections of at most this many output rows. Each kernel's marginal time in batch-1 decode
@@ -87,12 +98,117 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _row_dot(w, x_ptr, offs_k, k_mask):
+    """w . x for one row of x: [BLOCK_N] fp32 sums, as the one-row kernel reduces."""
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    return tl.sum(w * x[None, :], axis=1)
+
+
+@triton.jit
+def _store_row(out_ptr, acc, b_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] = x[m] . w[n] (+ b[n]) for the M rows of x, 1 < M <= ROWS (2, 4 or 8). One accumulator per row,
+    each reduced as the one-row kernel reduces its row (a [ROWS, BLOCK_N, BLOCK_K] product, reduced over K, ran
+    about twice as long at 2 to 8 rows of SmolLM2's shapes on an H200). Rows past M read and write nothing."""
+    wait_for_previous(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        a0 += _row_dot(w, x_ptr, offs_k, k_mask)
+        a1 += _row_dot(w, x_ptr + stride_xm, offs_k, k_mask & (M > 1))
+        if ROWS > 2:
+            a2 += _row_dot(w, x_ptr + 2 * stride_xm, offs_k, k_mask & (M > 2))
+            a3 += _row_dot(w, x_ptr + 3 * stride_xm, offs_k, k_mask & (M > 3))
+        if ROWS > 4:
+            a4 += _row_dot(w, x_ptr + 4 * stride_xm, offs_k, k_mask & (M > 4))
+            a5 += _row_dot(w, x_ptr + 5 * stride_xm, offs_k, k_mask & (M > 5))
+            a6 += _row_dot(w, x_ptr + 6 * stride_xm, offs_k, k_mask & (M > 6))
+            a7 += _row_dot(w, x_ptr + 7 * stride_xm, offs_k, k_mask & (M > 7))
+    _store_row(out_ptr, a0, b_ptr, offs_n, n_mask, HAS_BIAS)
+    _store_row(out_ptr + N, a1, b_ptr, offs_n, n_mask & (M > 1), HAS_BIAS)
+    if ROWS > 2:
+        _store_row(out_ptr + 2 * N, a2, b_ptr, offs_n, n_mask & (M > 2), HAS_BIAS)
+        _store_row(out_ptr + 3 * N, a3, b_ptr, offs_n, n_mask & (M > 3), HAS_BIAS)
+    if ROWS > 4:
+        _store_row(out_ptr + 4 * N, a4, b_ptr, offs_n, n_mask & (M > 4), HAS_BIAS)
+        _store_row(out_ptr + 5 * N, a5, b_ptr, offs_n, n_mask & (M > 5), HAS_BIAS)
+        _store_row(out_ptr + 6 * N, a6, b_ptr, offs_n, n_mask & (M > 6), HAS_BIAS)
+        _store_row(out_ptr + 7 * N, a7, b_ptr, offs_n, n_mask & (M > 7), HAS_BIAS)
+
+
+@triton.jit
+def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    """The rows kernel's product on the tensor cores: BLOCK_N weight rows times x's M rows padded to 16 (the
+    smallest dot; the padding rows are zeros that are never stored)."""
+    wait_for_previous(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    n_mask, m_mask = offs_n < N, offs_m < M
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        if UPCAST:   # Triton 3.6's interpreter multiplies bf16 blocks as their raw bits
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int],
          norm: RowNorm | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a [1, K] row (or [K]) with the given tile; with `norm`, of x's RMSNorm (see
-    the module docstring)."""
-    block_n, block_k, warps = tile
+    """`F.linear(x, weight, bias)` for x of at most `MAX_ROWS` rows (a [1, K] row or [K]: one) with the given tile;
+    with `norm` (one row only), of x's RMSNorm (see the module docstring)."""
+    block_n, block_k, warps = tile[:3]
     n, k = weight.shape
+    num_rows = x.numel() // k
+    if num_rows > 1:
+        if norm is not None:
+            raise ValueError("the GEMV folds a norm into one row only")
+        rows = x.reshape(num_rows, k)
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+        if tile in GEMV_MMA_TILES:
+            _gemv_rows_mma_kernel[(triton.cdiv(n, block_n),)](
+                rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
+                HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=not x.is_cuda, num_warps=warps,
+                **launch_options(x.device))
+            return out
+        if num_rows > 8:
+            raise ValueError(f"{num_rows} rows: the per-row GEMV tiles take at most 8")
+        _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+            rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, **launch_options(x.device))
+        return out
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     grid = triton.cdiv(n, block_n)
@@ -110,24 +226,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A single 16-bit row on the GPU against a row-major weight of its dtype."""
-    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
+    """One to `MAX_ROWS` 16-bit rows on the GPU against a row-major weight of their dtype."""
+    return (x.is_cuda and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
 def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` takes a `norm` for this call: one row (`supports`) and a small grid (NORM_FOLD_MAX_ROWS)."""
-    return supports(x, weight) and weight.shape[0] <= NORM_FOLD_MAX_ROWS
+    """Whether `linear` takes a `norm` for this call: one row and a small grid (NORM_FOLD_MAX_ROWS)."""
+    return supports(x, weight) and x.numel() == x.shape[-1] and weight.shape[0] <= NORM_FOLD_MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            norm: RowNorm | None = None) -> torch.Tensor:
-    """`F.linear` for one row through cuBLAS or the GEMV, whichever the tuner timed faster for this weight shape;
-    with `norm` (where `folds_norm`), through the GEMV with the tile timed fastest with the norm folded in."""
-    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *("norm",) * (norm is not None))
+    """`F.linear` for a few rows (`supports`) through cuBLAS or the GEMV, whichever the tuner timed faster for this
+    weight shape and row count (rounded up to a power of 2); with `norm` (where `folds_norm`), through the GEMV with
+    the tile timed fastest with the norm folded in."""
+    rows = triton.next_power_of_2(x.numel() // x.shape[-1])
+    key = ("dense_gemv", x.dtype, tuple(weight.shape), bias is not None, *("norm",) * (norm is not None),
+           *(("rows", rows),) * (rows > 1))
 
     def run(candidate, w):
         return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
-    candidates = GEMV_TILES if norm is not None else (None, *GEMV_TILES)
+    tiles = GEMV_TILES if rows == 1 else GEMV_ROWS_TILES * (rows <= 8) + GEMV_MMA_TILES
+    candidates = tiles if norm is not None else (None, *tiles)
     tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
     return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)
