@@ -20,7 +20,7 @@ Parts, all in one run on one device (results in spec_decode_<gpu>.json with devi
   steps  the real model's shapes (dummy weights) at batch 1 through the whole engine loop: wall time
          per step of plain decoding and of steps verifying k = 1..5 drafts (not run by default).
   graphs the real model's shapes (dummy weights): device microseconds per replay of the decode CUDA graph of
-         1, 2, 4, 8 and 16 rows (a batch-1 verify step of up to 7 drafts replays the 8-row one), replayed
+         1 to 64 rows (a batch-1 verify step of up to 7 drafts replays the 8-row one), replayed
          back to back, so no host time is in it (top-level graph_replay_us; not run by default).
 
 Usage: python bench/spec_decode.py --out DIR [--parts compare,real,load,verify,idle] [--quick]
@@ -367,20 +367,20 @@ def run_step_cost(args) -> list[dict]:
 
 
 def run_graph_replays(args) -> dict:
-    """Device microseconds per replay of each decode graph of up to 16 rows, 200 replays back to back after 20
+    """Device microseconds per replay of each decode graph of up to 64 rows, 200 replays back to back after 20
     untimed ones, every row at a 400-token context; the dense GEMV choices the tuner made are printed."""
     from minivllm import LLM, SamplingParams
     from minivllm.kernels import tuning
-    llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=16,
+    llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=64,
               max_model_len=2048, **args.engine_options)
     engine = llm.llm_engine
     engine.add_request("graphs", list(range(1000, 1400)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():   # compiles and tunes every kernel of the decode path
         engine.step()
     runner = engine.runner.graph_runner
-    runner.seq_lens[:16] = 400
+    runner.seq_lens[:64] = 400
     result = {}
-    for rows in (1, 2, 4, 8, 16):
+    for rows in (1, 2, 4, 8, 16, 32, 48, 64):
         graph = runner.graphs[rows]
         for _ in range(20):
             graph.replay()

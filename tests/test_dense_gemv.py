@@ -36,10 +36,10 @@ def test_gemv_matches_linear(tile, with_bias):
 
 
 @pytest.mark.parametrize("tile, num_rows, with_bias", [
-    (tile, num_rows, with_bias) for num_rows, with_bias in [(2, False), (3, True), (8, True), (13, False)]
-    for tile in dense_gemv.GEMV_ROWS_TILES * (num_rows <= 8) + dense_gemv.GEMV_MMA_TILES])
+    (tile, num_rows, with_bias) for num_rows, with_bias in [(2, False), (3, True), (8, True), (13, False), (48, True)]
+    for tile in dense_gemv.rows_tiles(num_rows)])
 def test_gemv_of_a_few_rows_matches_linear(tile, num_rows, with_bias):
-    """Each row of a few (3: padded to 4 inside the per-row kernel; any count up to 16 on the tensor cores) equals
+    """Each row of a few (3: padded to 4 inside the per-row kernel; 13 and 48: to 16 and 64 on the tensor cores) equals
     F.linear's, with a leading batch dimension and rows that are a strided view (a slice of wider rows, as a fused
     projection's output is)."""
     g = torch.Generator().manual_seed(num_rows)
@@ -54,9 +54,9 @@ def test_gemv_of_a_few_rows_matches_linear(tile, num_rows, with_bias):
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="one row"):
         dense_gemv.gemv(x, weight, bias, tile, norm=RowNorm(torch.ones(k, dtype=torch.bfloat16), 1e-5))
-    if tile not in dense_gemv.GEMV_MMA_TILES:
-        with pytest.raises(ValueError, match="at most 8"):
-            dense_gemv.gemv(torch.zeros(9, k, dtype=torch.bfloat16, device=DEVICE), weight, bias, tile)
+    if tile not in dense_gemv.rows_tiles(64):   # the per-row tiles take 8 rows at most, the widest MMA ones 16 or 32
+        with pytest.raises(ValueError, match="does not take 64 rows"):
+            dense_gemv.gemv(torch.zeros(64, k, dtype=torch.bfloat16, device=DEVICE), weight, bias, tile)
 
 
 def _assert_rounded_alike(ours, expected):
@@ -146,17 +146,18 @@ def test_only_a_few_16bit_rows_take_the_gemv_and_one_row_its_norm():
 @pytest.mark.gpu
 def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
     """On the GPU `linear` times cuBLAS against the GEMV tiles at a shape's and row count's first call and keeps the
-    choice; its output, one row and six, replayed from a CUDA graph, equals F.linear's to bf16 rounding at attention,
+    choice; its output, one row, six and forty, replayed from a CUDA graph, equals F.linear's to bf16 rounding at attention,
     router and odd shapes."""
     from minivllm.kernels import tuning
     g = torch.Generator().manual_seed(1)
     for n, k, with_bias in ((5120, 2048, False), (128, 2048, False), (1600, 1600, True), (37, 1100, True)):
         weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
         bias = torch.randn(n, generator=g).to("cuda", torch.bfloat16) if with_bias else None
-        for num_rows, tiles in ((1, dense_gemv.GEMV_TILES), (6, dense_gemv.GEMV_ROWS_TILES + dense_gemv.GEMV_MMA_TILES)):
+        for num_rows, padded in ((1, 1), (6, 8), (40, 64)):
+            tiles = dense_gemv.GEMV_TILES if num_rows == 1 else dense_gemv.rows_tiles(padded)
             x = torch.randn(num_rows, k, generator=g).to("cuda", torch.bfloat16)
             dense_gemv.linear(x, weight, bias)   # times the candidates (outside any capture)
-            key = ("dense_gemv", torch.bfloat16, (n, k), with_bias, *((("rows", 8),) if num_rows > 1 else ()))
+            key = ("dense_gemv", torch.bfloat16, (n, k), with_bias, *((("rows", padded),) if num_rows > 1 else ()))
             assert key in tuning._chosen and tuning._chosen[key] in (None, *tiles)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -41,10 +41,24 @@ from minivllm.kernels.rmsnorm import RowNorm
 # throughput_w1_h200.json); each candidate costs start-up time to time.
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
 # Most input rows the GEMV takes; the tiles of `_gemv_rows_kernel` (up to 8 rows; each program reads the rows of x
-# once per BLOCK_N weight rows, from L2) and of `_gemv_rows_mma_kernel` (up to 16, marked "mma").
-MAX_ROWS = 16
+# once per BLOCK_N weight rows, from L2) and of `_gemv_rows_mma_kernel` (marked "mma"; a tile takes rows padded to
+# 16 or the next power of 2 while BLOCK_K x rows <= MMA_TILE_ELEMENTS, so x's tile stays at 16 KB).
+MAX_ROWS = 64
 GEMV_ROWS_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4), (2, 1024, 4), (4, 512, 4))
-GEMV_MMA_TILES = ((16, 256, 4, "mma"), (32, 128, 4, "mma"), (16, 512, 4, "mma"), (32, 256, 4, "mma"))
+GEMV_MMA_TILES = ((16, 256, 4, "mma"), (32, 128, 4, "mma"), (16, 512, 4, "mma"), (32, 256, 4, "mma"),
+                  (16, 128, 4, "mma"), (64, 128, 4, "mma"))
+MMA_TILE_ELEMENTS = 8192
+
+
+def mma_rows(num_rows: int) -> int:
+    """The rows `_gemv_rows_mma_kernel` computes for `num_rows` (the smallest dot is 16)."""
+    return max(16, triton.next_power_of_2(num_rows))
+
+
+def rows_tiles(num_rows: int) -> tuple:
+    """The GEMV tiles that take `num_rows` (> 1) rows."""
+    return GEMV_ROWS_TILES * (num_rows <= 8) + tuple(
+        t for t in GEMV_MMA_TILES if t[1] * mma_rows(num_rows) <= MMA_TILE_ELEMENTS)
 
 
 # The norm folds into projections of at most this many output rows. Each kernel's marginal time in batch-1 decode
@@ -158,14 +172,15 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w
 
 @triton.jit
 def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """The rows kernel's product on the tensor cores: BLOCK_N weight rows times x's M rows padded to 16 (the
-    smallest dot; the padding rows are zeros that are never stored)."""
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                          PDL: tl.constexpr):
+    """The rows kernel's product on the tensor cores: BLOCK_N weight rows times x's M rows padded to ROWS (`mma_rows`;
+    the padding rows are zeros that are never stored)."""
     wait_for_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, ROWS)
     n_mask, m_mask = offs_n < N, offs_m < M
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -196,14 +211,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
         rows = x.reshape(num_rows, k)
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+        if tile not in rows_tiles(num_rows):
+            raise ValueError(f"the GEMV tile {tile} does not take {num_rows} rows")
         if tile in GEMV_MMA_TILES:
             _gemv_rows_mma_kernel[(triton.cdiv(n, block_n),)](
                 rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
-                HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=not x.is_cuda, num_warps=warps,
-                **launch_options(x.device))
+                HAS_BIAS=bias is not None, ROWS=mma_rows(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                UPCAST=not x.is_cuda, num_warps=warps, **launch_options(x.device))
             return out
-        if num_rows > 8:
-            raise ValueError(f"{num_rows} rows: the per-row GEMV tiles take at most 8")
         _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
             rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
             HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
@@ -247,7 +262,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     def run(candidate, w):
         return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
-    tiles = GEMV_TILES if rows == 1 else GEMV_ROWS_TILES * (rows <= 8) + GEMV_MMA_TILES
+    tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
     candidates = tiles if norm is not None else (None, *tiles)
     tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
     return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)
