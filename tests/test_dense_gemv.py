@@ -138,6 +138,8 @@ def test_only_a_few_16bit_rows_take_the_gemv_and_one_row_its_norm():
         assert dense_gemv.supports(rows(dense_gemv.MAX_ROWS), weight.to(DEVICE))
         assert not dense_gemv.supports(rows(dense_gemv.MAX_ROWS + 1), weight.to(DEVICE))
         assert not dense_gemv.supports(rows(0), weight.to(DEVICE))
+        large = torch.zeros(dense_gemv.ROWS_MAX_WEIGHT_BYTES // 32 + 1, 16, dtype=torch.bfloat16, device=DEVICE)
+        assert dense_gemv.supports(rows(1), large) and not dense_gemv.supports(rows(2), large)
         assert dense_gemv.folds_norm(rows(1), weight.to(DEVICE)) and not dense_gemv.folds_norm(rows(2), weight.to(DEVICE))
         assert not dense_gemv.supports(one_row.float().to(DEVICE), weight.float().to(DEVICE))
         assert not dense_gemv.supports(one_row.to(DEVICE), weight.to(DEVICE).t().contiguous().t())

@@ -48,6 +48,11 @@ GEMV_ROWS_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4), (2, 1024, 4), (4, 5
 GEMV_MMA_TILES = ((16, 256, 4, "mma"), (32, 128, 4, "mma"), (16, 512, 4, "mma"), (32, 256, 4, "mma"),
                   (16, 128, 4, "mma"), (64, 128, 4, "mma"))
 MMA_TILE_ELEMENTS = 8192
+# Above one row, only weights up to this size: there a GEMM is a few microseconds, mostly launch and first loads,
+# which the PDL overlap hides. Qwen3-30B-A3B's attention projections (16 and 21 MB) at batch 8 took the tensor-core
+# tiles (faster alone) and its decode step went from 8.07 to 8.28 ms on an H200 (models_h200.json
+# `few_row_gemv`); SmolLM2's largest, gate_up, is 3.5 MB.
+ROWS_MAX_WEIGHT_BYTES = 8 << 20
 
 
 def mma_rows(num_rows: int) -> int:
@@ -241,9 +246,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One to `MAX_ROWS` 16-bit rows on the GPU against a row-major weight of their dtype."""
-    return (x.is_cuda and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
+    """One 16-bit row on the GPU against a row-major weight of its dtype, or up to `MAX_ROWS` rows against a weight
+    of at most `ROWS_MAX_WEIGHT_BYTES`."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and (rows == 1 or weight.numel() * weight.element_size() <= ROWS_MAX_WEIGHT_BYTES))
 
 
 def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
