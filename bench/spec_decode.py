@@ -374,7 +374,8 @@ def run_graph_replays(args) -> dict:
     llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=64,
               max_model_len=2048, **args.engine_options)
     engine = llm.llm_engine
-    engine.add_request("graphs", list(range(1000, 1400)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("graphs", list(range(1000, 1400)), params)
     while engine.has_unfinished_requests():   # compiles and tunes every kernel of the decode path
         engine.step()
     runner = engine.runner.graph_runner
@@ -543,7 +544,8 @@ def main(argv: list[str] | None = None) -> dict:
             print_table(traced, "per step kind, medians (ms): host launch parts, host wait, device time, device idle")
     if "graphs" in parts:
         result["graph_replay_us"] = run_graph_replays(args)
-        print("decode graph replays, device us by rows:", {k: round(v, 1) for k, v in result["graph_replay_us"].items()})
+        print("decode graph replays, device us by rows:",
+              {k: round(v, 1) for k, v in result["graph_replay_us"].items()})
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")
         result["load"] = run_load(args)

@@ -137,19 +137,27 @@ def test_only_a_few_16bit_rows_take_the_gemv_and_one_row_its_norm():
             return torch.zeros(m, 16, dtype=torch.bfloat16, device=DEVICE)
         assert dense_gemv.supports(rows(dense_gemv.MAX_ROWS), weight.to(DEVICE))
         assert not dense_gemv.supports(rows(dense_gemv.MAX_ROWS + 1), weight.to(DEVICE))
-        assert not dense_gemv.supports(rows(0), weight.to(DEVICE))
-        large = torch.zeros(dense_gemv.ROWS_MAX_WEIGHT_BYTES // 32 + 1, 16, dtype=torch.bfloat16, device=DEVICE)
-        assert dense_gemv.supports(rows(1), large) and not dense_gemv.supports(rows(2), large)
-        assert dense_gemv.folds_norm(rows(1), weight.to(DEVICE)) and not dense_gemv.folds_norm(rows(2), weight.to(DEVICE))
+        assert dense_gemv.folds_norm(rows(1), weight.to(DEVICE))
+        assert not dense_gemv.folds_norm(rows(2), weight.to(DEVICE))
         assert not dense_gemv.supports(one_row.float().to(DEVICE), weight.float().to(DEVICE))
         assert not dense_gemv.supports(one_row.to(DEVICE), weight.to(DEVICE).t().contiguous().t())
+
+
+def test_more_than_one_row_only_up_to_the_row_and_weight_bounds():
+    small = torch.empty(8, 16, dtype=torch.bfloat16)
+    large = torch.empty(dense_gemv.ROWS_MAX_WEIGHT_BYTES // 32 + 1, 16, dtype=torch.bfloat16)   # one row past it
+    assert dense_gemv.takes_rows(1, small) and dense_gemv.takes_rows(1, large)
+    assert dense_gemv.takes_rows(2, small) and dense_gemv.takes_rows(dense_gemv.MAX_ROWS, small)
+    assert not dense_gemv.takes_rows(dense_gemv.MAX_ROWS + 1, small) and not dense_gemv.takes_rows(0, small)
+    assert not dense_gemv.takes_rows(2, large)
+    assert dense_gemv.takes_rows(2, large[:-1])
 
 
 @pytest.mark.gpu
 def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
     """On the GPU `linear` times cuBLAS against the GEMV tiles at a shape's and row count's first call and keeps the
-    choice; its output, one row, six and forty, replayed from a CUDA graph, equals F.linear's to bf16 rounding at attention,
-    router and odd shapes."""
+    choice; its output, one row, six and forty, replayed from a CUDA graph, equals F.linear's to bf16 rounding at
+    attention, router and odd shapes."""
     from minivllm.kernels import tuning
     g = torch.Generator().manual_seed(1)
     for n, k, with_bias in ((5120, 2048, False), (128, 2048, False), (1600, 1600, True), (37, 1100, True)):

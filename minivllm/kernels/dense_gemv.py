@@ -8,11 +8,14 @@ streams them whole (BLOCK_K columns per load, fp32 sums), so the grid has N / BL
 does the layer. Whether it or cuBLAS runs, and with which tile, is timed per weight shape on the GPU
 (`kernels/tuning.pick`, cuBLAS among the candidates), so a shape where cuBLAS is faster keeps it.
 
-A few rows take `_gemv_rows_kernel`: each program streams its weight rows once and multiplies them by every
-input row. cuBLAS's kernels for such shapes are as fast alone, but they do not take part in programmatic dependent
-launch (kernels/pdl.py), so each one ends the overlap of the Triton kernels around it: on an H200 SmolLM2-135M's
-decode graph of 8 rows took 943 us a replay against 579 for one row, whose GEMMs are this file's GEMVs
-(bench/results/spec_decode_h200.json `graph_replay_us`).
+A few rows (a weight of at most `ROWS_MAX_WEIGHT_BYTES`) take `_gemv_rows_kernel` (up to 8 rows: each program
+streams its weight rows once and multiplies them by every input row on the CUDA cores) or `_gemv_rows_mma_kernel`
+(up to 64: the same on the tensor cores, the rows padded to 16 or more), whichever the tuner times fastest against
+cuBLAS. Alone, cuBLAS is about as fast at such shapes, but its kernels do not take part in programmatic dependent
+launch (kernels/pdl.py), so each one ends the overlap of the Triton kernels around it. On an H200, SmolLM2-135M's
+decode graphs of 2, 4 and 8 rows took 924, 921 and 943 us a replay with cuBLAS against 579 for one row; with these
+kernels, 599, 722 and 754 (bench/results/spec_decode_h200.json `graph_replay_us` and
+`graph_replay_us_before_few_row_gemv`). A batch-1 verify step of k drafts replays the graph of k + 1 rows.
 
 With `norm` (a RowNorm) x is a decoder layer's un-normed input and the GEMV applies the layer's RMSNorm (of
 x + residual, which it writes to the residual stream's next value) as it streams, saving the norm's kernel. The
@@ -49,9 +52,9 @@ GEMV_MMA_TILES = ((16, 256, 4, "mma"), (32, 128, 4, "mma"), (16, 512, 4, "mma"),
                   (16, 128, 4, "mma"), (64, 128, 4, "mma"))
 MMA_TILE_ELEMENTS = 8192
 # Above one row, only weights up to this size: there a GEMM is a few microseconds, mostly launch and first loads,
-# which the PDL overlap hides. Qwen3-30B-A3B's attention projections (16 and 21 MB) at batch 8 took the tensor-core
-# tiles (faster alone) and its decode step went from 8.07 to 8.28 ms on an H200 (models_h200.json
-# `few_row_gemv`); SmolLM2's largest, gate_up, is 3.5 MB.
+# which the PDL overlap hides. With every weight eligible, Qwen3-30B-A3B's batch-8 decode step took 8.28 ms on an H200
+# against 7.99 with this bound, which keeps its attention projections (16.8 and 21 MB) in cuBLAS (models_h200.json
+# `few_row_gemv`); SmolLM2's largest GEMV weight, gate_up, is 3.5 MB.
 ROWS_MAX_WEIGHT_BYTES = 8 << 20
 
 
@@ -245,13 +248,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     return out
 
 
+def takes_rows(num_rows: int, weight: torch.Tensor) -> bool:
+    """One row against any weight, or up to `MAX_ROWS` against one of at most `ROWS_MAX_WEIGHT_BYTES`."""
+    return num_rows == 1 or (1 < num_rows <= MAX_ROWS
+                             and weight.numel() * weight.element_size() <= ROWS_MAX_WEIGHT_BYTES)
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One 16-bit row on the GPU against a row-major weight of its dtype, or up to `MAX_ROWS` rows against a weight
-    of at most `ROWS_MAX_WEIGHT_BYTES`."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and (rows == 1 or weight.numel() * weight.element_size() <= ROWS_MAX_WEIGHT_BYTES))
+    """16-bit rows on the GPU that `takes_rows`, against a row-major weight of their dtype."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.stride(1) == 1 and takes_rows(x.numel() // max(x.shape[-1], 1), weight))
 
 
 def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
