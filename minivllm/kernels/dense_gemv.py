@@ -138,8 +138,8 @@ def _store_row(out_ptr, acc, b_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
 def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = x[m] . w[n] (+ b[n]) for the M rows of x, 1 < M <= ROWS (2, 4 or 8). One accumulator per row,
-    each reduced as the one-row kernel reduces its row (a [ROWS, BLOCK_N, BLOCK_K] product, reduced over K, ran
-    about twice as long at 2 to 8 rows of SmolLM2's shapes on an H200). Rows past M read and write nothing."""
+    each reduced as the one-row kernel reduces its row (one [ROWS, BLOCK_N, BLOCK_K] product reduced over K timed
+    slower on an H200 at SmolLM2's shapes). Rows past M read and write nothing."""
     wait_for_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
