@@ -29,6 +29,8 @@ Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_refer
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -63,6 +65,7 @@ def mma_rows(num_rows: int) -> int:
     return max(16, triton.next_power_of_2(num_rows))
 
 
+@functools.lru_cache(maxsize=None)   # asked on every eager call with a few rows
 def rows_tiles(num_rows: int) -> tuple:
     """The GEMV tiles that take `num_rows` (> 1) rows."""
     return GEMV_ROWS_TILES * (num_rows <= 8) + tuple(
@@ -216,11 +219,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     if num_rows > 1:
         if norm is not None:
             raise ValueError("the GEMV folds a norm into one row only")
+        if tile not in rows_tiles(num_rows):
+            raise ValueError(f"the GEMV tile {tile} does not take {num_rows} rows")
         rows = x.reshape(num_rows, k)
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-        if tile not in rows_tiles(num_rows):
-            raise ValueError(f"the GEMV tile {tile} does not take {num_rows} rows")
         if tile in GEMV_MMA_TILES:
             _gemv_rows_mma_kernel[(triton.cdiv(n, block_n),)](
                 rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
