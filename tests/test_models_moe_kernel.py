@@ -299,25 +299,40 @@ def test_align_kernel_equals_the_sort(num_tokens, num_experts, top_k, block_m, a
     (300, 6, 3, 1, {0, 2, 5}),  # jagged groups
 ])
 @pytest.mark.parametrize("one_hot_entries", [32768, 8192])   # the block widths of large and small shared memory
-def test_counting_sort_equals_the_stable_sort(num_tokens, num_experts, top_k, block_m, allowed, one_hot_entries,
-                                              monkeypatch):
-    """The multi-program counting sort writes exactly what the tensor operations do, and `align_block_size` hands
-    over to it above ALIGN_KERNEL_MAX_SLOTS."""
+def test_counting_sort_groups_as_the_stable_sort(num_tokens, num_experts, top_k, block_m, allowed, one_hot_entries,
+                                                 monkeypatch):
+    """The multi-program counting sort puts the same slots in each group as the tensor operations do (in the order
+    its atomics ran), sentinels in the rest of each padded group and the same tile experts, and `align_block_size`
+    hands over to it above ALIGN_KERNEL_MAX_SLOTS."""
     from minivllm.kernels import moe_sort
     from minivllm.kernels.moe_sort import ALIGN_KERNEL_MAX_SLOTS, align_block_size
     monkeypatch.setattr(moe_sort, "_one_hot_entries", lambda device: one_hot_entries)
     _, _, ids = _routing(num_tokens, num_experts, top_k, 8, torch.float32, allowed)
     expected_sorted, expected_experts = moe_align_block_size(ids, num_experts, block_m)
     slots = sort_slots(ids, num_experts, block_m)
-    assert torch.equal(slots.sorted_ids, expected_sorted)
     counts = torch.bincount(ids.flatten().cpu(), minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
-    assert torch.equal(slots.ends.cpu().long(), padded.cumsum(0))
+    ends = padded.cumsum(0)
+    assert torch.equal(slots.ends.cpu().long(), ends)
+    _assert_same_groups(slots.sorted_ids, expected_sorted, ends - padded, counts, num_tokens * top_k)
     if block_m > 1:
         assert torch.equal(slots.expert_ids, expected_experts)
     if block_m > 1 and num_tokens * top_k > ALIGN_KERNEL_MAX_SLOTS:
-        assert all(torch.equal(a, b) for a, b in zip(align_block_size(ids, num_experts, block_m),
-                                                        (expected_sorted, expected_experts)))
+        sorted_ids, expert_ids = align_block_size(ids, num_experts, block_m)
+        _assert_same_groups(sorted_ids, expected_sorted, ends - padded, counts, num_tokens * top_k)
+        assert torch.equal(expert_ids, expected_experts)
+
+
+def _assert_same_groups(sorted_ids, expected, starts, counts, num_slots):
+    """Each group's first `count` rows hold the expected slots in some order; every other row the sentinel."""
+    sorted_ids, expected = sorted_ids.cpu(), expected.cpu()
+    assert sorted_ids.shape == expected.shape
+    is_slot = torch.zeros(len(sorted_ids), dtype=torch.bool)
+    for start, count in zip(starts.tolist(), counts.tolist()):
+        group = slice(start, start + count)
+        assert torch.equal(sorted_ids[group].sort().values, expected[group].sort().values)
+        is_slot[group] = True
+    assert bool((sorted_ids[~is_slot] == num_slots).all())
 
 
 def test_counting_sort_gathers_each_slots_row_and_records_where_it_went():
@@ -325,7 +340,9 @@ def test_counting_sort_gathers_each_slots_row_and_records_where_it_went():
     x, _, ids = _routing(num_tokens, num_experts, top_k, 40, torch.float32, {0, 2, 3, 5})
     slots = sort_slots(ids, num_experts, hidden_states=x)
     order = slots.sorted_ids.long()
-    assert torch.equal(order.cpu(), torch.argsort(ids.flatten().cpu(), stable=True))
+    flat = ids.flatten()
+    assert torch.equal(order.sort().values.cpu(), torch.arange(num_tokens * top_k))   # a permutation of the slots
+    assert bool((flat[order].diff() >= 0).all())   # grouped by expert, groups in expert order
     assert torch.equal(slots.rows, x[order // top_k])
     assert torch.equal(order[slots.position.long()].cpu(), torch.arange(num_tokens * top_k))
     with pytest.raises(ValueError, match="block_m must be 1"):
