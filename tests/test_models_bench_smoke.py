@@ -35,6 +35,7 @@ def test_models_bench_quick_writes_every_section(tmp_path):
     kernel = result["moe_kernel"]
     assert [row["tokens"] for row in kernel] == [1, 7]
     assert all(row["max_abs_diff_vs_looped"] < 1e-4 and row["floor_us"] > 0 for row in kernel)
+    assert result["moe_kernel_m7_tflops_after_models"] > 0   # the largest row timed again after the models
     # 8-bit weights, experts included: about half the bytes loaded, keyed by the format
     main(["--device", "cpu", "--quick", "--models", paths[1], "--quantization", "fp8", "--skip-kernel",
           "--out", str(tmp_path / "fp8")])

@@ -66,14 +66,17 @@ TMA_TILES = [tile for tile in TILES if tile.get("TMA")]
 @pytest.mark.parametrize("tile", [tile for tile in TILES if not tile.get("TMA")] + [moe_grouped_mm.GROUPED_MM])
 def test_every_timed_grouped_tile_matches_the_reference(tile):
     """The tiles the tuner chooses from, for decode batches and prefill (torch's grouped GEMM among them): odd
-    shapes, one expert empty, one over-full."""
-    hidden, inter, dtype = 48, 40, torch.float32
+    shapes, one expert empty, one over-full. In bf16 on a GPU: some tiles need more shared memory than an H200 has
+    in fp32 (the tuner drops a tile that fails to launch)."""
+    hidden, inter = 48, 40
+    dtype, tol = (torch.float32, 1e-4) if DEVICE.type == "cpu" else (torch.bfloat16, 2e-2)
     w13, w2 = _weights(4, hidden, inter, dtype)
     x, weights, ids = _routing(150, 4, 2, hidden, dtype, allowed={0, 1, 3})
     ids[:90, 0] = 3   # expert 3 takes over half the slots
     ids[:90, 1] = torch.where(ids[:90, 1] == 3, 0, ids[:90, 1])
     ours = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
-    torch.testing.assert_close(ours, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.float(), fused_experts_reference(x, w13, w2, weights, ids).float(), rtol=tol,
+                               atol=tol)
 
 
 @pytest.mark.parametrize("tile", [FEW_ROW_TILES[2], MID_ROW_TILES[0], GROUPED_TILES[2], *TMA_TILES])

@@ -53,6 +53,9 @@ class SortedSlots(NamedTuple):
 # 128 KiB (Hopper and A100 have more), 8k fit the 100 KiB of smaller GPUs.
 ONE_HOT_ENTRIES = 32768
 SMALL_SHARED_MEMORY_ONE_HOT_ENTRIES = 8192
+SCATTER_BLOCK = 512            # slots a scatter program places
+STARTS_CHUNK_ENTRIES = 4096    # counts the starts kernel sums at a time (a [blocks, experts] chunk)
+TILE_CHUNK = tl.constexpr(32)  # tiles whose experts a program finds at a time
 
 
 @functools.lru_cache(maxsize=8)
@@ -85,16 +88,16 @@ def rows_in_groups(onehot, first):
 
 
 @triton.jit
-def store_tile_experts(ends, expert_ids_ptr, num_experts, num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    """Each BLOCK_M-row tile's expert, from the padded groups' ends: how many groups end at or before its first row
-    (-1 past the last group)."""
+def store_tile_experts(ends, expert_ids_ptr, num_experts, first_tile, end_tile, BLOCK_M: tl.constexpr,
+                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """The expert of each BLOCK_M-row tile in [first_tile, end_tile), from the padded groups' ends: how many groups
+    end at or before its first row (-1 past the last group)."""
     experts = tl.arange(0, BLOCK_E)
-    for t0 in range(0, num_tiles, CHUNK):
+    for t0 in range(first_tile, end_tile, CHUNK):
         tiles = t0 + tl.arange(0, CHUNK)
         before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts < num_experts)[None, :]
         expert = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < num_tiles)
+        tl.store(expert_ids_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tiles < end_tile)
 
 
 # Slot, block and tile counts change with every eager step: specialising on them would recompile mid-run.
@@ -115,11 +118,10 @@ def _block_counts_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, num_slots, num_row
                      mask=(rows < num_rows) & (rows < first + rows_per_block))
 
 
-@triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
-def _group_starts_kernel(counts_ptr, cursor_ptr, ends_ptr, expert_ids_ptr, num_blocks, num_experts, num_tiles,
-                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
-                         PDL: tl.constexpr):
-    """cursor[e]: where expert e's padded group starts, ends[e]: where it ends; with TILES, each tile's expert."""
+@triton.jit(do_not_specialize=["num_blocks"])
+def _group_starts_kernel(counts_ptr, cursor_ptr, ends_ptr, num_blocks, num_experts, BLOCK_M: tl.constexpr,
+                         BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """cursor[e]: where expert e's padded group starts, ends[e]: where it ends."""
     wait_for_previous(PDL)
     experts = tl.arange(0, BLOCK_E)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -132,13 +134,14 @@ def _group_starts_kernel(counts_ptr, cursor_ptr, ends_ptr, expert_ids_ptr, num_b
     ends = tl.cumsum(padded, axis=0)
     tl.store(cursor_ptr + experts, ends - padded)
     tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
-    if TILES:
-        store_tile_experts(ends, expert_ids_ptr, num_experts, num_tiles, BLOCK_M, BLOCK_E, CHUNK)
 
 
-@triton.jit(do_not_specialize=["num_slots"])
-def _scatter_slots_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, position_ptr, num_slots, POSITION: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_slots", "num_tiles", "tiles_per_program"])
+def _scatter_slots_kernel(ids_ptr, cursor_ptr, ends_ptr, sorted_ids_ptr, position_ptr, expert_ids_ptr, num_slots,
+                          num_experts, num_tiles, tiles_per_program, POSITION: tl.constexpr, TILES: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """Each of this program's slots takes the next row of its expert's group; with TILES, this program's share of
+    the tiles gets their experts."""
     wait_for_previous(PDL)
     offs = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     in_range = offs < num_slots
@@ -147,6 +150,12 @@ def _scatter_slots_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, position_ptr, num
     tl.store(sorted_ids_ptr + row, offs, mask=in_range)
     if POSITION:
         tl.store(position_ptr + offs, row, mask=in_range)
+    if TILES:
+        experts = tl.arange(0, BLOCK_E)
+        ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=0)
+        first = tl.program_id(0) * tiles_per_program
+        store_tile_experts(ends, expert_ids_ptr, num_experts, first, tl.minimum(first + tiles_per_program, num_tiles),
+                           BLOCK_M, BLOCK_E, TILE_CHUNK)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -179,7 +188,6 @@ def token_slots(per_slot_ptr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLO
     return token, slots, k_valid, entries, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
-SCATTER_BLOCK = 512   # slots a scatter program places
 
 
 def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
@@ -213,12 +221,16 @@ def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
     _block_counts_kernel[(num_blocks,)](ids, counts, sorted_ids, num_slots, num_rows,
                                         triton.cdiv(num_rows, num_blocks), FILL=block_m > 1, BLOCK_S=block_s,
                                         BLOCK_E=block_e, **pdl, num_warps=8)
-    _group_starts_kernel[(1,)](counts, cursor, ends, sorted_ids if expert_ids is None else expert_ids, num_blocks,
-                               num_experts, num_rows // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
-                               CHUNK=max(1, entries // 2 // block_e), TILES=block_m > 1, **pdl, num_warps=8)
-    _scatter_slots_kernel[(triton.cdiv(num_slots, SCATTER_BLOCK),)](
-        ids, cursor, sorted_ids, position if gather else sorted_ids, num_slots, POSITION=gather,
-        BLOCK_S=SCATTER_BLOCK, **pdl, num_warps=4)
+    chunk = max(1, min(triton.next_power_of_2(num_blocks), STARTS_CHUNK_ENTRIES // block_e))
+    _group_starts_kernel[(1,)](counts, cursor, ends, num_blocks, num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
+                               CHUNK=chunk, **pdl, num_warps=4)
+    num_programs = triton.cdiv(num_slots, SCATTER_BLOCK)
+    num_tiles = num_rows // block_m
+    _scatter_slots_kernel[(num_programs,)](
+        ids, cursor, ends, sorted_ids, position if gather else sorted_ids,
+        sorted_ids if expert_ids is None else expert_ids, num_slots, num_experts, num_tiles,
+        triton.cdiv(num_tiles, num_programs), POSITION=gather, TILES=block_m > 1, BLOCK_M=block_m,
+        BLOCK_S=SCATTER_BLOCK, BLOCK_E=block_e, **pdl, num_warps=4)
     if gather:
         hidden = hidden_states.shape[1]
         block_h = min(512, triton.next_power_of_2(hidden))
@@ -266,7 +278,7 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
         counts += tl.sum(slot_onehot(ids_ptr, s0 + tl.arange(0, BLOCK_S), num_slots, BLOCK_E), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    store_tile_experts(ends, expert_ids_ptr, num_experts, num_rows // BLOCK_M, BLOCK_M, BLOCK_E, BLOCK_T)
+    store_tile_experts(ends, expert_ids_ptr, num_experts, 0, num_rows // BLOCK_M, BLOCK_M, BLOCK_E, BLOCK_T)
     for r0 in range(0, num_rows, BLOCK_T * BLOCK_M):   # padding rows hold the sentinel
         rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
         tl.store(sorted_ids_ptr + rows, tl.zeros_like(rows) + num_slots, mask=rows < num_rows)
