@@ -8,7 +8,7 @@ Expert weights are stacked: `w13` [E, 2I, H] (gate rows then up rows, like `gate
    BLOCK_M, so every BLOCK_M-row tile belongs to a single expert; padding rows hold the sentinel
    `num_slots`. Its buffers are sized by (slots, experts, BLOCK_M), so there is no host sync and the step
    stays capturable in a CUDA graph; tiles past the last group get expert -1 and exit at once (one kernel
-   program up to 256 slots, a counting sort in three kernels beyond; see moe_sort.py).
+   program up to 64 slots, a counting sort in three kernels beyond; see moe_sort.py).
    Up to `UNSORTED_MAX_SLOTS` slots the tuner also times tiles that skip it (`UNSORTED_TILES`): each expert's
    programs find their slots in the routing ids themselves and take them in the same tiles.
 2. `_fused_moe_kernel` computes, per (tile, BLOCK_N columns), the tile's gathered input rows times its

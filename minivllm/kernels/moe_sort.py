@@ -292,9 +292,9 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
 
 
 # One program's one-hot passes cost O(slots x experts). At Qwen3-30B-A3B's routing on an H200 the one program took
-# 10.5 against 18.8 µs for the counting sort's three kernels at 128 slots and 30.3 against 20.9 at 512 (a decode step
-# at batch 64; `align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
-ALIGN_KERNEL_MAX_SLOTS = 256
+# 6.1 against 6.5 µs for the counting sort's three kernels at 64 slots, 10.6 against 8.1 at 128 and 32.2 against 9.7
+# at 512 (`align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
+ALIGN_KERNEL_MAX_SLOTS = 64
 
 
 def align_one_program(topk_ids: torch.Tensor, num_experts: int, block_m: int):
