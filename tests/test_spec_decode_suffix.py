@@ -84,15 +84,22 @@ def test_suffix_proposals_match_a_brute_force_search():
         assert length == expected_length
         if length:
             _check_greedy(draft, score, continuations, limit, tie_to_latest=False)
-    # The proposer takes the draft with the larger score (its own history on a tie).
+    # The proposer takes the draft with the larger score (its own history on a tie), the cache's only after a
+    # match of at least `min_cache_match` tokens.
     proposer.cache = cache
-    for _ in range(200):
-        history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, DEPTH))
-        own, own_score = proposer.propose_own(token_history(history), k)
-        length, limit, continuations = _brute_force(outputs, history, k, cache=True)
-        node, _ = cache.match(history[-(DEPTH - k):])
-        other, other_score = cache.draft(node, limit, MIN_PROB) if length else ([], 0.0)
-        assert proposer.propose(history, k) == (other if other_score > own_score else own)
+    used_cache = {1: 0, 3: 0}
+    for min_cache_match in used_cache:
+        proposer.min_cache_match = min_cache_match
+        for _ in range(200):
+            history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, DEPTH))
+            own, own_score = proposer.propose_own(token_history(history), k)
+            length, limit, continuations = _brute_force(outputs, history, k, cache=True)
+            node, _ = cache.match(history[-(DEPTH - k):])
+            other, other_score = cache.draft(node, limit, MIN_PROB) if length >= min_cache_match else ([], 0.0)
+            expected = other if other_score > own_score else own
+            used_cache[min_cache_match] += expected is other and bool(other)
+            assert proposer.propose(history, k) == expected
+    assert all(used_cache.values())   # both settings took some drafts from the cache
 
 
 def test_a_copied_passage_longer_than_the_depth_still_drafts_k_tokens():
@@ -162,7 +169,8 @@ def test_suffix_config_and_cache_of_other_requests_outputs():
     config = SpeculativeConfig.from_dict({"method": "suffix"})
     assert config.num_speculative_tokens == 15 and config.suffix_decoding_max_tree_depth == 24
     for bad in ({"method": "suffix", "suffix_decoding_max_tree_depth": 1},
-                {"method": "suffix", "suffix_decoding_min_token_prob": 2.0}):
+                {"method": "suffix", "suffix_decoding_min_token_prob": 2.0},
+                {"method": "suffix", "suffix_decoding_min_cache_match": 0}):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_dict(bad)
     controller = SpeculationController(config, max_model_len=1024)

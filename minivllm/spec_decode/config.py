@@ -35,6 +35,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
     suffix_decoding_max_spec_factor: float = 4.0       # drafts per token of match
     suffix_decoding_min_token_prob: float = 0.7        # stop when the draft's estimated chance falls below
+    suffix_decoding_min_cache_match: int = 1           # shortest match in other requests' outputs that drafts
 
     @classmethod
     def from_dict(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -70,6 +71,9 @@ class SpeculativeConfig:
             if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
                 raise ValueError("suffix decoding needs suffix_decoding_max_spec_factor > 0 and "
                                  "suffix_decoding_min_token_prob in [0, 1]")
+            if self.suffix_decoding_min_cache_match < 1:
+                raise ValueError("suffix decoding needs suffix_decoding_min_cache_match >= 1, got "
+                                 f"{self.suffix_decoding_min_cache_match}")
         elif (self.model is None) == (self.draft_layers is None):
             raise ValueError("draft_model needs exactly one of 'model' (a draft checkpoint) or 'draft_layers' "
                              "(the target's first N layers)")

@@ -89,7 +89,8 @@ def _host_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
-                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob,
+                              config.suffix_decoding_min_cache_match)
     return None
 
 

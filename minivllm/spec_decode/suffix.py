@@ -5,9 +5,9 @@ says the continuation is likely.
 A draft starts at the longest suffix of the sequence that was seen before followed by some token, then
 follows the most frequent continuation while the product of the continuation frequencies (the chance that
 the whole draft so far is right) stays at least `min_token_prob`, for at most `max_spec_factor` x the
-match length tokens (a long match predicts far). The own history and the cache each propose a draft; the
-one with the larger score (the sum of those products: the expected number of accepted tokens) wins, the
-own history on a tie. A match in the own history is at most `max_depth` - 1 tokens and its draft is not
+match length tokens (a long match predicts far). The own history and the cache each propose a draft (the
+cache only after a match of at least `min_cache_match` tokens); the one with the larger score (the sum of
+those products: the expected number of accepted tokens) wins, the own history on a tie. A match in the own history is at most `max_depth` - 1 tokens and its draft is not
 bounded by the depth: a sequence that copies a passage keeps matching `max_depth` - 1 tokens and must
 still draft k. The cache's paths are `max_depth` tokens deep, so its match leaves room for the draft
 (at most `max_depth` - k tokens, less the stand-ins).
@@ -202,8 +202,9 @@ class SuffixProposer:
     proposes_on_device = False
 
     def __init__(self, max_depth: int = 24, max_cached_requests: int = 512, max_spec_factor: float = 2.0,
-                 min_token_prob: float = 0.3) -> None:
+                 min_token_prob: float = 0.3, min_cache_match: int = 1) -> None:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
+        self.min_cache_match = min_cache_match
         self.cache = SuffixCache(max_depth, max_cached_requests)
 
     def _limit(self, match_len: int, k: int, skip: int = 0) -> int:
@@ -222,7 +223,7 @@ class SuffixProposer:
             return own[skip:]
         room = max(1, self.max_depth - k - skip)   # the longest match whose path leaves k + skip tokens below it
         node, match_len = self.cache.match(history[max(0, len(history) - room):])
-        if match_len:
+        if match_len >= max(1, self.min_cache_match):
             limit = min(self._limit(match_len, k, skip), self.max_depth - match_len)
             other, score = self.cache.draft(node, limit, self.min_token_prob)
             if score > own_score and len(other) > skip:
