@@ -7,10 +7,10 @@ follows the most frequent continuation while the product of the continuation fre
 the whole draft so far is right) stays at least `min_token_prob`, for at most `max_spec_factor` x the
 match length tokens (a long match predicts far). The own history and the cache each propose a draft (the
 cache only after a match of at least `min_cache_match` tokens); the one with the larger score (the sum of
-those products: the expected number of accepted tokens) wins, the own history on a tie. A match in the own history is at most `max_depth` - 1 tokens and its draft is not
-bounded by the depth: a sequence that copies a passage keeps matching `max_depth` - 1 tokens and must
-still draft k. The cache's paths are `max_depth` tokens deep, so its match leaves room for the draft
-(at most `max_depth` - k tokens, less the stand-ins).
+those products: the expected number of accepted tokens) wins, the own history on a tie. A match in the own
+history is at most `max_depth` - 1 tokens and its draft is not bounded by the depth: a sequence that copies a
+passage keeps matching `max_depth` - 1 tokens and must still draft k. The cache's paths are `max_depth` tokens
+deep, so its match leaves room for the draft (at most `max_depth` - k tokens, less the stand-ins).
 
 - The own history is the controller's int32 `array` of the sequence, searched like the n-gram proposer's
   with `bytes.rfind` (the longest match by bisection, then its `MAX_OCCURRENCES` latest occurrences):
