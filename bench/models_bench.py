@@ -12,9 +12,10 @@ random, E * (1 - (1 - top_k / E) ** B) distinct experts per MoE layer are expect
 counts come from the model itself, built on the meta device (no memory), not from hand arithmetic.
 
 Kernel microbenchmark: Qwen3-30B-A3B's expert shapes (E 128, top 8, hidden 2048, 768 per expert), bf16,
-M = 1, 64, 512, 4096 tokens with softmax top-k routing of random logits. The floor reads each expert that
+M = 1, 8, 16, 64, 512, 4096 tokens with softmax top-k routing of random logits. The floor reads each expert that
 the routing actually touched once, plus the activations in and out; the baseline loops over the touched
-experts with one gate_up and one down matmul each (transformers' implementation).
+experts with one gate_up and one down matmul each (transformers' implementation). It runs right after the
+roofline, before the models, and its largest row is timed again after them (`..._tflops_after_models`).
 """
 from __future__ import annotations
 
