@@ -180,15 +180,24 @@ def run_model(args, model: str, roofline: dict, device: torch.device) -> dict:
     return result
 
 
+def _kernel_tokens(args) -> tuple[int, ...]:
+    return QUICK_KERNEL_TOKENS if args.quick else KERNEL_TOKENS
+
+
+def _fused_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> int:
+    """The experts' gate, up and down products for `num_tokens` tokens of top_k routing."""
+    return 2 * num_tokens * top_k * 3 * hidden * inter
+
+
 def _kernel_operands(args, device: torch.device):
     """Qwen3-30B-A3B's expert shapes (tiny ones with --quick), the token counts, the dtype, a seeded generator
     and the stacked expert weights."""
     config = load_hf_config("qwen3-30b-a3b")
     num_experts, top_k = config.num_experts, config.num_experts_per_tok
     hidden, inter = config.hidden_size, config.moe_intermediate_size
-    tokens = KERNEL_TOKENS
     if args.quick:   # the interpreter on the CPU: tiny shapes
-        num_experts, top_k, hidden, inter, tokens = 8, 2, 32, 16, QUICK_KERNEL_TOKENS
+        num_experts, top_k, hidden, inter = 8, 2, 32, 16
+    tokens = _kernel_tokens(args)
     dtype = torch_dtype(args)
     g = torch.Generator(device=device).manual_seed(0)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, generator=g).mul_(0.02).to(dtype)
@@ -214,14 +223,13 @@ def rerun_largest_kernel(args, device: torch.device) -> float:
     seconds = _kernel_seconds(args, device, lambda: fused_experts(x, w13, w2, weights, ids))
     del w13, w2
     free_device_memory(device)
-    return 2 * m * top_k * 3 * hidden * inter / seconds / 1e12
+    return _fused_flops(m, top_k, hidden, inter) / seconds / 1e12
 
 
 def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
     """fused_experts (the path and tile the tuner picks, as the engine runs it), each path forced, and the
     looped reference, against the floor, at Qwen3-30B-A3B's expert shapes. On the GPU every fused time is a
     CUDA-graph replay (as a decode step runs it: no launch overhead); the loop is timed eagerly."""
-    from minivllm.kernels import tuning
     from minivllm.kernels import moe_grouped_mm
     from minivllm.kernels.fused_moe import (GEMV_MAX_SLOTS, GEMV_TILES, _grouped_experts, fused_experts,
                                             fused_experts_reference)
@@ -261,7 +269,7 @@ def run_kernel(args, roofline: dict, device: torch.device) -> list[dict]:
         diff = (fused_experts(x, w13, w2, weights, ids).float()
                 - fused_experts_reference(x, w13, w2, weights, ids).float()).abs().max().item()
         floor_bytes = touched * 3 * hidden * inter * element + 2 * m * hidden * element
-        flops = 2 * m * top_k * 3 * hidden * inter
+        flops = _fused_flops(m, top_k, hidden, inter)
         floor_s = max(floor_bytes / roofline["copy_bandwidth_bytes_per_s"], flops / roofline["matmul_flops_per_s"])
         best_gemv = min(gemv, key=gemv.get) if gemv else None
         rows.append({"tokens": m, "experts_touched": touched, "fused_us": 1e6 * fused_s,
@@ -322,8 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
             value = {"error": f"{type(e).__name__}: {e}"}
             free_device_memory(device)
         if name == "moe_kernel_after_models":
-            largest = (QUICK_KERNEL_TOKENS if args.quick else KERNEL_TOKENS)[-1]
-            result[f"moe_kernel_m{largest}_tflops_after_models"] = value
+            result[f"moe_kernel_m{_kernel_tokens(args)[-1]}_tflops_after_models"] = value
         elif name == "moe_kernel":
             result["moe_kernel"] = value
             for row in value if isinstance(value, list) else []:   # the figures people look for first

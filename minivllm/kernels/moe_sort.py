@@ -188,8 +188,6 @@ def token_slots(per_slot_ptr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLO
     return token, slots, k_valid, entries, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
-
-
 def sort_slots(topk_ids: torch.Tensor, num_experts: int, block_m: int = 1,
                hidden_states: torch.Tensor | None = None) -> SortedSlots:
     """Group topk_ids' [T, top_k] slots by expert (in no set order within a group): groups padded to multiples
