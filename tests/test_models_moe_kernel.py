@@ -109,6 +109,21 @@ def test_gated_tiles_round_like_the_separate_activation_in_bf16(tile):
         assert torch.equal(_grouped_experts(x, w13, w2, weights, ids, None, None, tile), separate)
 
 
+def test_row_tile_groups_take_every_tile_once():
+    """Programs ordered in groups of GROUP_M row tiles (the last group shorter) compute each (row tile, column block)
+    once: the same output, bit for bit, as in launch order, on several groups of row tiles and column blocks."""
+    hidden, inter = 96, 80
+    w13, w2 = _weights(4, hidden, inter, torch.float32)
+    x, weights, ids = _routing(150, 4, 2, hidden, torch.float32, allowed={0, 1, 3})
+    ids[:90, 0] = 3
+    ids[:90, 1] = torch.where(ids[:90, 1] == 3, 0, ids[:90, 1])
+    tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4)
+    in_order = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
+    for group in (2, 3, 64):
+        assert torch.equal(_grouped_experts(x, w13, w2, weights, ids, None, None, dict(tile, GROUP_M=group)), in_order)
+    torch.testing.assert_close(in_order, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tile", UNSORTED_TILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unsorted_tiles_compute_the_sorted_tiles_rows(tile, dtype):

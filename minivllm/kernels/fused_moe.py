@@ -151,6 +151,18 @@ def _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_pt
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _grouped_order(pid_m, pid_n, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column block) of a program in GROUP_M-row-tile groups: the grid runs in launch order (dim 0
+    fastest), and each group takes every column block of its GROUP_M row tiles before the next group starts, so a
+    row tile's inputs and its expert's weight rows are read from HBM about once and from L2 by the rest."""
+    pid = pid_n * num_m + pid_m
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first, GROUP_M)
+    return first + (pid % per_group) % rows, (pid % per_group) // rows
+
+
 # The slot count changes every eager step; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["num_slots"])
 def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, ids_ptr, expert_ids_ptr,
@@ -158,15 +170,17 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                      GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      GATED: tl.constexpr, SLOTS: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The grouped GEMM over (row tile, BLOCK_N columns) programs. SLOTS = 0: `ids_ptr` is the sorted, padded slot
     list and `expert_ids_ptr` each BLOCK_M-row tile's expert. SLOTS > 0 (a power of two >= num_slots): no sort;
     program row 0 is expert 0's, 1 expert 1's and so on, each finding its slots in the routing ids `ids_ptr`
     itself (a compare and a running sum over every slot) and taking them BLOCK_M at a time, in slot order: the
-    same rows in the same tiles as the sorted list."""
+    same rows in the same tiles as the sorted list. GROUP_M > 1 (sorted only): programs in `_grouped_order`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if GROUP_M > 1:
+        pid_m, pid_n = _grouped_order(pid_m, pid_n, tl.num_programs(0), tl.num_programs(1), GROUP_M)
     if SLOTS == 0:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         if expert < 0:
@@ -220,6 +234,9 @@ UNSORTED_TILES = tuple(dict(tile, UNSORTED=True) for tile in (FEW_ROW_TILES[0], 
 # weights through a tensor descriptor (Hopper's TMA unit: one instruction a tile, no address arithmetic per
 # element) where it divides the shapes, and through pointers elsewhere. It pays at prefill only, where the loads'
 # instructions compete with the tensor cores' work; at decode sizes TMA twins tied the pointer tiles (models.md).
+# A tile with GROUP_M runs its programs in groups of that many row tiles (`_grouped_order`): launched row tile
+# first, the down GEMM's 8 column blocks each read all 32,768 rows of its input at 4,096 tokens (50 MB, which L2
+# does not hold), so that input crossed HBM once per column block.
 GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
                  dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -231,7 +248,12 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True),
-                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True))
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True,
+                      GROUP_M=8),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True,
+                      GROUP_M=16),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True, GROUP_M=8))
 
 
 def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: dict, scale=None,
@@ -242,11 +264,12 @@ def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: di
     gate then up, and c[slot] = silu(gate) * up of the products, each program taking BLOCK_N / 2 columns of each
     (so the same B bytes a step as the plain tile)."""
     num_experts, rows, k = b.shape
-    config = {key: value for key, value in config.items() if key != "GATED"}
+    config = {"GROUP_M": 1, **{key: value for key, value in config.items() if key != "GATED"}}
     if gated:
         config["BLOCK_N"] //= 2
     n = rows // 2 if gated else rows
     slots = triton.next_power_of_2(max(c.shape[0], 16)) if config.pop("UNSORTED", False) else 0
+    assert not (slots and config["GROUP_M"] > 1), "GROUP_M orders the sorted list's tiles"
     grid = (num_experts if slots else expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     even = n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0
     b_desc = None
