@@ -35,7 +35,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
     suffix_decoding_max_spec_factor: float = 4.0       # drafts per token of match
     suffix_decoding_min_token_prob: float = 0.7        # stop when the draft's estimated chance falls below
-    suffix_decoding_min_cache_match: int = 1           # shortest match in other requests' outputs that drafts
+    suffix_decoding_min_cache_match: int = 3           # shortest match in other requests' outputs that drafts
 
     @classmethod
     def from_dict(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

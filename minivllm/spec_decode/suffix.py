@@ -202,7 +202,7 @@ class SuffixProposer:
     proposes_on_device = False
 
     def __init__(self, max_depth: int = 24, max_cached_requests: int = 512, max_spec_factor: float = 2.0,
-                 min_token_prob: float = 0.3, min_cache_match: int = 1) -> None:
+                 min_token_prob: float = 0.3, min_cache_match: int = 3) -> None:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
         self.min_cache_match = min_cache_match
         self.cache = SuffixCache(max_depth, max_cached_requests)
