@@ -9,8 +9,9 @@ behind a token still in flight. Reported per workload and proposer: steps, verif
 (the speedup's ceiling when a verify step costs a plain one), tokens per verify step, acceptance and the
 host microseconds per lookup, for
 n-gram (the benchmark's configuration), a grid of suffix decoding's draft factor and probability floor, and
-suffix decoding's defaults under a draft cap of 7 (`suffix_k7`), with the cache drafting only after a match of
-three tokens or more (`suffix_cache_match3`) and without the cache of other requests' outputs (`suffix_own_only`).
+suffix decoding's defaults under a draft cap of 7 (`suffix_k7`), with the cache drafting after a match of any
+length instead of three tokens or more (`suffix_cache_match1`) and without the cache of other requests' outputs
+(`suffix_own_only`).
 The result file is per device (`spec_replay_<device>.json`): the outputs, and so the replay, depend on
 the device's arithmetic.
 
@@ -76,9 +77,9 @@ def proposers(quick: bool) -> dict:
     # The defaults under a draft cap of 7 (a verify step of 8 rows at batch 1): what the longer cap adds.
     made["suffix_k7"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
                                                 default.suffix_decoding_min_token_prob), 7)
-    # The defaults with the cache drafting only after a match of 3 tokens or more: what its short matches add.
-    made["suffix_cache_match3"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
-                                                          default.suffix_decoding_min_token_prob, 3),
+    # The defaults with the cache drafting after a match of any length: what matches of one or two tokens add.
+    made["suffix_cache_match1"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
+                                                          default.suffix_decoding_min_token_prob, 1),
                                    default.num_speculative_tokens)
     # The defaults with no cache of other requests' outputs: what the cache adds.
     made["suffix_own_only"] = (lambda: SuffixProposer(depth, 0, default.suffix_decoding_max_spec_factor,
