@@ -15,6 +15,7 @@ from bench.models_bench import StepCost, main  # noqa: E402
 from tests.conftest import tiny_hf_config  # noqa: E402
 
 
+@pytest.mark.long
 def test_models_bench_quick_writes_every_section(tmp_path):
     paths = []
     for arch in ("gpt2", "qwen3-moe"):
