@@ -111,6 +111,7 @@ def test_snapshot_is_plain_data_that_matches_the_pool(server):
         assert entry["num_blocks"] * kv["block_size"] >= entry["computed_tokens"] > 0
 
 
+@pytest.mark.long
 def test_dashboard_in_headless_chromium(server):
     url, engine = server
     driver = browser()

@@ -65,6 +65,7 @@ def check_response(status: int, content: bytes, content_type: str, where: str) -
                 assert error.get("message") and error.get("type"), f"{where}: {error}"
 
 
+@pytest.mark.long
 def test_fuzz_openapi_schema(url, capsys):
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]

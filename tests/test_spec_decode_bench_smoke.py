@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.spec_decode import main
 
 KEYS = ("grounded_b1_speedup", "open_b1_speedup", "grounded_b8_speedup", "grounded_b32_speedup", "w1_load_ratio",
         "suffix_repetitive_b1_speedup", "ngram_repetitive_b1_speedup")
 
 
+@pytest.mark.long
 def test_quick_run_writes_every_acceptance_key(tmp_path):
     main(["--quick", "--parts", "compare,load,idle", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "spec_decode_cpu.json").read_text())

@@ -43,7 +43,8 @@ def _finished(outputs):
             for o in outputs]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.long) if name == "draft_layers" else name
+                                  for name in CONFIGS])
 def test_greedy_output_is_identical_to_no_speculation(name, plain, reference):
     llm = LLM(**SETTINGS, speculative_config=CONFIGS[name])
     outputs = llm.chat(CHATS, GREEDY, use_tqdm=False)

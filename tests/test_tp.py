@@ -246,6 +246,7 @@ def test_worker_fault_during_a_step_fails_requests_and_health(monkeypatch):
         assert again.status_code == 503
 
 
+@pytest.mark.long
 def test_torchrun_two_nodes_on_localhost_match_one_process():
     """`torchrun --nnodes 2 --nproc-per-node 1` with c10d rendezvous, both "nodes" on this host (gloo):
     the rank torchrun made 0 runs the engine and prints the text, the other serves its steps and exits 0;
