@@ -30,7 +30,6 @@ Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_refer
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import tuning
-from minivllm.kernels.pdl import launch_options, prefetch_l2, rows_prefetchable, wait_for_previous
+from minivllm.kernels.pdl import launch_options, wait_for_previous
 from minivllm.kernels.rmsnorm import RowNorm
 
 # (BLOCK_N, BLOCK_K, num_warps): one or two rows a program keep the most loads in flight. Timed on an H200 against
@@ -79,37 +78,17 @@ def rows_tiles(num_rows: int) -> tuple:
 # 9.18 against 6.43 + 1.57, and Llama-3-8B's (6,144 rows) 16.58 against 13.63 + 1.86: on a large grid the repeated
 # norm costs more than the launch it saves.
 NORM_FOLD_MAX_ROWS = 1024
-# Under PDL each program asks L2 for the start of its weight rows before it waits (kernels/pdl.py), so they stream
-# while the kernel in front (a norm, the attention's reduce) still runs: at most this much of a weight, spread evenly
-# over its rows, which leaves room in L2 (50 MB on an H100/H200) for what the other kernels keep there.
-PREFETCH_WEIGHT_BYTES = 24 << 20
-
-
-def prefetch_row_bytes(weight: torch.Tensor, pdl: dict) -> int:
-    """Bytes of each weight row a GEMV program prefetches before its wait: 0 without PDL or on unaligned rows."""
-    if not pdl["PDL"] or not rows_prefetchable(weight) or os.environ.get("MINIVLLM_AB_GEMV_PREFETCH", "1") == "0":
-        return 0
-    n, k = weight.shape
-    return min(k * weight.element_size(), PREFETCH_WEIGHT_BYTES // n) // 16 * 16
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, offs_n, n_mask, stride_wn, prefetch_bytes, PDL: tl.constexpr):
-    """`prefetch_l2` of the first `prefetch_bytes` of each of this program's weight rows (none where it is 0)."""
-    nbytes = tl.zeros_like(offs_n) + prefetch_bytes
-    prefetch_l2(w_ptr + offs_n.to(tl.int64) * stride_wn, nbytes, n_mask & (nbytes > 0), PDL)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
-                 eps, prefetch_bytes, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                 eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr,
                  WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[n] = x . w[n] (+ b[n]); NORM: of RMSNorm(x (+ residual)) * norm weight."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    _prefetch_rows(w_ptr, offs_n, n_mask, stride_wn, prefetch_bytes, PDL)
     wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -159,15 +138,14 @@ def _store_row(out_ptr, acc, b_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, prefetch_bytes, HAS_BIAS: tl.constexpr,
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = x[m] . w[n] (+ b[n]) for the M rows of x, 1 < M <= ROWS (2, 4 or 8). One accumulator per row,
     each reduced as the one-row kernel reduces its row (one [ROWS, BLOCK_N, BLOCK_K] product reduced over K timed
     slower on an H200 at SmolLM2's shapes). Rows past M read and write nothing."""
+    wait_for_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    _prefetch_rows(w_ptr, offs_n, n_mask, stride_wn, prefetch_bytes, PDL)
-    wait_for_previous(PDL)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -204,17 +182,15 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w
 
 
 @triton.jit
-def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, prefetch_bytes,
-                          HAS_BIAS: tl.constexpr,
+def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                           PDL: tl.constexpr):
     """The rows kernel's product on the tensor cores: BLOCK_N weight rows times x's M rows padded to ROWS (`mma_rows`;
     the padding rows are zeros that are never stored)."""
+    wait_for_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
     n_mask, m_mask = offs_n < N, offs_m < M
-    _prefetch_rows(w_ptr, offs_n, n_mask, stride_wn, prefetch_bytes, PDL)
-    wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -240,8 +216,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     block_n, block_k, warps = tile[:3]
     n, k = weight.shape
     num_rows = x.numel() // k
-    pdl = launch_options(x.device)
-    prefetch = prefetch_row_bytes(weight, pdl)
     if num_rows > 1:
         if norm is not None:
             raise ValueError("the GEMV folds a norm into one row only")
@@ -253,13 +227,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
         if tile in GEMV_MMA_TILES:
             _gemv_rows_mma_kernel[(triton.cdiv(n, block_n),)](
                 rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
-                prefetch, HAS_BIAS=bias is not None, ROWS=mma_rows(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                UPCAST=not x.is_cuda, num_warps=warps, **pdl)
+                HAS_BIAS=bias is not None, ROWS=mma_rows(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                UPCAST=not x.is_cuda, num_warps=warps, **launch_options(x.device))
             return out
         _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
             rows, weight, weight if bias is None else bias, out, num_rows, n, k, rows.stride(0), weight.stride(0),
-            prefetch, HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, **pdl)
+            HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, **launch_options(x.device))
         return out
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -270,10 +244,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     _gemv_kernel[(grid,)](
         x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
         x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
-        n, k, weight.stride(0), 0.0 if norm is None else norm.eps, prefetch, HAS_BIAS=bias is not None,
-        NORM=norm is not None, ADD=residual is not None, WRITE_NORMED=normed is not None,
+        n, k, weight.stride(0), 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None, NORM=norm is not None,
+        ADD=residual is not None, WRITE_NORMED=normed is not None,
         WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **pdl)
+        num_warps=warps, **launch_options(x.device))
     return out
 
 
