@@ -76,7 +76,7 @@ def _decode_partition_kernel(
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, V_WITH_K: tl.constexpr, PDL: tl.constexpr):
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,9 +117,6 @@ def _decode_partition_kernel(
             + kv_head * cache_stride_h
         k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
                     mask=valid[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
-        if V_WITH_K:   # both tiles' loads in flight before the scores wait on the keys
-            v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
-                        mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
         scores = _dot(q, k, DOT_PRECISION, UPCAST)                                # [G, N]
         if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
             scores = _tanh(scores * softcap_scale)
@@ -129,9 +126,8 @@ def _decode_partition_kernel(
         p = tl.math.exp2(scores - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not V_WITH_K:
-            v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
-                        mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
 
@@ -161,39 +157,28 @@ def _decode_partition_kernel(
 def _decode_reduce_kernel(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
         head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
-        min_partition, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, HOIST: tl.constexpr, PDL: tl.constexpr):
+        min_partition, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
-    split_ids = tl.arange(0, MAX_SPLITS)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    if HOIST:   # every allocated partition's partials load with the length, not after it
-        allocated = split_ids < splits
-        maxes = tl.load(partial_max_ptr + base + split_ids, mask=allocated, other=float("-inf"))
-        sums = tl.load(partial_sum_ptr + base + split_ids, mask=allocated, other=0.0)
-        partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
-                           mask=allocated[:, None] & dim_mask[None, :], other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
     partition = _partition_size(seq_len, splits, fixed_partition, min_partition)
     num_used = (seq_len + partition - 1) // partition   # only these were written
     if num_used == 1:   # the partition kernel wrote the output
         return
+    base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
+    split_ids = tl.arange(0, MAX_SPLITS)
     used = split_ids < num_used
-    if HOIST:   # the partitions past the context hold an earlier call's values
-        maxes = tl.where(used, maxes, float("-inf"))
-        sums = tl.where(used, sums, 0.0)
-        partials = tl.where(used[:, None], partials, 0.0)
-    else:
-        maxes = tl.load(partial_max_ptr + base + split_ids, mask=used, other=float("-inf"))
-        sums = tl.load(partial_sum_ptr + base + split_ids, mask=used, other=0.0)
-        # All partitions' rows in one load (a loop over them would be a chain of dependent loads)
-        partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
-                           mask=used[:, None] & dim_mask[None, :], other=0.0)
+    maxes = tl.load(partial_max_ptr + base + split_ids, mask=used, other=float("-inf"))
+    sums = tl.load(partial_sum_ptr + base + split_ids, mask=used, other=0.0)
     global_max = tl.where(num_used > 0, tl.max(maxes, 0), 0.0)   # no -inf - -inf when empty
     weights = tl.where(used, tl.math.exp2(maxes - global_max) * sums, 0.0)
     total = tl.sum(weights, 0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    # All partitions' rows in one load (a loop over them would be a chain of dependent loads)
+    partials = tl.load(partial_out_ptr + (base + split_ids)[:, None] * head_dim + dims[None, :],
+                       mask=used[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(weights[:, None] * partials, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
@@ -327,14 +312,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        V_WITH_K=os.environ.get("MINIVLLM_AB_ATTN_HOIST", "1") == "1", **pdl,
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            min_partition, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            HOIST=os.environ.get("MINIVLLM_AB_ATTN_HOIST", "1") == "1", **pdl,
+            min_partition, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
             num_warps=1 if block_d <= 64 else 4)
     return out
