@@ -36,7 +36,7 @@ def mode(device: torch.device) -> int:
     if (not envs.MINIVLLM_PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
         return 0
-    return 2 if os.environ.get("MINIVLLM_AB_PDL_EARLY", "0") == "1" else 1
+    return 1
 
 
 def rows_prefetchable(t: torch.Tensor) -> bool:
@@ -55,10 +55,7 @@ def launch_options(device: torch.device) -> dict:
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """Blocks until the previous kernel's writes are visible, then lets the next kernel launch."""
-    if PDL == 2:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL > 0:
+    if PDL > 0:
         gdc_wait()
         gdc_launch_dependents()
 
