@@ -33,7 +33,7 @@
 #   spec_compare  off / n-gram / suffix per workload and batch on the real model (spec_decode, compare part)
 #   spec_load     n-gram under load on dummy Llama-3-8B and the idle speculator's cost (spec_decode_load)
 #   kernels       attention microbenchmark (and decode with one TP rank's heads), decode split-K, the prefill
-#                 attention launch configs
+#                 attention launch configs, the cost of a kernel boundary (launch_chain)
 #   gemm          the int4 and W8A8 tile sweeps at M = 1 and the int4 sweep at W1 sizes
 #   tune          one-row int4 GEMV tiles searched in the whole decode step ($OUT/configs/<device>.json, the file
 #                 minivllm/kernels/configs/ ships), the Gluon GEMV tiles timed cold, PDL on/off
@@ -153,7 +153,8 @@ run_suite() {
     step attention_bench_tp 120 python3 bench/kernels/attention_bench.py --no-flex --tp-ranks 1,2,4 --out "$OUT"
     step decode_split 180 python3 bench/kernels/decode_split_sweep.py --out "$OUT"
     step prefill_sm90_sweep 200 python3 bench/kernels/prefill_sm90_sweep.py --out "$OUT"
-    step prefill_attention_sweep 200 python3 bench/kernels/prefill_attention_sweep.py --out "$OUT" ;;
+    step prefill_attention_sweep 200 python3 bench/kernels/prefill_attention_sweep.py --out "$OUT"
+    step launch_chain 120 python3 bench/kernels/launch_chain.py --out "$OUT" ;;
   gemm)
     step int4_gemv_sweep 330 python3 bench/kernels/int4_gemv_sweep.py --ms 1 --out "$OUT"
     step w8a8_tile_sweep 240 python3 bench/kernels/w8a8_tile_sweep.py --ms 1 --out "$OUT"
