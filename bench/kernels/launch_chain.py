@@ -14,7 +14,6 @@ Writes launch_chain_<device>.json: microseconds per kernel (median of rounds) pe
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import device_slug, run_metadata, write_json  # noqa: E402
+from minivllm.kernels import tuning  # noqa: E402
 from minivllm.kernels.pdl import launch_options, wait_for_previous  # noqa: E402
 
 BLOCK = 128
@@ -37,8 +37,9 @@ def _link_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs) + 1.0)
 
 
-def chain_us(programs: int, pdl: bool, length: int, rounds: int, replays: int) -> tuple[float, list[float]]:
-    """Median microseconds per kernel of a graph of `length` dependent kernels, and every round's value."""
+def chain_us(programs: int, pdl: bool, length: int, rounds: int, replays: int) -> float:
+    """Microseconds per kernel of a chain of `length` dependent kernels: `replays` chains captured in one graph,
+    the median of `rounds` replays (`tuning.device_seconds`)."""
     a = torch.zeros(programs * BLOCK, device="cuda")
     b = torch.zeros_like(a)
     options = launch_options(a.device) if pdl else {"PDL": 0}
@@ -47,27 +48,13 @@ def chain_us(programs: int, pdl: bool, length: int, rounds: int, replays: int) -
         for i in range(length):
             src, dst = (a, b) if i % 2 == 0 else (b, a)
             _link_kernel[(programs,)](src, dst, BLOCK=BLOCK, num_warps=4, **options)
-    run_chain()   # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_chain()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    values = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        values.append(1e3 * start.elapsed_time(end) / (replays * length))
-    # Every kernel run adds one: after T of them in order, one buffer holds T and the other T - 1.
-    runs = length * (1 + 3 + rounds * replays)
+    seconds = tuning.device_seconds(run_chain, calls=replays, repeats=rounds)
+    # Every kernel run adds one: after T of them in order, one buffer holds T and the other T - 1. device_seconds
+    # runs the chain twice before its capture (the compile, the side-stream warm-up), then replays it.
+    runs = length * (2 + rounds * replays)
     if not torch.all(a + b == 2 * runs - 1) or not torch.all((a - b).abs() == 1):
         raise AssertionError("the chain's kernels did not run in order")
-    return statistics.median(values), values
+    return 1e6 * seconds / length
 
 
 def main(argv=None) -> dict:
@@ -75,7 +62,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--length", type=int, default=240, help="kernels in the graph")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=20, help="chains captured in one graph")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("launch_chain needs a CUDA GPU")
@@ -85,8 +72,8 @@ def main(argv=None) -> dict:
     pdl_available = launch_options(device)["PDL"] > 0
     for programs in (1, sms, 4 * sms, 16 * sms):
         for pdl in (True, False) if pdl_available else (False,):
-            median, values = chain_us(programs, pdl, args.length, args.rounds, args.replays)
-            result["rows"].append({"programs": programs, "pdl": pdl, "us_per_kernel": median, "rounds_us": values})
+            median = chain_us(programs, pdl, args.length, args.rounds, args.replays)
+            result["rows"].append({"programs": programs, "pdl": pdl, "us_per_kernel": median})
             print(f"{programs:>6} programs  pdl={int(pdl)}  {median:.2f} us per kernel", flush=True)
     write_json(args.out / f"launch_chain_{device_slug(result['device'])}.json", result)
     return result
