@@ -396,23 +396,23 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     assert controller.choose_k(seqs) == 0 and controller.propose(seqs, 0) == 0
 
 
-def test_a_verify_step_chains_after_one_that_accepted_every_draft():
-    """The step after a verify step is launched before its read-back only when each verifying sequence's last
-    verification accepted every draft (and its proposals need no wait)."""
-    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1),
-                                       max_model_len=1024)
-    seqs = _decoding_batch(2)
-    step = SimpleNamespace(seqs=seqs, spec_token_ids=[[5, 6], []])
-    assert controller.chains(step) is False      # nothing verified yet
-    controller.observe_verification(seqs[0], 2, 2)
-    controller.observe_verification(seqs[1], 2, 0)
-    assert controller.chains(step) is True       # the second sequence does not verify in this step
-    step.spec_token_ids = [[5, 6], [6]]
-    assert controller.chains(step) is False
-    controller.observe_verification(seqs[1], 1, 1)
-    assert controller.chains(step) is True
-    seqs[0].sampling_params.seed, seqs[0].sampling_params.temperature = 3, 0.8   # seeded: its drafts wait
-    assert controller.chains(step) is False
+def test_proposals_behind_a_verification_only_after_one_that_accepted_every_draft():
+    """Behind a verify step in flight, drafts would follow its drafts: a sequence proposes there only when its
+    last verification accepted every draft, so a rejection is not followed by a run of drafts proposed from
+    rejected ones; with no verification in flight it proposes either way."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+                                                         adaptive=False), max_model_len=1024)
+    seq = _decoding_batch(1)[0]
+    seq.num_computed_tokens += 3          # a verify step of 2 drafts in flight: its 3 tokens pending
+    seq.num_pending_tokens, seq.drafts_in_flight = 3, [5, 6]
+    controller.observe_verification(seq, 2, 1)
+    assert controller.propose([seq], 2) == 0 and seq.spec_token_ids == []
+    controller.observe_verification(seq, 2, 2)
+    assert controller.propose([seq], 2) == 1 and seq.spec_token_ids
+    seq.num_computed_tokens -= 3
+    seq.num_pending_tokens, seq.drafts_in_flight = 0, []
+    controller.observe_verification(seq, 2, 0)
+    assert controller.propose([seq], 2) == 1
 
 
 def test_ngram_without_matches_lowers_the_proposal_rate():

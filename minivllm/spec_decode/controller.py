@@ -33,12 +33,11 @@ flight: a sequence whose newest token is still being sampled gets the continuati
 it, minus its first token, which stands for the one in flight (if the guess is wrong the drafts are
 rejected: verification keeps the output exact). So a lookup that finds nothing costs nothing, and a step
 that may speculate keeps the overlap of host and device work. Nor does the step after a verify step
-when every verifying sequence's last verification accepted every draft (`chains`): it is prepared as if
-every draft were accepted again, with drafts proposed behind them, and where one is rejected the runner
-moves the step back on the device onto the drafts accepted (kernels/rebase_chained.py): it still yields a
-token. Otherwise the next step waits for the verification, so that its drafts follow the right tokens
-(behind drafts that were rejected, every draft would be; and a plain step in between cost suffix
-decoding's long drafts more than the wait, bench/results/spec_decode_h200.json `always_chained`). A
+(`chains`): it is prepared as if every draft were accepted, and the runner moves it back on the device onto
+the drafts actually accepted (kernels/rebase_chained.py), so it is never wasted. Drafts proposed behind a
+verification follow its drafts, and are wrong when one of those is rejected, and so would be every draft
+proposed behind them in turn: a sequence proposes behind a verification only when its last verification
+accepted every draft (otherwise that step is plain, and the next one proposes from the right tokens). A
 device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
 penalties of a verified position count the drafts before it, which are not on the host).
@@ -241,10 +240,11 @@ class SpeculationController:
 
     def chains(self, scheduled: SchedulerOutput) -> bool:
         """Whether the step after `scheduled` (a verify step) may be scheduled and launched before it is read
-        back: when every verifying sequence's proposals need no wait and its last verification accepted every
-        draft. A rejection then costs that step's drafts, not the step."""
-        return all(self.proposes_behind([seq]) and seq.seq_id in self._fully_accepted
-                   for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids) if drafts)
+        back: when every verifying sequence's proposals need no wait. It then never waits: against a step
+        launched only after the read-back, which finds the device idle for the host's read-back, proposal
+        and preparation, it loses at most its drafts (proposed after drafts that may be rejected)."""
+        return all(self.proposes_behind([seq]) for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids)
+                   if drafts)
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
@@ -271,6 +271,8 @@ class SpeculationController:
                 continue
             if behind and not self.proposes_behind([seq]):
                 continue
+            if seq.drafts_in_flight and seq.seq_id not in self._fully_accepted:
+                continue   # its verification in flight may well reject: propose from the right tokens next step
             proposer = self.host_proposer
             if proposer is not None:
                 history = self._history(seq)
