@@ -57,16 +57,10 @@ def rebase_chained_reference(prev_tokens: torch.Tensor, prev_row_index: torch.Te
         context_lens[rows] -= row_shift.to(context_lens.dtype)
 
 
-# The fewest block widths a step's shapes can ask for: each new width compiles the kernel once, mid-run (suffix
-# decoding's drafts take any length up to its tree depth; compiling a width per length made the first
-# speculation runs on an H200 several times slower than plain decoding).
-MIN_BLOCK = 16
-
-
-@triton.jit(do_not_specialize=["K", "stride_bt"])
+@triton.jit
 def _rebase_chained_kernel(prev_tokens_ptr, prev_row_index_ptr, prev_num_drafts_ptr, prev_drafts_ptr, entries_ptr,
                            input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, block_tables_ptr,
-                           context_lens_ptr, stride_bt, block_size, K, BLOCK_K: tl.constexpr,
+                           context_lens_ptr, stride_bt, block_size, K: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_T: tl.constexpr, HAS_CONTEXT_LENS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     n = tl.load(entries_ptr + 4 * r)
@@ -106,8 +100,7 @@ def rebase_chained_triton(prev_tokens: torch.Tensor, prev_row_index: torch.Tenso
     _rebase_chained_kernel[(entries.shape[0],)](
         prev_tokens, prev_row_index, prev_num_drafts, prev_drafts, entries, input_ids, positions, slot_mapping,
         seq_lens, block_tables, positions if context_lens is None else context_lens, block_tables.stride(0),
-        block_size, k, BLOCK_K=max(MIN_BLOCK, triton.next_power_of_2(k + 1)),
-        BLOCK_T=max(MIN_BLOCK, triton.next_power_of_2(max_rows)),
+        block_size, K=k, BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_T=triton.next_power_of_2(max_rows),
         HAS_CONTEXT_LENS=context_lens is not None)
 
 
