@@ -396,25 +396,6 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     assert controller.choose_k(seqs) == 0 and controller.propose(seqs, 0) == 0
 
 
-def test_proposals_behind_a_verification_only_after_one_that_accepted_every_draft():
-    """Behind a verify step in flight, drafts would follow its drafts: a sequence proposes there only when its
-    last verification accepted every draft, so a rejection is not followed by a run of drafts proposed from
-    rejected ones; with no verification in flight it proposes either way."""
-    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
-                                                         adaptive=False), max_model_len=1024)
-    seq = _decoding_batch(1)[0]
-    seq.num_computed_tokens += 3          # a verify step of 2 drafts in flight: its 3 tokens pending
-    seq.num_pending_tokens, seq.drafts_in_flight = 3, [5, 6]
-    controller.observe_verification(seq, 2, 1)
-    assert controller.propose([seq], 2) == 0 and seq.spec_token_ids == []
-    controller.observe_verification(seq, 2, 2)
-    assert controller.propose([seq], 2) == 1 and seq.spec_token_ids
-    seq.num_computed_tokens -= 3
-    seq.num_pending_tokens, seq.drafts_in_flight = 0, []
-    controller.observe_verification(seq, 2, 0)
-    assert controller.propose([seq], 2) == 1
-
-
 def test_ngram_without_matches_lowers_the_proposal_rate():
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
                                        max_model_len=1024)
@@ -584,7 +565,7 @@ def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.get_stats().spec_decode.num_draft_tokens > 0 and engine.spec.num_chained_steps > 0
     # Nor per-sequence controller state (acceptance counts, n-gram histories) of finished or aborted requests.
-    assert not engine.spec._seq_counts and not engine.spec._histories and not engine.spec._fully_accepted
+    assert not engine.spec._seq_counts and not engine.spec._histories
 
 
 # ---- the engine: sampling distribution -------------------------------------------------------------------------

@@ -34,11 +34,8 @@ it, minus its first token, which stands for the one in flight (if the guess is w
 rejected: verification keeps the output exact). So a lookup that finds nothing costs nothing, and a step
 that may speculate keeps the overlap of host and device work. Nor does the step after a verify step
 (`chains`): it is prepared as if every draft were accepted, and the runner moves it back on the device onto
-the drafts actually accepted (kernels/rebase_chained.py), so it is never wasted. Drafts proposed behind a
-verification follow its drafts, and are wrong when one of those is rejected, and so would be every draft
-proposed behind them in turn: a sequence proposes behind a verification only when its last verification
-accepted every draft (otherwise that step is plain, and the next one proposes from the right tokens). A
-device proposer (draft model) gets
+the drafts actually accepted (kernels/rebase_chained.py), so it is never wasted; its drafts, proposed
+behind the verification, are then likely rejected. A device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
 penalties of a verified position count the drafts before it, which are not on the host).
 """
@@ -116,7 +113,6 @@ class SpeculationController:
         self._quiet_steps, self._quiet_batch, self._quiet_wait = 0, 0, 0
         self._sure_steps, self._sure_batch = 0, 0
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
-        self._fully_accepted: set[int] = set()   # sequences whose last verification accepted every draft
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
 
     def reset_stats(self) -> None:
@@ -271,8 +267,6 @@ class SpeculationController:
                 continue
             if behind and not self.proposes_behind([seq]):
                 continue
-            if seq.drafts_in_flight and seq.seq_id not in self._fully_accepted:
-                continue   # its verification in flight may well reject: propose from the right tokens next step
             proposer = self.host_proposer
             if proposer is not None:
                 history = self._history(seq)
@@ -314,10 +308,6 @@ class SpeculationController:
         stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             stats.accepted_per_position[j] += 1
-        if num_accepted == num_drafts:
-            self._fully_accepted.add(seq.seq_id)
-        else:
-            self._fully_accepted.discard(seq.seq_id)
         self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.host_proposer is None,
                     proposed=self.host_proposer is None)
 
@@ -337,7 +327,6 @@ class SpeculationController:
             self.suffix.add_output(output_token_ids)
         self._seq_counts.pop(seq_id, None)
         self._histories.pop(seq_id, None)
-        self._fully_accepted.discard(seq_id)
 
     def work_after_launch(self) -> None:
         """Host work that waits for a launched step: the suffix cache's inserts, a slice per step."""
