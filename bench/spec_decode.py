@@ -110,7 +110,7 @@ def _run_real_config(args, name: str, config: dict | None, chats, params, decode
     if args.trace and not name.startswith("draft"):
         from bench.profile_step import StepTracer
         tracer = StepTracer(llm.llm_engine)
-    chained, rebased = (spec.num_chained_steps if spec else 0), scheduler.num_rebased_steps
+    chained, discarded = (spec.num_chained_steps if spec else 0), scheduler.num_discarded_steps
     if args.collect_before_timing:
         gc.collect()   # the engine's construction leaves a full collection pending; not part of decoding
     collections = GcCollections()
@@ -122,9 +122,9 @@ def _run_real_config(args, name: str, config: dict | None, chats, params, decode
     result = _spec_summary(spec.stats if spec else None, elapsed, sum(len(o) for o in outputs))
     result["gc"] = collections.summary()
     result["outputs"] = outputs
-    if spec is not None:   # steps launched behind a verify step before it was read back, and those moved back
+    if spec is not None:   # steps launched behind a verify step before it was read back, and those discarded
         result.update(num_chained_steps=spec.num_chained_steps - chained,
-                      num_rebased_steps=scheduler.num_rebased_steps - rebased,
+                      num_discarded_steps=scheduler.num_discarded_steps - discarded,
                       controller={k: round(v, 2) if isinstance(v, float) else v for k, v in decisions.items()})
     if tracer is not None:   # per step kind: host launch, host wait, device time, device idle
         tracer.close()

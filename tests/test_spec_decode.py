@@ -171,70 +171,6 @@ def test_greedy_fast_path_matches_rejection_sampling():
         assert read_back == reference.tolist()
 
 
-def test_rebase_of_a_chained_step_follows_the_accepted_drafts():
-    """A step prepared behind a verify step as if every draft were accepted is moved onto the drafts accepted:
-    the kernel (Triton interpreter here) and its reference against a loop over each sequence, for the verify
-    step's rows as argmaxes (verified on the host) and as greedy verification leaves them (-1 past a mismatch)."""
-    from minivllm.kernels.greedy_verify import greedy_verify_reference
-    from minivllm.kernels.rebase_chained import rebase_chained_reference, rebase_chained_triton
-    generator = torch.Generator().manual_seed(0)
-    block_size, num_blocks = 4, 64
-    for trial in range(30):
-        num_drafts = torch.randint(1, 6, (3,), generator=generator)
-        k = int(num_drafts.max())
-        row_index, first = [], 0
-        for d in num_drafts.tolist():
-            row_index.append(list(range(first, first + d + 1)) + [first + d] * (k - d))
-            first += d + 1
-        row_index = torch.tensor(row_index)
-        argmax = torch.randint(0, 4, (first,), generator=generator)
-        drafts = torch.where(torch.arange(k) < num_drafts.unsqueeze(1), argmax[row_index[:, :k]], -1)
-        flip = (torch.rand(drafts.shape, generator=generator) < 0.3) & (drafts >= 0)
-        drafts = torch.where(flip, (drafts + 1) % 4, drafts)
-        rows = argmax if trial % 2 else greedy_verify_reference(argmax, row_index, num_drafts, drafts)
-        # The chained step: a sequence computed before them, then the three verifying ones in another order,
-        # each with 1 to 3 input rows placed as if all of its drafts had been accepted.
-        order = torch.randperm(3, generator=generator).tolist()
-        counts = [2] + torch.randint(1, 4, (3,), generator=generator).tolist()
-        starts = [int(x) for x in torch.randint(5, 30, (4,), generator=generator)]
-        block_tables = torch.randperm(num_blocks, generator=generator)[:4 * 12].view(4, 12).to(torch.int32)
-        positions, entries, t = [], [], 0
-        for i, (count, start) in enumerate(zip(counts, starts)):
-            if i:
-                start += int(num_drafts[order[i - 1]]) + 1
-                entries.append([order[i - 1], t, count, i])
-            positions += range(start, start + count)
-            t += count
-        positions = torch.tensor(positions)
-        slots = (block_tables[torch.repeat_interleave(torch.arange(4), torch.tensor(counts)), positions // block_size]
-                 .long() * block_size + positions % block_size)
-        seq_lens = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32)
-        seq_lens[1:] += num_drafts[order].to(torch.int32) + 1
-        context_lens = (positions + 1).to(torch.int32)
-        input_ids = torch.full((t,), 7)
-        expected = [x.clone() for x in (input_ids, positions, slots, seq_lens, context_lens)]
-        for n, row_first, count, i in entries:   # the loop: accepted drafts as greedy verification counts them
-            targets, accepted = argmax[row_index[n]].tolist(), 0
-            while accepted < num_drafts[n] and drafts[n, accepted] == targets[accepted]:
-                accepted += 1
-            shift = int(num_drafts[n]) - accepted
-            expected[0][row_first] = targets[accepted]
-            for r in range(row_first, row_first + count):
-                p = int(expected[1][r]) - shift
-                expected[1][r] = p
-                expected[2][r] = int(block_tables[i, p // block_size]) * block_size + p % block_size
-                expected[4][r] -= shift
-            expected[3][i] -= shift
-        entries = torch.tensor(entries)
-        for rebase in (rebase_chained_reference, rebase_chained_triton):
-            got = [x.clone() for x in (input_ids, positions, slots, seq_lens, context_lens)]
-            extra = {"max_rows": max(counts)} if rebase is rebase_chained_triton else {}
-            rebase(rows, row_index, num_drafts, drafts, entries, got[0], got[1], got[2], got[3], block_tables,
-                   block_size, got[4], **extra)
-            for name, ours, want in zip(("input_ids", "positions", "slots", "seq_lens", "context"), got, expected):
-                assert torch.equal(ours, want), (rebase.__name__, name)
-
-
 def test_sampler_verifies_greedy_drafts_next_to_random_rows():
     """A batch whose speculating rows are greedy while another row samples: the random row draws as
     usual, the greedy rows keep their accepted drafts and argmax."""
@@ -396,6 +332,43 @@ def test_under_load_verification_is_priced_like_prefill_and_tries_are_small():
     assert controller.choose_k(seqs) == 0 and controller.propose(seqs, 0) == 0
 
 
+def test_chaining_behind_a_verify_step_weighs_the_host_gap_against_a_wasted_step():
+    """Chain when (1 - p) max(0, B + W - G) < p (G - B). Before B and W are measured (B = 0, W = a plain step D):
+    at batch 1 on a small model (D = 1.1 ms, gap G = 1.0 ms) even after a rejection; on a large one (D = 5 ms)
+    only after a fully accepted verification when such runs go on; before G is measured, only after a fully
+    accepted verification. Where the device idles less (G = 0.3 ms, B = 0.1 ms), a measured wasted step decides:
+    after a full acceptance (p = 0.85) chain while W = 1.2 ms, not once W = 1.5 ms."""
+    seq = _decoding_batch(1)[0]
+    step = SimpleNamespace(seqs=[seq], spec_token_ids=[[6, 5, 6]])
+
+    def controller_after_runs(plain: float) -> SpeculationController:
+        controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1024)
+        controller.observe_step(1, 1, plain, speculative=False)
+        for accepted in ([3] * 9 + [1, 0, 0]) * 2:   # runs of full acceptance, and of rejections
+            controller.observe_verification(seq, 3, accepted)
+        assert controller.full_acceptance_rate(True) == pytest.approx(0.85)
+        assert controller.full_acceptance_rate(False) < 0.5
+        return controller
+
+    for plain, after_rejection, after_full in ((0.0011, True, True), (0.005, False, True)):
+        controller = controller_after_runs(plain)
+        controller.observe_verification(seq, 3, 1)
+        assert controller.chains(step) is False    # G not measured yet: the last verification rejected
+        controller.observe_idle_after_verify(0.0010, waited=True)
+        assert controller.chains(step) is after_rejection
+        controller.observe_verification(seq, 3, 3)
+        assert controller.chains(step) is after_full
+    controller = controller_after_runs(0.0011)
+    controller.observe_verification(seq, 3, 3)
+    controller.observe_idle_after_verify(0.0003, waited=True)
+    controller.observe_idle_after_verify(0.0001, waited=False)
+    controller.observe_discarded_step(0.0012)
+    assert controller.chains(step) is True
+    for _ in range(2):   # the median of 1.2, 1.5, 1.5 ms
+        controller.observe_discarded_step(0.0015)
+    assert controller.chains(step) is False
+
+
 def test_ngram_without_matches_lowers_the_proposal_rate():
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
                                        max_model_len=1024)
@@ -497,18 +470,24 @@ def test_ngram_drafts_behind_the_token_in_flight_keep_greedy_identical(tiny_mode
     dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, block_size=4, max_num_seqs=8, max_model_len=128),
     dict(max_num_seqs=1)], ids=["batched-preempting", "batch1"])
 def test_steps_chained_behind_a_verify_step_keep_greedy_identical(tiny_model, engine_options):
-    """With async scheduling a verify step is not read back before the next step is scheduled and launched:
-    that step assumes every draft accepted, and where one was rejected the runner moves it back onto the
-    accepted drafts (kernels/rebase_chained.py) and the scheduler likewise. The output stays token-identical,
-    every generated token is counted once, and every block comes back."""
+    """A verify step whose sequences last had every draft accepted is not read back before the next step
+    is scheduled (the chaining rule forced to that, which the measured costs of a CPU, where nothing
+    overlaps, never choose): that step guesses every draft accepted. Where a draft is then rejected, the
+    scheduler discards that step for the sequence and rolls it back; the output stays token-identical, and
+    every block comes back."""
     prompts = _repetitive_prompts(10)
     params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(len(prompts))]
     reference = _generate(_tiny_llm(tiny_model, **engine_options), prompts, params)
     llm = _tiny_llm(tiny_model, **engine_options, speculative_config=NGRAM, async_scheduling=True)
+    policy = llm.llm_engine.spec.chaining
+    policy.chains = lambda seq_ids, plain_cost: all(seq_id in policy.fully_accepted for seq_id in seq_ids)
     outputs = _generate(llm, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in reference]
     engine = llm.llm_engine
-    assert engine.spec.num_chained_steps > 0 and engine.scheduler.num_rebased_steps > 0
+    assert engine.spec.num_chained_steps > 0 and engine.scheduler.num_discarded_steps > 0
+    assert engine.spec.chaining.host_gap > 0   # measured after the verify steps that were not chained
+    if engine_options.get("max_num_seqs") == 1:   # and after steps discarded whole behind a rejection
+        assert engine.spec.chaining.wasted_step > 0
     assert engine.get_stats().num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -546,11 +525,13 @@ def test_every_sampling_parameter_behaves_as_without_speculation(tiny_model):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
-def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
-    """Aborts land while verify steps and steps chained behind them are in flight."""
+@pytest.mark.parametrize("always_chain", [False, True])
+def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model, always_chain):
     llm = _tiny_llm(tiny_model, speculative_config=NGRAM, num_gpu_blocks_override=48, block_size=4, max_model_len=128,
                     async_scheduling=True)
     engine = llm.llm_engine
+    if always_chain:   # so that aborts land while a verify step of the request is still in flight
+        engine.spec.chains = lambda scheduled: True
     prompts = _repetitive_prompts(12, seed=2)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=0 if i % 2 else 0.8, max_tokens=40, ignore_eos=True, n=1 + (i % 3 == 0))
@@ -563,9 +544,9 @@ def test_aborts_in_mixed_workloads_leak_no_blocks(tiny_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.get_stats().spec_decode.num_draft_tokens > 0 and engine.spec.num_chained_steps > 0
+    assert engine.get_stats().spec_decode.num_draft_tokens > 0
     # Nor per-sequence controller state (acceptance counts, n-gram histories) of finished or aborted requests.
-    assert not engine.spec._seq_counts and not engine.spec._histories
+    assert not engine.spec._seq_counts and not engine.spec._histories and not engine.spec.chaining.fully_accepted
 
 
 # ---- the engine: sampling distribution -------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def _has_default_model() -> bool:
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_real_model_fp32_greedy_identical_at_batch_1(method):
     """The speculation benchmark's setting (the real model, batch 1, its grounded prompts; adaptive n-gram
-    with steps chained behind verify steps and rebased, suffix decoding on every step: the controller may switch suffix
+    with chained and discarded steps, suffix decoding on every step: the controller may switch suffix
     decoding off on this model, and then nothing would be verified) in fp32: every output equals plain
     decoding. In bf16 a few outputs part at near-ties, where a verify step's logits for a position differ in
     the last bits from a decode step's (WRITEUP.md section 5)."""
@@ -68,4 +68,4 @@ def test_real_model_fp32_greedy_identical_at_batch_1(method):
     stats = llm.llm_engine.get_stats().spec_decode
     assert stats.num_accepted_tokens > 100
     if method == "ngram":
-        assert llm.llm_engine.spec.num_chained_steps > 0 and llm.llm_engine.scheduler.num_rebased_steps > 0
+        assert llm.llm_engine.spec.num_chained_steps > 0 and llm.llm_engine.scheduler.num_discarded_steps > 0

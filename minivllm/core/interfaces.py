@@ -17,10 +17,7 @@ class SchedulerOutput:
     Before the forward pass the runner copies whole KV blocks `src -> dst` (copy-on-write).
     With async scheduling the last of those positions may hold a token still being sampled by the step in
     flight (`seq.num_pending_tokens`); the runner takes it from that step's device output.
-    `num_computed_tokens` is the chunk's start; empty means "each sequence's current value". Behind a verify
-    step in flight the start assumes every draft accepted; the runner moves the chunk back on the device
-    when fewer were (kernels/rebase_chained.py) and the scheduler does likewise when it reads the verify
-    step back.
+    `num_computed_tokens` is the chunk's start; empty means "each sequence's current value".
     `spec_token_ids[i]` (empty list when none, or the whole list empty when no sequence speculates) are
     draft tokens appended to the chunk: the runner verifies them and samples num_drafts + 1 positions,
     returning 1 to num_drafts + 1 tokens for that sequence.
@@ -35,6 +32,9 @@ class SchedulerOutput:
     # may be reused by this very step), then CPU block -> GPU block.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Each sequence's `num_discarded_steps` when scheduled: a sequence whose count has changed by the time
+    # the step is read back takes none of its tokens (see Scheduler.update).
+    num_discarded_steps: list[int] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> list[int]:
@@ -45,6 +45,10 @@ class SchedulerOutput:
         """Rows of logits the runner samples for each sequence, in order: `num_samples`, or num_drafts + 1
         for a sequence verifying drafts."""
         return [d + 1 if d else n for n, d in zip(self.num_samples, self.num_spec_tokens)]
+
+    def is_discarded(self, i: int) -> bool:
+        """Whether sequence i's part of this step was discarded after it was scheduled."""
+        return bool(self.num_discarded_steps) and self.seqs[i].num_discarded_steps != self.num_discarded_steps[i]
 
     @property
     def total_num_scheduled_tokens(self) -> int:

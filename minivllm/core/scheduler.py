@@ -107,7 +107,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # kept sorted by _order_key
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        self.num_rebased_steps = 0  # steps launched behind a verify step that rejected a draft, per sequence
+        self.num_discarded_steps = 0  # steps launched behind a verify step that rejected a draft, per sequence
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
         # Measured step costs (fed by the engine through observe_step), only with an ITL target.
         self.step_costs = StepCosts() if config.max_itl_ms is not None else None
@@ -306,6 +306,7 @@ class Scheduler:
             seq.num_computed_tokens += num_new + len(drafts)
             done = seq.num_computed_tokens >= seq.num_total_tokens
             output.num_samples.append(1 + seq.num_pending_forks if done else 0)
+            output.num_discarded_steps.append(seq.num_discarded_steps)
             if done:
                 seq.num_pending_tokens += 1 + len(drafts)
                 seq.drafts_in_flight = drafts
@@ -386,8 +387,8 @@ class Scheduler:
         now = time.monotonic()
         num_spec_tokens = scheduler_output.num_spec_tokens
         for i, seq in enumerate(scheduler_output.seqs):
-            if seq.is_finished:
-                continue  # aborted or stopped since schedule(): its tokens are dropped
+            if seq.is_finished or scheduler_output.is_discarded(i):
+                continue  # aborted or stopped since schedule(), or discarded: its tokens are dropped
             # A sequence preempted after this step was scheduled still takes its sampled token: it is
             # the right continuation, and the recompute will include it.
             token_ids = model_output.sampled_token_ids[i] if model_output.sampled_token_ids else []
@@ -437,22 +438,24 @@ class Scheduler:
 
     def _update_speculative(self, seq: Sequence, num_drafts: int, token_ids: list[int], model_output: ModelOutput,
                             index: int) -> None:
-        """Take a verified step's accepted drafts plus one token and roll back the rejected drafts' KV. A step
-        launched behind this one assumed every draft accepted; the runner moved its part back onto the
-        accepted ones (kernels/rebase_chained.py), and so does its bookkeeping here: its tokens stay pending."""
+        """Take a verified step's accepted drafts plus one token; roll back the rejected drafts' KV, and
+        discard the step launched behind this one, which assumed every draft accepted."""
         num_accepted = len(token_ids) - 1
         assert 0 <= num_accepted <= num_drafts, "runner returned the wrong number of verified tokens"
         seq.num_pending_tokens -= 1 + num_drafts
         rejected = num_accepted < num_drafts
-        self.num_rebased_steps += rejected and seq.num_pending_tokens > 0
+        if rejected and seq.num_pending_tokens:
+            seq.num_discarded_steps += 1
+            self.num_discarded_steps += 1
+            seq.num_pending_tokens = 0
         if not seq.num_pending_tokens:
             seq.drafts_in_flight = []
         if seq.status is SequenceStatus.RUNNING:
-            # Rejected positions hold KV of tokens that are not in the sequence: no longer computed, and the
-            # blocks only they used go back (no hash was ever taken of them). Their KV is overwritten before it
-            # is read again. A step behind this one computes its tokens right after the accepted ones.
+            # Rejected positions (and any computed behind them) hold KV of tokens that are not in the
+            # sequence: no longer computed, and the blocks only they used go back (no hash was ever taken
+            # of them). Their KV is overwritten before it is read again.
             if rejected:
-                seq.num_computed_tokens = seq.num_tokens + num_accepted + seq.num_pending_tokens
+                seq.num_computed_tokens = seq.num_tokens + num_accepted
             self.block_manager.cache_blocks(seq)
         group, now = seq.group, time.monotonic()
         group.metrics.spec_num_draft_tokens += num_drafts

@@ -61,6 +61,8 @@ class _Launch:
     verified: bool               # it verified drafts
     started: StepStart
     ended: StepStart | None
+    waited_for_verify: bool      # launched only once the verify step before it was read back
+    discarded: bool = False      # every sequence's part was dropped (it bet on drafts that were then rejected)
 
 
 class _InFlightStep(NamedTuple):
@@ -239,8 +241,10 @@ class LLMEngine:
         # made after the next step is launched, while the GPU runs.
         num_drafts = self.spec.choose_k(self.scheduler.running) if self.spec is not None else 0
         synced: list[SequenceGroup] = []
+        waited_for_verify = False
         if self._in_flight is not None and (self._in_flight.needs_sync or (
                 num_drafts and not self.spec.proposes_behind(self.scheduler.running))):
+            waited_for_verify = bool(self._in_flight.scheduler_output.spec_token_ids)
             synced = self._update_in_flight()
         if self.spec is not None and self.spec.propose(self.scheduler.running, num_drafts):
             self.structured_output.truncate_drafts(self.scheduler.running)
@@ -249,8 +253,8 @@ class LLMEngine:
         read_back_now = not self.async_scheduling
         if not scheduler_output.is_empty:
             # Read back before the next step is scheduled: a step with penalties (they need every token on the
-            # host), a verify step whose drafts the next step's proposals cannot follow unseen
-            # (SpeculationController.chains), and a step that samples some request's first token,
+            # host), a verify step (a variable number of tokens) unless the next step may bet that every draft
+            # is accepted (SpeculationController.chains), and a step that samples some request's first token,
             # which so skips the one-step lag (time to first token matters more than overlapping the long
             # prefill steps that make it). Read back at the end of this call instead, it would hold back the
             # outputs of the step before it, which this call returns: every running decode would get two
@@ -262,13 +266,15 @@ class LLMEngine:
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
             # With speculation, an ITL target or `collect_step_times` the step is timed on the device: the next step
-            # launched prices it. Its end is recorded when every step is timed (the histograms).
+            # launched prices it. Its end is recorded for a verify step (the controller's idle time after it) or
+            # when every step is timed (the histograms).
             timed = self._times_every_step or self.spec is not None
-            pending = self.runner.execute_async(scheduler_output, bitmask, timed, self._times_every_step)
+            timed_end = self._times_every_step or bool(timed and scheduler_output.spec_token_ids)
+            pending = self.runner.execute_async(scheduler_output, bitmask, timed, timed_end)
             self.step_times.observe_launch(scheduler_output.total_num_scheduled_tokens)
             launch = None if pending.started is None else _Launch(
                 scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
-                bool(scheduler_output.spec_token_ids), pending.started, pending.ended)
+                bool(scheduler_output.spec_token_ids), pending.started, pending.ended, waited_for_verify)
             launched = _InFlightStep(scheduler_output, pending, needs_sync, self._last_launch, launch)
             # A step can carry drafts with no controller set: bench/spec_decode.py's compare part, which switches
             # controllers between runs, hit that on an H200 (how such a step arose is not established; the same
@@ -301,7 +307,7 @@ class LLMEngine:
 
     def _update_in_flight(self) -> list[SequenceGroup]:
         """Read the step in flight back and hand its tokens to the scheduler; returns the groups touched."""
-        scheduler_output, pending, _, previous, _ = self._in_flight
+        scheduler_output, pending, _, previous, launch = self._in_flight
         self._in_flight = None
         model_output = pending.result()
         if previous is not None:
@@ -314,8 +320,15 @@ class LLMEngine:
                                                previous.ended.seconds_until(pending.started))
             if self.spec is not None:
                 self.spec.observe_step(previous.num_tokens, previous.num_seqs, seconds, previous.verified)
+                if previous.verified and previous.ended is not None:   # the device's idle behind a verify step
+                    self.spec.observe_idle_after_verify(previous.ended.seconds_until(pending.started),
+                                                        launch.waited_for_verify)
+                if previous.discarded:
+                    self.spec.observe_discarded_step(seconds)
             if not previous.verified:
                 self.scheduler.observe_step(previous.num_tokens, seconds)
+        if launch is not None and scheduler_output.num_discarded_steps:
+            launch.discarded = all(scheduler_output.is_discarded(i) for i in range(len(scheduler_output.seqs)))
         if model_output.prompt_logprobs:
             self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
         self._count_tokens(scheduler_output, model_output)
@@ -323,15 +336,17 @@ class LLMEngine:
 
     def _count_tokens(self, scheduler_output, model_output) -> None:
         """Prompt tokens computed this step (the part of each chunk inside the prompt) and tokens generated."""
-        for seq, start, n, samples in zip(scheduler_output.seqs, scheduler_output.num_computed_tokens,
-                                          scheduler_output.num_scheduled_tokens, model_output.sampled_token_ids):
-            if not seq.is_finished:   # (finished by the step before, or aborted: its tokens are dropped)
+        discarded = [scheduler_output.is_discarded(i) for i in range(len(scheduler_output.seqs))]
+        for seq, start, n, samples, dropped in zip(scheduler_output.seqs, scheduler_output.num_computed_tokens,
+                                                   scheduler_output.num_scheduled_tokens,
+                                                   model_output.sampled_token_ids, discarded):
+            if not dropped:
                 self.num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
                 self.num_generation_tokens += len(samples)
         if scheduler_output.spec_token_ids and self.spec is not None:
-            for seq, drafts, samples in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
-                                            model_output.sampled_token_ids):
-                if drafts and samples and not seq.is_finished:   # (not aborted meanwhile)
+            for seq, drafts, samples, dropped in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
+                                                     model_output.sampled_token_ids, discarded):
+                if drafts and samples and not dropped and not seq.is_finished:   # (not aborted meanwhile)
                     self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
 
     @staticmethod

@@ -32,10 +32,9 @@ Host proposers (n-gram, suffix) run here (they need only token ids). They do not
 flight: a sequence whose newest token is still being sampled gets the continuation of the tokens before
 it, minus its first token, which stands for the one in flight (if the guess is wrong the drafts are
 rejected: verification keeps the output exact). So a lookup that finds nothing costs nothing, and a step
-that may speculate keeps the overlap of host and device work. Nor does the step after a verify step
-(`chains`): it is prepared as if every draft were accepted, and the runner moves it back on the device onto
-the drafts actually accepted (kernels/rebase_chained.py), so it is never wasted; its drafts, proposed
-behind the verification, are then likely rejected. A device proposer (draft model) gets
+that may speculate keeps the overlap of host and device work; the step after a verify step waits for it
+(its token count is known only then) unless `chains` lets it guess that every draft is accepted (a rule
+that weighs the host gap it saves against the step it may waste). A device proposer (draft model) gets
 placeholders (-1) that the runner fills in; requests with penalties do not speculate with it (the
 penalties of a verified position count the drafts before it, which are not on the host).
 """
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
 from minivllm.core.step_costs import StepCosts
+from minivllm.spec_decode.chaining import ChainPolicy
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer, token_history
 from minivllm.spec_decode.suffix import SuffixProposer
@@ -113,6 +113,7 @@ class SpeculationController:
         self._quiet_steps, self._quiet_batch, self._quiet_wait = 0, 0, 0
         self._sure_steps, self._sure_batch = 0, 0
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
+        self.chaining = ChainPolicy()
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
 
     def reset_stats(self) -> None:
@@ -236,11 +237,15 @@ class SpeculationController:
 
     def chains(self, scheduled: SchedulerOutput) -> bool:
         """Whether the step after `scheduled` (a verify step) may be scheduled and launched before it is read
-        back: when every verifying sequence's proposals need no wait. It then never waits: against a step
-        launched only after the read-back, which finds the device idle for the host's read-back, proposal
-        and preparation, it loses at most its drafts (proposed after drafts that may be rejected)."""
-        return all(self.proposes_behind([seq]) for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids)
-                   if drafts)
+        back, as if every draft were accepted: only when every verifying sequence's proposals need no wait,
+        and then as `ChainPolicy` (chaining.py) weighs it."""
+        verifying = [seq for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids) if drafts]
+        if not all(self.proposes_behind([seq]) for seq in verifying):
+            return False
+        return self.chaining.chains([seq.seq_id for seq in verifying], self.costs.plain(len(scheduled.seqs)))
+
+    def full_acceptance_rate(self, last_fully_accepted: bool) -> float:
+        return self.chaining.full_acceptance_rate(last_fully_accepted)
 
     def propose(self, running: list[Sequence], k: int) -> int:
         """Set `spec_token_ids` on the running sequences that speculate now; returns how many do."""
@@ -300,6 +305,12 @@ class SpeculationController:
         if speculative:
             self._quiet_steps = 0   # a try measured: decide again
 
+    def observe_idle_after_verify(self, seconds: float, waited: bool) -> None:
+        self.chaining.observe_idle(seconds, waited)
+
+    def observe_discarded_step(self, seconds: float) -> None:
+        self.chaining.observe_discarded(seconds)
+
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         self._quiet_steps = 0   # new acceptance data: decide again
         stats = self.stats
@@ -308,6 +319,7 @@ class SpeculationController:
         stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             stats.accepted_per_position[j] += 1
+        self.chaining.observe_verification(seq.seq_id, num_accepted == num_drafts)
         self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.host_proposer is None,
                     proposed=self.host_proposer is None)
 
@@ -327,6 +339,7 @@ class SpeculationController:
             self.suffix.add_output(output_token_ids)
         self._seq_counts.pop(seq_id, None)
         self._histories.pop(seq_id, None)
+        self.chaining.forget(seq_id)
 
     def work_after_launch(self) -> None:
         """Host work that waits for a launched step: the suffix cache's inserts, a slice per step."""

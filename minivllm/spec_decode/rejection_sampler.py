@@ -64,8 +64,8 @@ def greedy_verify_host(token_ids: list[int], row_index: np.ndarray, num_drafts: 
                        draft_token_ids: np.ndarray) -> None:
     """`greedy_verify` on the host, in place on a step's read-back argmaxes (shapes as in
     SpecDecodeMetadata). At batch 1 a kernel launch costs the host more than this loop over k + 1 ids,
-    and the result is needed on the host only: a step chained behind the verification compares the same
-    argmaxes with the drafts on the device (kernels/rebase_chained.py)."""
+    and the result is needed on the host only: a step chained behind the verification reads the last row,
+    which matters only when every draft was accepted (else that step is discarded)."""
     for rows, n, drafts in zip(row_index.tolist(), num_drafts.tolist(), draft_token_ids.tolist()):
         for j in range(n):
             if token_ids[rows[j]] != drafts[j]:

@@ -14,7 +14,6 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence
-from minivllm.kernels.rebase_chained import rebase_chained
 from minivllm.layers.sampler import SamplingRow
 
 
@@ -53,14 +52,11 @@ MAX_DECODE_ROWS_QUERY_LEN = 16
 @dataclass
 class PreviousSamples:
     """The sampled ids of the step in flight, on the device, and which row holds each sequence's own token
-    (a verifying sequence's last row: its token if every draft is accepted). A step reading a verifying
-    sequence's token is rebased on the device onto the drafts actually accepted (kernels/rebase_chained.py),
-    from the verify step's draft layout `spec` ({seq_id: its index there} in `spec_index_of_seq`)."""
+    (a verifying sequence's last row: its token if every draft is accepted; otherwise -1, or an argmax that
+    the host's verification drops, and the step reading it is discarded)."""
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
     verified: bool = False   # the step verified drafts on the device: its rows may hold -1
-    spec: SpecLayout | None = None
-    spec_index_of_seq: dict[int, int] | None = None
 
 
 @dataclass
@@ -210,17 +206,12 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     token_ids: list[int] = []
     fill_positions: list[int] = []  # flat input rows whose token is still being sampled
     fill_rows: list[int] = []       # ... and its row in the in-flight step's sampled ids
-    rebased: list[tuple[int, int, int, int]] = []   # kernels/rebase_chained.py's entries
-    verifying = previous_samples.spec_index_of_seq if previous_samples is not None else None
-    for i, (seq, start, n, drafts) in enumerate(zip(seqs, starts.tolist(), num_scheduled.tolist(), spec_tokens)):
-        rows = n
+    for seq, start, n, drafts in zip(seqs, starts.tolist(), num_scheduled.tolist(), spec_tokens):
         n -= len(drafts)
         known = seq.token_ids[start:start + n]
         token_ids.extend(known)
         if len(known) < n:
             assert len(known) == n - 1 and previous_samples is not None, "only the newest token can be pending"
-            if verifying and seq.seq_id in verifying:   # behind a verify step: its first input row (n == 1)
-                rebased.append((verifying[seq.seq_id], len(token_ids), rows, i))
             fill_positions.append(len(token_ids))
             fill_rows.append(previous_samples.row_of_seq[seq.seq_id])
             token_ids.append(0)
@@ -260,7 +251,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
 
     int64_arrays = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping,
                     np.asarray(logits_indices, dtype=np.int64), np.asarray(fill_positions, dtype=np.int64),
-                    np.asarray(fill_rows, dtype=np.int64), np.asarray(rebased, dtype=np.int64).reshape(-1, 4)]
+                    np.asarray(fill_rows, dtype=np.int64)]
     spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
     if spec_host is not None:
         int64_arrays += list(spec_host[1:])
@@ -270,8 +261,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     if short_queries:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
     int64_d, int32_d = stager.transfer([(torch.int64, int64_arrays), (torch.int32, int32_arrays)], stream)
-    (input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, rebased_d,
-     *spec_d) = int64_d
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = int64_d
     query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = int32_d
     if len(fill_positions) == 1 and not previous_samples.verified:
         # Batch 1: one slice copy, a launch fewer than gather + scatter (the host is a step's bottleneck here).
@@ -279,13 +269,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         input_ids_d[position:position + 1].copy_(previous_samples.token_ids[row:row + 1], non_blocking=True)
     elif fill_positions:
         filled = previous_samples.token_ids[fill_rows_d]
-        # A rejected position's -1 is replaced by the rebase below: keep it a valid id meanwhile.
+        # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
         input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled
-    if rebased:
-        prev = previous_samples.spec
-        rebase_chained(previous_samples.token_ids, prev.row_index, prev.num_drafts_d, prev.draft_token_ids_d,
-                       rebased_d, input_ids_d, positions_d, slot_mapping_d, seq_lens_d, block_tables_d, block_size,
-                       decode_rows[0] if short_queries else None, max(entry[2] for entry in rebased))
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping_d,
         query_start_loc=query_start_loc_d,
@@ -294,7 +279,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=query_start_loc.tolist(),
-        seq_lens_cpu=None if rebased else seq_lens.tolist(),   # rebased: known on the device only
+        seq_lens_cpu=seq_lens.tolist(),
         min_query_len=int(num_scheduled.min()),
     )
     return ModelInputs(

@@ -300,11 +300,6 @@ class ModelRunner:
         verify_on_host = spec is not None and spec.verify_on_host   # then the rows hold argmaxes, never -1
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq,
                                                  spec is not None and not verify_on_host)
-        if inputs.spec is not None:   # a step behind this one is rebased onto the drafts accepted
-            seqs = scheduler_output.seqs
-            self._previous_samples.spec = inputs.spec
-            self._previous_samples.spec_index_of_seq = {seqs[i].seq_id: n
-                                                        for n, i in enumerate(inputs.spec.seq_index.tolist())}
         host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs, stream)
         return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs,
                                   verify_on_host, started)
