@@ -657,3 +657,42 @@ def test_short_queries_as_decode_rows_match_causal_attention(partition_size, que
     out = paged_decode_attention(query, k_cache, v_cache, rows.block_tables, rows.seq_lens, 0.125,
                                  partition_size=partition_size)
     assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype,norm,partition_size", [(torch.float32, None, 16), (torch.float32, "rms", 1 << 20),
+                                                       (torch.bfloat16, "gemma", None)])
+def test_decode_with_rotary_equals_rotary_kernel_then_decode(dtype, norm, partition_size):
+    """The decode kernel given this step's unrotated q, k and v (`DecodeRotary`) norms and rotates them and stores
+    k and v at each sequence's last position itself: the same output and cache as the rotary kernel storing them
+    followed by the plain decode kernel, split or not; a padding row (length 0) writes nothing."""
+    from minivllm.kernels.decode_attention import DecodeRotary
+    from minivllm.kernels.rotary import apply_rotary_
+    from minivllm.layers.rotary import get_rope
+    num_heads, num_kv_heads, head_dim, block_size, blocks = 8, 2, 32, 4, 12
+    seq_lens = [37, 1, 0, 20]
+    g = torch.Generator().manual_seed(11)
+    rope = get_rope(head_dim, 64, 10000.0, None).to(DEVICE)
+    weights = None if norm is None else tuple(
+        (torch.randn(head_dim, generator=g) * 0.3 + (1.0 if norm == "rms" else 0.0)).to(DEVICE, dtype) for _ in range(2))
+    qkv = (2 * torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=g)).to(DEVICE, dtype)
+    q, k, v = (t.view(len(seq_lens), -1, head_dim) for t in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1))
+    k_cache = torch.randn(len(seq_lens) * blocks, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(k_cache.shape, generator=g).to(DEVICE, dtype)
+    tables = torch.randperm(k_cache.shape[0], generator=g).view(len(seq_lens), blocks).to(torch.int32).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    positions = (lens - 1).clamp_min(0).long()
+    slots = torch.where(lens > 0, tables[torch.arange(len(seq_lens)), positions // block_size].long() * block_size
+                        + positions % block_size, -1)
+    caches = (k_cache.clone(), v_cache.clone())
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rotary_(positions, q_ref, k_ref, rope.cos_sin_cache, weights, 1e-6, gemma_norm=norm == "gemma", value=v,
+                  kv_cache=(*caches, slots, num_kv_heads))
+    expected = paged_decode_attention(q_ref, *caches, tables, lens, head_dim ** -0.5, partition_size=partition_size)
+    rotary = DecodeRotary(k, v, rope.cos_sin_cache, weights, 1e-6, gemma_norm=norm == "gemma")
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, partition_size=partition_size,
+                                 rotary=rotary)
+    assert_close(out, expected, dtype)
+    assert_close(k_cache, caches[0], dtype)   # the new keys (rotated) and values, nothing else
+    assert torch.equal(v_cache, caches[1])
+    assert torch.equal(q, qkv[:, :num_heads * head_dim].view(len(seq_lens), -1, head_dim))   # q left as it was
