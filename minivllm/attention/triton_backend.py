@@ -53,15 +53,6 @@ class TritonAttentionBackend(AttentionBackend):
                                        query_tile_plan=self._query_tile_plan(query, key, value, k_cache,
                                                                              v_cache, metadata))
 
-    def attend_decode_rotary(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             metadata: AttentionMetadata, scale: float, rotary, sliding_window: int | None = None,
-                             logits_soft_cap: float | None = None) -> torch.Tensor:
-        """Decode attention of one query per sequence that is not rotated yet, storing this step's keys and values
-        too (kernels/decode_attention.DecodeRotary; Attention.decode_with_rotary)."""
-        return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
-                                      partition_size=self.decode_partition_size, sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap, rotary=rotary)
-
     @staticmethod
     def _query_tile_plan(query, key, value, k_cache, v_cache, metadata: AttentionMetadata):
         """The Hopper kernel's plan for this step (None where that kernel cannot run or no sequence is

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,20 +34,6 @@ import triton.language as tl
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 LOG2_E = 1.4426950408889634
-
-
-@dataclass
-class DecodeRotary:
-    """What the decode kernel needs to rotate the query itself and store this step's key and value (see
-    `paged_decode_attention`): key and value [batch, kv_heads, head_dim] (rows may be strided views of a fused
-    qkv tensor), the rotary table [max_position, head_dim] fp32 (cos | sin, neox layout), and the per-head
-    q/k norms' weights and eps where the model has them (`gemma_norm`: Gemma's (1 + w))."""
-    key: torch.Tensor
-    value: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-    eps: float = 0.0
-    gemma_norm: bool = False
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
 LONG_PARTITION_SIZE = 1024  # tokens: the shortest partition once batch x kv_heads gives every SM a program
@@ -79,28 +64,6 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
-def _rotate_tile(ptrs, partner_ptrs, mask, norm_ptr, dims, partner, head_dim, eps, cos, sin, sign,
-                 NORM: tl.constexpr):
-    """Rows of heads at `ptrs` ([R, D] pointers), each RMS-normalised (NORM 1: Llama's rounding; 2: Gemma's
-    (1 + w)) and rotated, exactly as kernels/rotary.py's `_rotate_heads` computes them, in the rows' dtype.
-    Column c pairs with column (c + D/2) mod D (`partner_ptrs`, `partner`): c * cos + sign * partner * sin."""
-    dtype = ptrs.dtype.element_ty
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if NORM > 0:
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / head_dim + eps)[:, None]
-        w = tl.load(norm_ptr + dims, mask=dims < head_dim, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(norm_ptr + partner, mask=dims < head_dim, other=0.0).to(tl.float32)[None, :]
-        if NORM == 1:
-            x = ((x * inv_rms).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-            xp = ((xp * inv_rms).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
-        else:
-            x = (x * inv_rms * (1.0 + w)).to(dtype).to(tl.float32)
-            xp = (xp * inv_rms * (1.0 + wp)).to(dtype).to(tl.float32)
-    return (x * cos + sign * xp * sin).to(dtype)
-
-
 # The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
@@ -110,12 +73,10 @@ def _decode_partition_kernel(
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_row, cache_stride_h, block_table_stride,
         partial_stride_seq, partial_stride_head, fixed_partition, min_partition,
-        key_ptr, value_ptr, key_stride_t, value_stride_t, cos_sin_ptr, cos_sin_stride, q_norm_ptr, k_norm_ptr, eps,
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, ROTARY: tl.constexpr, NORM: tl.constexpr,
-        PDL: tl.constexpr):
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -140,33 +101,8 @@ def _decode_partition_kernel(
     head_mask = group < num_queries_per_kv
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    q_rows = query_ptr + seq.to(tl.int64) * query_stride_t + heads[:, None] * query_stride_h
-    if ROTARY:   # the query and this step's key and value as the qkv projection left them: see `rotary`
-        position = seq_len - 1
-        half = head_dim // 2
-        partner = (dims + half) % head_dim
-        sign = tl.where(dims < half, -1.0, 1.0)[None, :]
-        cos = tl.load(cos_sin_ptr + position * cos_sin_stride + dims % half, mask=dim_mask, other=0.0)[None, :]
-        sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + dims % half, mask=dim_mask,
-                      other=0.0)[None, :]
-        q = _rotate_tile(q_rows + dims[None, :], q_rows + partner[None, :], head_mask[:, None] & dim_mask[None, :],
-                         q_norm_ptr, dims, partner, head_dim, eps, cos, sin, sign, NORM)
-        if (end == seq_len) & (seq_len > 0):   # the program holding the new position stores its key and value
-            page = tl.load(block_tables_ptr + seq.to(tl.int64) * block_table_stride + position // BLOCK_SIZE)
-            row = page.to(tl.int64) * cache_stride_block + (position % BLOCK_SIZE) * cache_stride_row \
-                + kv_head * cache_stride_h
-            one = tl.arange(0, 2)[:, None]
-            k_row = key_ptr + seq.to(tl.int64) * key_stride_t + kv_head * head_dim + one * 0
-            k_mask = (one < 1) & dim_mask[None, :]
-            key = _rotate_tile(k_row + dims[None, :], k_row + partner[None, :], k_mask, k_norm_ptr, dims, partner,
-                               head_dim, eps, cos, sin, sign, NORM)
-            tl.store(k_cache_ptr + row + one * 0 + dims[None, :], key, mask=k_mask)
-            value = tl.load(value_ptr + seq.to(tl.int64) * value_stride_t + kv_head * head_dim + dims,
-                            mask=dim_mask)
-            tl.store(v_cache_ptr + row + dims, value, mask=dim_mask)
-            tl.debug_barrier()   # the tile loop below reads them back from the cache
-    else:
-        q = tl.load(q_rows + dims[None, :], mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(query_ptr + seq.to(tl.int64) * query_stride_t + heads[:, None] * query_stride_h
+                + dims[None, :], mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of scores (log2 units)
     l_i = tl.zeros([BLOCK_G], tl.float32)                  # running softmax denominator
@@ -318,16 +254,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            partition_size: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None, rotary: DecodeRotary | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
     `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split.
     The cache has the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values).
     `sliding_window` W: the query sees its last W positions only; `logits_soft_cap` c: scores s become
-    c * tanh(s / c) (None: off). `rotary`: the query is not rotated yet, and this step's key and value (at each
-    sequence's last position) are not in the cache yet: the kernel applies the q/k norms and the rotation, and
-    the program holding that position stores them (one token per sequence, none sharing a cache row)."""
+    c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -368,27 +302,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_out = partial_max = partial_sum = out
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     pdl = launch_options(query.device)
-    if rotary is not None:
-        assert k_cache.dtype == query.dtype and rotary.key.stride(2) == rotary.value.stride(2) == 1
-        assert rotary.key.stride(1) == rotary.value.stride(1) == head_dim and head_dim % 2 == 0
-        q_norm, k_norm = rotary.norm_weights if rotary.norm_weights is not None else (query, query)
-        rotary_args = (rotary.key, rotary.value, rotary.key.stride(0), rotary.value.stride(0), rotary.cos_sin_cache,
-                       rotary.cos_sin_cache.stride(0), q_norm, k_norm, rotary.eps)
-        norm_mode = 0 if rotary.norm_weights is None else 2 if rotary.gemma_norm else 1
-    else:
-        rotary_args, norm_mode = (query, query, 0, 0, query, 0, query, query, 0.0), 0
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_max, partial_sum,
         qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads * num_splits, num_splits, fixed_partition, min_partition, *rotary_args,
+        num_heads * num_splits, num_splits, fixed_partition, min_partition,
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, ROTARY=rotary is not None,
-        NORM=norm_mode, **pdl, num_warps=num_warps, num_stages=num_stages)
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
+        num_warps=num_warps, num_stages=num_stages)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,

@@ -13,8 +13,6 @@ the scores). Both default to None: plain causal attention.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,22 +57,6 @@ class Attention(nn.Module):
         if one_token and slot_mapping.numel() != 1:
             return None
         return self.k_cache, self.v_cache, slot_mapping, self.num_kv_heads
-
-    def decode_with_rotary(self, q: torch.Tensor, rotary) -> torch.Tensor | None:
-        """q [1, H, D] not rotated yet and `rotary` (RotaryEmbedding.decode_rotary: this step's unrotated k and its
-        v) -> [1, H*D]: one kernel norms and rotates q and k, stores k and v, and attends, where the backend has
-        it and the step is one token attending to its sequence's cache; else None (rotate, then `forward`). One
-        token only: in a step of several, one row's key could be read by another before it is stored."""
-        attend = getattr(self.backend, "attend_decode_rotary", None)
-        if (attend is None or q.shape[0] != 1 or self.k_cache.numel() == 0 or self.k_cache.dtype != q.dtype
-                or os.environ.get("MINIVLLM_AB_ROTARY_IN_ATTENTION", "1") == "0"):
-            return None
-        meta = get_forward_context()
-        if not meta.is_decode_only:
-            return None
-        out = attend(q, self.k_cache, self.v_cache, meta, self.scale, rotary, sliding_window=self.sliding_window,
-                     logits_soft_cap=self.logits_soft_cap)
-        return out.reshape(-1, self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]. `kv_written`: k and v are in the cache already

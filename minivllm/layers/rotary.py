@@ -83,21 +83,6 @@ class RotaryEmbedding(nn.Module):
                                    value=value if store else None, kv_cache=kv_cache if store else None)
         return query, key, store
 
-    def decode_rotary(self, key: torch.Tensor, value: torch.Tensor, norms: tuple[nn.Module, nn.Module] | None = None):
-        """The rotation (and q/k norms) as the decode attention kernel applies them itself
-        (kernels/decode_attention.DecodeRotary, for Attention.decode_with_rotary), or None where that kernel
-        cannot (no Triton path, or norms it does not compute)."""
-        if not (self.use_triton and key.is_cuda) or self.cos_sin_cache.shape[-1] != key.shape[-1]:
-            return None
-        if norms is not None and not (type(norms[0]) is type(norms[1]) in (RMSNorm, GemmaRMSNorm)
-                                      and norms[0].eps == norms[1].eps):
-            return None
-        from minivllm.kernels.decode_attention import DecodeRotary
-        if norms is None:
-            return DecodeRotary(key, value, self.cos_sin_cache)
-        return DecodeRotary(key, value, self.cos_sin_cache, (norms[0].weight, norms[1].weight), norms[0].eps,
-                            gemma_norm=type(norms[0]) is GemmaRMSNorm)
-
     def forward_reference(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         cos = torch.cat((cos, cos), dim=-1)

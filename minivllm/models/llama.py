@@ -78,19 +78,13 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if rotated:
             kv_written = kv_cache is not None
-        else:
-            if q.shape[0] == 1:   # one decode token: the attention kernel norms, rotates and stores k and v itself
-                rotary = self.rotary_emb.decode_rotary(k, v, norms)
-                out = None if rotary is None else self.attn.decode_with_rotary(q, rotary)
-                if out is not None:
-                    return self.o_proj(out)
-            # One kernel: Qwen3's and Gemma-3's per-head q/k norms, the rotation, and k and v into the cache.
+        else:   # one kernel: Qwen3's and Gemma-3's per-head q/k norms, the rotation, and k and v into the cache
             q, k, kv_written = self.rotary_emb.rotate_and_store(
-                positions, q, k, v, norms, self.attn.kv_write_target(qkv.dtype, one_token=False))
+                positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim),
+                None if self.q_norm is None else (self.q_norm, self.k_norm),
+                self.attn.kv_write_target(qkv.dtype, one_token=False))
         out = self.attn(q.flatten(1), k.flatten(1), v, kv_written=kv_written)
         return self.o_proj(out)
 
