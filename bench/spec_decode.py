@@ -1,10 +1,11 @@
 """Speculative decoding benchmark: what each proposer buys, and what it costs.
 
 Parts, all in one run on one device (results in spec_decode_<gpu>.json with device, commit, date):
-  compare the real default model (SmolLM2-135M), greedy, off / n-gram / suffix decoding alternating on one
-         engine, per workload and batch size (bench/spec_workloads.py: input-grounded, open-ended and
-         repetitive chats built from real text); gives the top-level keys grounded_b1_speedup,
-         open_b1_speedup, grounded_b8_speedup, grounded_b32_speedup (n-gram, the default method) and
+  compare the real default model (SmolLM2-135M), greedy, off / n-gram (up to 15 drafts, the default; and
+         up to 5) / suffix decoding alternating on one engine, per workload and batch size
+         (bench/spec_workloads.py: input-grounded, open-ended and repetitive chats built from real text); gives
+         the top-level keys grounded_b1_speedup, open_b1_speedup, grounded_b8_speedup, grounded_b32_speedup
+         (n-gram at its defaults) and
          suffix_repetitive_b1_speedup, ngram_repetitive_b1_speedup (best run of each mode over off's).
   real   the real default model, batch 1, greedy, the input-grounded chat prompts: tokens/s with no
          speculation, n-gram, suffix decoding and draft-layers, the acceptance per draft position and the
@@ -320,7 +321,8 @@ def run_step_cost(args) -> list[dict]:
     from minivllm import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.step_repeats + 40, ignore_eos=True)
     llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=8,
-              max_model_len=2048, speculative_config={**NGRAM, "adaptive": False}, **args.engine_options)
+              max_model_len=2048, speculative_config={**NGRAM, "num_speculative_tokens": 5, "adaptive": False},
+              **args.engine_options)
     engine = llm.llm_engine
     controller = engine.spec
     # dummy weights: few drafts would be accepted, so every step proposes the last token n times

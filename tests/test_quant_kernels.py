@@ -221,8 +221,9 @@ def test_cold_copies_exceed_l2():
 
 
 def test_stored_choices_are_taken_by_repr_and_only_from_the_candidates(tmp_path, monkeypatch):
-    """A key found in the device's configs file takes the stored candidate; a stored choice no longer among the
-    candidates, another device, or MINIVLLM_TUNED_CONFIGS=0 leave the key to timing (None)."""
+    """A key found in the device's configs file takes the stored candidate, a library path (None) included; a stored
+    choice no longer among the candidates, another device, or MINIVLLM_TUNED_CONFIGS=0 leave the key to timing
+    (`missing`, None by default)."""
     import json
 
     from minivllm.kernels import tuning
@@ -236,14 +237,21 @@ def test_stored_choices_are_taken_by_repr_and_only_from_the_candidates(tmp_path,
     assert tuning.stored_choice(key, candidates, "Test GPU") == (tiles[1], 1)
     assert tuning.stored_choice(other, candidates, "Test GPU") is None      # stored, but not a candidate now
     assert tuning.stored_choice(key, candidates, "Another GPU") is None     # no file for that device
+    library = ("dense_gemv", torch.bfloat16, (576, 576), False, ("rows", 4))   # a stored library path (None)
+    tuning.config_file("Library GPU").write_text(json.dumps({"choices": {repr(library): "None"}}))
+    missing = object()
+    assert tuning.stored_choice(library, [None, (1, 1024, 1)], "Library GPU", missing=missing) is None
+    assert tuning.stored_choice(key, [None, (1, 1024, 1)], "Library GPU", missing=missing) is missing
     monkeypatch.setenv("MINIVLLM_TUNED_CONFIGS", "0")
     assert tuning.stored_choice(key, candidates, "Test GPU") is None
 
 
-def test_shipped_choices_are_current_one_row_candidates():
-    """Every choice in kernels/configs/ is the repr of a current Gluon GEMV candidate (or of it with split 1), so
-    a change of the candidates cannot silently leave a shipped file unused."""
+def test_shipped_choices_are_current_candidates():
+    """Every choice in kernels/configs/ is the repr of a current candidate of its key: a Gluon GEMV tile (or it with
+    split 1), or for a 16-bit GEMV key a tile of kernels/dense_gemv.py for its row count or cuBLAS (None), so a
+    change of the candidates cannot silently leave a shipped file unused."""
     from minivllm.kernels import tuning
+    from minivllm.kernels.dense_gemv import GEMV_TILES, rows_tiles
     from minivllm.kernels.int4_gemm import tma_gemv_tiles
     files = sorted(tuning.CONFIG_DIR.glob("*.json"))
     assert files, "no shipped configs"
@@ -251,7 +259,14 @@ def test_shipped_choices_are_current_one_row_candidates():
     allowed = {repr(t) for t in tiles} | {repr((t, 1)) for t in tiles}
     for path in files:
         choices = tuning._stored_choices(path)
-        assert choices and set(choices.values()) <= allowed, path.name
+        assert choices, path.name
+        for key, choice in choices.items():
+            if key.startswith("('dense_gemv'"):
+                rows = int(key.rsplit("('rows', ", 1)[1].split(")")[0]) if "('rows', " in key else 1
+                dense = GEMV_TILES if rows == 1 else rows_tiles(rows)
+                assert choice in {repr(t) for t in dense} | ({"None"} if "'norm'" not in key else set()), (path.name, key)
+            else:
+                assert choice in allowed, (path.name, key)
 
 
 # ---- the Gluon GEMV (kernels/int4_gemv_tma.py): compiled for sm_90 here, run on the GPU ----------------------

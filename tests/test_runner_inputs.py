@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.worker.cuda_graph import capture_sizes, mixed_capture_sizes
+from minivllm.worker.cuda_graph import SPEC_DECODE_ROWS, capture_sizes, max_decode_rows, mixed_capture_sizes
 from minivllm.worker.inputs import StagingBuffer
 
 
@@ -38,3 +38,11 @@ def test_graph_size_ladders_cover_every_step_size():
         padded = next(s for s in mixed if s >= n)
         assert padded - n < 64 if n <= 2048 else padded - n < 256
     assert mixed_capture_sizes(40) == [40] and mixed_capture_sizes(0) == []
+
+
+def test_decode_graphs_take_verify_steps_of_every_sequence_up_to_the_cap():
+    """A verify step of each sequence with k drafts is max_num_seqs * (1 + k) rows: a decode graph holds it up to
+    SPEC_DECODE_ROWS rows; without speculation, or past the cap, the graphs end at max_num_seqs."""
+    assert max_decode_rows(1, 15) == 16 and max_decode_rows(8, 5) == 48 and max_decode_rows(32, 0) == 32
+    assert max_decode_rows(32, 5) == SPEC_DECODE_ROWS and max_decode_rows(256, 5) == 256
+    assert capture_sizes(max_decode_rows(1, 5))[-1] == 6 and capture_sizes(max_decode_rows(1, 15)) == [1, 2, 4, 8, 16]

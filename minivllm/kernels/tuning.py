@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 Config = TypeVar("Config")
 _chosen: dict[Hashable, object] = {}
 _deferred = 0
+_NOT_STORED = object()
 measured: dict[Hashable, list[tuple[float, object]]] = {}   # key -> (seconds, candidate) as timed (benchmarks report)
 
 
@@ -108,12 +109,13 @@ def _stored_choices(path: Path) -> dict[str, str]:
     return json.loads(path.read_text())["choices"] if path.is_file() else {}
 
 
-def stored_choice(key: Hashable, candidates: Sequence[Config], device_name: str) -> Config | None:
-    """The candidate stored for `key` on this device (matched by repr, as --write-configs writes both), or None."""
+def stored_choice(key: Hashable, candidates: Sequence[Config], device_name: str, missing=None):
+    """The candidate stored for `key` on this device (matched by repr, as --write-configs writes both), or
+    `missing` (a stored choice may itself be None: a library path)."""
     if not envs.MINIVLLM_TUNED_CONFIGS:
-        return None
+        return missing
     wanted = _stored_choices(config_file(device_name)).get(repr(key))
-    return next((c for c in candidates if repr(c) == wanted), None) if wanted is not None else None
+    return next((c for c in candidates if repr(c) == wanted), missing) if wanted is not None else missing
 
 
 def chosen(key: Hashable):
@@ -131,8 +133,8 @@ def pick(key: Hashable, candidates: Sequence[Config], run: Callable[..., object]
         return _chosen[key]
     if len(candidates) < 2 or not torch.cuda.is_available():
         return default
-    stored = stored_choice(key, candidates, torch.cuda.get_device_name())
-    if stored is not None:
+    stored = stored_choice(key, candidates, torch.cuda.get_device_name(), missing=_NOT_STORED)
+    if stored is not _NOT_STORED:
         _chosen[key] = stored
         return stored
     if torch.cuda.is_current_stream_capturing():

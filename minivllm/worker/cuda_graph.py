@@ -39,6 +39,10 @@ from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs
 logger = logging.getLogger(__name__)
 
 LOGITS_IN_GRAPH_MAX_ROWS = 16
+# Decode graphs captured for verify steps beyond one row per sequence. With `max_num_seqs` 32, a batch-8 verify
+# step of 5 drafts each (48 rows) otherwise ran through the 64-token mixed graph and the varlen kernel; up to 128
+# rows costs start-up 6 more graphs there and covers 8 sequences of 15 drafts.
+SPEC_DECODE_ROWS = 128
 
 
 def decode_row_block_tables(metadata: AttentionMetadata) -> torch.Tensor:
@@ -67,6 +71,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+def max_decode_rows(max_num_seqs: int, num_speculative_tokens: int = 0) -> int:
+    """Rows of the largest decode graph: a row per sequence, and with speculation room for verify steps of every
+    sequence with its drafts, up to SPEC_DECODE_ROWS (a larger verify step runs through a mixed graph)."""
+    return max(max_num_seqs, min(max_num_seqs * (1 + num_speculative_tokens), SPEC_DECODE_ROWS))
+
+
 def mixed_capture_sizes(max_tokens: int) -> list[int]:
     """Padded token counts of the mixed graphs: every 64 tokens up to 2,048, then every 256. Padding
     rows cost GEMM work like real ones, and prefill is compute-bound: with a ladder 256 apart above
@@ -78,14 +88,16 @@ def mixed_capture_sizes(max_tokens: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
                  max_model_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_mixed_tokens: int = 0, compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
-                 ) -> None:
-        """`compute_logits`: hidden -> logits, captured in the small decode graphs (None: never)."""
+                 max_mixed_tokens: int = 0, compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 max_decode_rows: int = 0) -> None:
+        """`compute_logits`: hidden -> logits, captured in the small decode graphs (None: never);
+        `max_decode_rows`: rows of the largest decode graph, if more than `max_num_seqs` (verify steps)."""
         self.model = model
         self.compute_logits = compute_logits
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max(max_num_seqs, max_decode_rows))
         self.mixed_sizes = mixed_capture_sizes(max_mixed_tokens)
-        self.max_batch = self.sizes[-1]
+        self.max_seqs = max_num_seqs   # sequences of a mixed graph
+        self.max_batch = self.sizes[-1]   # rows of the largest decode graph
         self.max_model_len = max_model_len
         n = max(self.max_batch, max(self.mixed_sizes, default=0))
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -94,7 +106,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.zeros(self.max_batch + 1, dtype=torch.int32, device=device)  # mixed steps
+        self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.logits: torch.Tensor | None = None   # [LOGITS_IN_GRAPH_MAX_ROWS, vocab], sized at capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -112,7 +124,7 @@ class CUDAGraphRunner:
         # The query-length bound only picks the attention tile shape; any bound >= the real one is exact.
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens, block_tables=self.block_tables,
+            seq_lens=self.seq_lens[:self.max_seqs], block_tables=self.block_tables[:self.max_seqs],
             max_query_len=min(num_tokens, self.max_model_len), max_seq_len=self.max_model_len)
 
     def _logits_in_graph(self, num_tokens: int) -> bool:
@@ -177,7 +189,7 @@ class CUDAGraphRunner:
 
     def can_run(self, inputs: ModelInputs) -> bool:
         meta = inputs.metadata
-        if meta.num_seqs > self.max_batch:
+        if meta.num_seqs > self.max_seqs:
             return False
         if meta.is_decode_only or self._as_decode_rows(inputs):
             return True
@@ -218,6 +230,6 @@ class CUDAGraphRunner:
             # Padding sequences own no query rows (they all start at the real token count) and no context.
             self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
             self.query_start_loc[batch + 1:].fill_(num_tokens)
-            self.seq_lens[batch:].zero_()
+            self.seq_lens[batch:self.max_seqs].zero_()
             self.mixed_graphs[padded].replay()
         return self.hidden[:num_tokens], None

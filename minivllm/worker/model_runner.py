@@ -27,7 +27,7 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.spec_decode.rejection_sampler import greedy_verify_host
-from minivllm.worker.cuda_graph import CUDAGraphRunner
+from minivllm.worker.cuda_graph import CUDAGraphRunner, max_decode_rows
 from minivllm.worker.inputs import (ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
                                    prepare_inputs)
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
@@ -175,10 +175,12 @@ class ModelRunner:
             return
         started = time.perf_counter()
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+        spec = SpeculativeConfig.from_dict(self.config.speculative_config)
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
                                             self.hf_config.hidden_size, self.dtype, self.device,
                                             min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens),
-                                            self.model.compute_logits if get_tp_size() == 1 else None)
+                                            self.model.compute_logits if get_tp_size() == 1 else None,
+                                            max_decode_rows(max_num_seqs, spec.num_speculative_tokens if spec else 0))
         self.graph_runner.capture()
         self.startup_seconds["cuda_graph_capture"] = time.perf_counter() - started
         logger.info("CUDA graph capture took %.1f s", self.startup_seconds["cuda_graph_capture"])
