@@ -161,6 +161,7 @@ run_suite() {
     step int4_w1_sweep 480 python3 bench/kernels/int4_w1_sweep.py --jobs 15 --large-ms 4096 --out "$OUT" ;;
   tune)
     step step_tile_search 480 python3 bench/kernels/step_tile_search.py --passes 2 --out "$OUT" --write-configs "$OUT/configs"
+    step rows_tile_search 480 python3 bench/kernels/rows_tile_search.py --out "$OUT" --write-configs "$OUT/configs"
     step gemv_cold_sweep 330 python3 bench/kernels/gemv_cold_sweep.py --no-narrow --tma-sweep half --out "$OUT"
     step pdl 400 python3 bench/kernels/pdl_bench.py --formats bf16,fp8,int4 --settings 1,2,0 --rounds 2 --w1 --out "$OUT" ;;
   *) echo "unknown suite '$1' (see the list at the top of $0)" >&2; return 2 ;;

@@ -122,11 +122,11 @@ WORKLOADS = {"grounded": grounded_chats, "open": open_chats, "repetitive": repet
 
 
 def run_compare(args) -> dict:
-    """Off, n-gram (up to 15 drafts, and up to 5) and suffix decoding on the same engine (speculation switched per run), for each
-    (workload, batch) case: every prompt submitted at once with at most `batch` running, greedy. Modes
-    alternate (off, ngram, ngram_k5, suffix, then the reverse) for `args.compare_rounds` rounds; the best run of each mode
-    counts. Before each run the prefix cache is emptied, and suffix decoding starts from an empty cache of
-    other requests' outputs (so only earlier requests of the same run feed it)."""
+    """Off, n-gram (up to 15 drafts, and up to 5) and suffix decoding on the same engine (speculation switched per
+    run), for each (workload, batch) case: every prompt submitted at once with at most `batch` running, greedy.
+    Modes alternate (off, ngram, ngram_k5, suffix, then the reverse) for `args.compare_rounds` rounds; the best run
+    of each mode counts. Before each run the prefix cache is emptied, and suffix decoding starts from an empty cache
+    of other requests' outputs (so only earlier requests of the same run feed it)."""
     import torch
 
     from minivllm import LLM, SamplingParams
@@ -186,7 +186,8 @@ def run_compare(args) -> dict:
             case[f"{mode}_speedup"] = case[mode]["tokens_per_s"] / case["off"]["tokens_per_s"]
         results[label] = case
         print(f"  {workload}, batch {batch}: off {case['off']['tokens_per_s']:.0f} tok/s, n-gram "
-              f"x{case['ngram_speedup']:.2f} (5 drafts x{case['ngram_k5_speedup']:.2f}), suffix x{case['suffix_speedup']:.2f}")
+              f"x{case['ngram_speedup']:.2f} (5 drafts x{case['ngram_k5_speedup']:.2f}), "
+              f"suffix x{case['suffix_speedup']:.2f}")
     engine.spec = controllers["ngram"]
     del llm, engine
     return results

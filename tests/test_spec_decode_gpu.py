@@ -18,22 +18,50 @@ CONFIGS = {
 }
 
 
+def _repeating_prompts(tmp_path, seed: int, period: int, repeats: int, tails: tuple) -> list[dict]:
+    """A tiny fp32 checkpoint in tmp_path, and prompts that repeat a random phrase (drafts to accept) before
+    random tails of the given lengths."""
+    make_tiny_hf_checkpoint(tmp_path, "llama3")
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 128, (period,), generator=g).tolist()
+    return [{"prompt_token_ids": phrase * repeats + torch.randint(3, 128, (n,), generator=g).tolist()} for n in tails]
+
+
+TINY = dict(dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_model_len=256)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fp32_greedy_identical_with_speculation(name, tmp_path):
-    make_tiny_hf_checkpoint(tmp_path, "llama3")
-    g = torch.Generator().manual_seed(2)
-    phrase = torch.randint(3, 128, (6,), generator=g).tolist()
-    prompts = [phrase * 5 + torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 17, 40)]
-    options = dict(dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_model_len=256,
-                   max_num_seqs=8)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = LLM(model=str(tmp_path), **options).generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)
+    prompts = _repeating_prompts(tmp_path, 2, 6, 5, (3, 17, 40))
+    options, params = dict(TINY, max_num_seqs=8), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(tmp_path), **options).generate(prompts, params, use_tqdm=False)
     llm = LLM(model=str(tmp_path), speculative_config=CONFIGS[name], **options)
     assert llm.llm_engine.runner.graph_runner is not None
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert llm.llm_engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix"])
+def test_verify_steps_of_every_sequence_replay_decode_graphs_past_max_num_seqs(name, tmp_path):
+    """With max_num_seqs 2 and 4 drafts, a verify step of both sequences is 10 rows: the decode graphs reach 10
+    rows (worker/cuda_graph.py, max_decode_rows), the step replays one, and greedy output equals plain decoding."""
+    prompts = _repeating_prompts(tmp_path, 3, 5, 6, (4, 21, 33))
+    options, params = dict(TINY, max_num_seqs=2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(tmp_path), **options)
+    assert plain.llm_engine.runner.graph_runner.sizes[-1] == 2
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    llm = LLM(model=str(tmp_path), speculative_config=CONFIGS[name], **options)
+    runner = llm.llm_engine.runner.graph_runner
+    assert runner.sizes[-1] == 10 and runner.max_seqs == 2
+    replayed = []
+    for rows, graph in runner.graphs.items():
+        graph.replay = (lambda original, rows: lambda: (replayed.append(rows), original())[1])(graph.replay, rows)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert max(replayed) > 2, "no verify step of both sequences replayed a decode graph"
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
 
 

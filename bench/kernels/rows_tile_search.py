@@ -2,14 +2,14 @@
 
     python bench/kernels/rows_tile_search.py --out bench/results [--write-configs minivllm/kernels/configs]
 
-kernels/tuning.py times each candidate of a projection alone, repeated in a graph on cold weights. In a decode
-graph of a small model (SmolLM2-135M: 30 layers of 0.7 to 3.5 MB weights) a GEMV is a few microseconds behind
-other short kernels, where what counts is how soon it starts and ends under PDL, not its streaming rate; cuBLAS
-ends the PDL overlap. This script builds the engine on the model's shapes (dummy weights) with the tuner timing
-every key (MINIVLLM_TUNED_CONFIGS=0), then for each row count of the decode graphs (1, 2, 4, 8, 16: a plain step at
-batch 1, verify steps of one sequence and 1 to 15 drafts, plain steps at a few sequences) and each of its GEMV keys
-in turn (qkv, o, gate_up, down), recaptures that graph with every candidate in place of the tuner's and times the
-graph of that row count (events around back-to-back replays, rows attending to a 300-token context). One pass of
+kernels/tuning.py times each candidate of a projection alone, repeated in a graph on cold weights. In a decode graph
+of a small model (SmolLM2-135M: 30 layers of 0.7 to 3.5 MB weights) a GEMV is a few microseconds behind other short
+kernels, where what counts is how soon it starts and ends under PDL, not its streaming rate; cuBLAS ends the PDL
+overlap. This script builds the engine on the model's shapes (dummy weights) with the tuner timing every key
+(MINIVLLM_TUNED_CONFIGS=0), then for each row count of the decode graphs (1 to 64: a plain step at batch 1, verify
+steps of one sequence and 1 to 15 drafts or of a few sequences, plain steps at a few sequences) and each of its GEMV
+keys in turn (qkv, o, gate_up, down), recaptures that graph with every candidate in place of the tuner's and times
+the graph of that row count (events around back-to-back replays, rows attending to a 300-token context). One pass of
 this coordinate search keeps each key's best. The tuner's set and the searched one are then timed alternating.
 With --write-configs DIR the searched choices join DIR/<device name>.json, the file kernels/tuning.py reads.
 """
@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write-configs", type=Path, default=None,
@@ -137,7 +137,9 @@ def main(argv=None) -> dict:
         target = args.write_configs / path
         stored = json.loads(target.read_text()) if target.is_file() else {**run_metadata(device), "choices": {}}
         stored["choices"].update({repr(k): repr(c) for k, c in searched.items()})
-        stored["rows_search"] = {key: result[key] for key in ("commit", "date", "command", "model", "graph_us")}
+        searches = stored.get("rows_search", [])   # one entry per search whose choices the file holds
+        stored["rows_search"] = [s for s in searches if s.get("rows") != row_counts] + [
+            {"rows": row_counts, **{key: result[key] for key in ("commit", "date", "command", "model", "graph_us")}}]
         write_json(target, stored)
     return result
 
