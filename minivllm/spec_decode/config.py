@@ -8,8 +8,9 @@
 Suffix decoding's keys are vLLM's. The default draft cap of n-gram and suffix decoding is 15 (a draft model's:
 5, one draft pass per token): 15 drafts keep a batch-1 verify step in the 16-row decode graph that also computes
 the logits, and the adaptive controller gives each sequence only the drafts its acceptance pays for. On an H200
-with the real model, n-gram with up to 15 drafts beat 5 on grounded, open-ended and repetitive chat at batch 1
-and on grounded chat at batch 8 (bench/results/spec_decode_h200.json, `ngram_k5` in each compare case).
+with the real model, n-gram with up to 15 drafts beat 5 on grounded, open-ended and repetitive chat at batch 1 on
+both machine starts measured; at batch 8 and 32 neither cap led on both (bench/results/spec_decode_h200.json,
+`ngram_k5` in each compare case).
 Suffix decoding's drafts also stop where their frequency says they are unlikely. Its draft factor and probability floor
 default to 4 and 0.7 (vLLM's: 1 and 0.1): long drafts only where the match is long and its continuations agree.
 Replayed over the real model's greedy outputs (bench/spec_replay.py, bench/results/spec_replay_cpu.json), the

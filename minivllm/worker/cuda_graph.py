@@ -1,8 +1,9 @@
 """CUDA graphs for whole forward passes, replayed from static input buffers.
 
 Two families, sharing one memory pool and one set of buffers:
-- decode graphs, one per padded batch size (1, 2, 4, 8, then multiples of 16): every sequence has one
-  query token, and attention runs the split-K decode kernel;
+- decode graphs, one per padded batch size (1, 2, 4, 8, then multiples of 16; past `max_num_seqs` rows for
+  verify steps, see `max_decode_rows`): every sequence has one query token, and attention runs the split-K
+  decode kernel;
 - mixed graphs, one per padded token count (multiples of 64 up to 2,048, then of 256), for any other
   step (prefill, prefill chunks, prefix hits, decodes riding along with them), with the sequence count
   padded to `max_num_seqs`; attention runs the varlen kernel.
