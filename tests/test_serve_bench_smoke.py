@@ -30,9 +30,10 @@ def test_rate_sweep_reports_goodput_keys_and_plot(tmp_path):
         for level in levels.values():
             assert level["completed"] == 6 and level["failed"] == 0 and level["slo_attainment"] == 1.0
             assert level["ttft_ms"]["p50"] <= level["ttft_ms"]["p95"] <= level["ttft_ms"]["p99"]
-            # The level's steps from the server's histograms: each prompt once and three decodes a request.
+            # The level's steps from the server's histograms: each prompt once and three decodes a request, in at
+            # least one request's four steps (requests that overlap share steps).
             steps = level["engine_steps"]
-            assert steps["tokens"] == 6 * (24 + 3) and steps["steps"] >= 6 * 3
+            assert steps["tokens"] == 6 * (24 + 3) and steps["steps"] >= 1 + 3
             # Only the target's server times its steps on the device (its cost model needs them); a step is
             # priced once the next is read back, so not the last before the engine runs dry.
             if run is report:

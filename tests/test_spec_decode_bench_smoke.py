@@ -21,7 +21,7 @@ def test_quick_run_writes_every_acceptance_key(tmp_path):
     for key in KEYS:
         assert result[key] > 0, key
     for label, case in result["compare"].items():
-        for mode in ("ngram", "suffix"):   # fp32 on the CPU: greedy speculation is exact
+        for mode in ("ngram", "ngram_k5", "suffix"):   # fp32 on the CPU: greedy speculation is exact
             assert case[mode]["outputs_identical_to_off"] == case["num_prompts"], (label, mode)
     # The controller may turn drafts off on the CPU, where verify rows cost like any others, but not before
     # trying them: its start is optimistic.
