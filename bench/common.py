@@ -102,6 +102,23 @@ def time_median(fn: Callable[[], object], device: torch.device, warmup: int = 3,
     return statistics.median(times)
 
 
+def graph_replay_us(graph: "torch.cuda.CUDAGraph", replays: int, warmup: int = 3, repeats: int = 1) -> float:
+    """Device microseconds per replay of a captured CUDA graph: CUDA events around `replays` back-to-back replays
+    after `warmup` untimed ones (no host time between them), the median of `repeats` such timings."""
+    timings = []
+    for _ in range(repeats):
+        for _ in range(warmup):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        timings.append(1e3 * start.elapsed_time(end) / replays)
+    return statistics.median(timings)
+
+
 def measure_copy_bandwidth(device: torch.device, num_bytes: int | None = None) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read plus bytes written. The buffer is
     far larger than the caches (1 GiB on the GPU) and holds random data, never zeros."""

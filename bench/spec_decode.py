@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
+from bench.common import device_slug, graph_replay_us, print_table, run_metadata, write_json  # noqa: E402
 from bench.spec_workloads import NGRAM, SUFFIX, grounded_chats, run_compare  # noqa: E402,F401
 
 LOAD_ORDER = ("off", "on", "on", "off", "off", "on")   # each mode early and late
@@ -384,16 +384,7 @@ def run_graph_replays(args) -> dict:
     runner.seq_lens[:64] = 400
     result = {}
     for rows in (1, 2, 4, 8, 16, 32, 48, 64):
-        graph = runner.graphs[rows]
-        for _ in range(20):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(200):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        result[str(rows)] = 1e3 * start.elapsed_time(end) / 200
+        result[str(rows)] = graph_replay_us(runner.graphs[rows], 200, warmup=20)
     runner.seq_lens.zero_()
     for key, timings in tuning.measured.items():   # the fastest three candidates of each shape, us
         if key[0] == "dense_gemv":

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import device_slug, run_metadata, write_json  # noqa: E402
+from bench.common import device_slug, graph_replay_us, run_metadata, write_json  # noqa: E402
 from bench.kernels.pdl_bench import recapture_graphs  # noqa: E402
 
 CONTEXT = 300
@@ -65,19 +65,7 @@ def graph_us(llm, rows: int, replays: int) -> float:
     runner.block_tables[:rows, :blocks] = torch.arange(rows * blocks, device=runner.block_tables.device,
                                                         dtype=runner.block_tables.dtype).view(rows, blocks)
     runner.slot_mapping[:rows] = -1
-    graph = runner.graphs[rows]
-    timings = []
-    for _ in range(3):
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        timings.append(1e3 * start.elapsed_time(end) / replays)
-    return statistics.median(timings)
+    return graph_replay_us(runner.graphs[rows], replays, repeats=3)
 
 
 def main(argv=None) -> dict:

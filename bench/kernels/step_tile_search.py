@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import device_slug, run_metadata, write_json  # noqa: E402
+from bench.common import device_slug, graph_replay_us, run_metadata, write_json  # noqa: E402
 from bench.kernels.pdl_bench import recapture_graphs  # noqa: E402
 from bench.quant_bench import SINGLE, engine_options  # noqa: E402
 from bench.throughput import random_prompts, timed_generate, warm_up  # noqa: E402
@@ -68,16 +68,7 @@ def as_choice(key, tile):
 
 def replay_us(llm, replays: int) -> float:
     """Device microseconds per replay of the batch-1 decode graph (its inputs as the last step left them)."""
-    graph = llm.llm_engine.runner.graph_runner.graphs[1]
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / replays
+    return graph_replay_us(llm.llm_engine.runner.graph_runner.graphs[1], replays)
 
 
 def step_gap(llm, vocab: int, out: Path, device: torch.device) -> dict:

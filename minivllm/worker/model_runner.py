@@ -94,7 +94,8 @@ class ModelRunner:
             self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
             max(max_num_batched_tokens, config.max_num_seqs), self.dtype, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.proposer = self._load_proposer(SpeculativeConfig.from_dict(config.speculative_config))
+        self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+        self.proposer = self._load_proposer(self.spec_config)
         # A separate draft model's attention layers come after the target's: block i of the pool holds
         # KV in both.
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -175,12 +176,12 @@ class ModelRunner:
             return
         started = time.perf_counter()
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
-        spec = SpeculativeConfig.from_dict(self.config.speculative_config)
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, max_blocks, max_model_len,
                                             self.hf_config.hidden_size, self.dtype, self.device,
                                             min(self.config.cuda_graph_max_tokens, self.max_num_batched_tokens),
                                             self.model.compute_logits if get_tp_size() == 1 else None,
-                                            max_decode_rows(max_num_seqs, spec.num_speculative_tokens if spec else 0))
+                                            max_decode_rows(max_num_seqs, self.spec_config.num_speculative_tokens
+                                                            if self.spec_config else 0))
         self.graph_runner.capture()
         self.startup_seconds["cuda_graph_capture"] = time.perf_counter() - started
         logger.info("CUDA graph capture took %.1f s", self.startup_seconds["cuda_graph_capture"])
