@@ -55,7 +55,6 @@ def replay(proposer, records: list[tuple[list[int], list[int]]], k: int) -> dict
             position += hits + 1
         if hasattr(proposer, "add_output"):
             proposer.add_output(output)
-            proposer.work(float("inf"))
     generated = sum(len(output) - 1 for _, output in records)
     return {"steps": steps, "verify_steps": verifies, "tokens_per_step": generated / max(steps, 1),
             "tokens_per_verify": 1 + accepted / max(verifies, 1), "acceptance": accepted / max(drafted, 1),

@@ -4,13 +4,15 @@ part of bench/spec_decode.py: speculation on against off per workload and batch 
   grounded    summarise or rewrite a passage of the language reference (`pydoc_data.topics`), or add a
               docstring and type hints to a standard-library function: the answer copies its input.
   open        open-ended chat (a story, an explanation, a list of ideas), written here: nothing to copy.
-  repetitive  the same task issued again and again with small variations, as an agent issues it: review
-              successive revisions of a standard-library function (the original, then a comment added in
-              its body, then its first parameter renamed, then both), four functions in turn. A revision's
-              review shares its phrasing and the quoted code with the reviews of the earlier revisions, not
-              only with its own prompt, so a proposer that sees other requests' outputs (suffix decoding) can
-              draft what a lookup in the request's own tokens (n-gram) cannot. (A JSON tool-definition task
-              does not serve: SmolLM2-135M does not follow it, and its answers share little.)
+  repetitive  the same task issued again and again with small variations, as an agent issues it: write user
+              documentation for successive revisions of a standard-library function (eight: each combination
+              of a comment added at the top of its body, its first parameter renamed and a note appended),
+              two functions in turn. The documentation of a revision repeats most of the text written for the
+              earlier revisions, which is in other requests' outputs, not in its own prompt: a proposer that
+              sees other requests' outputs (suffix decoding) drafts it, a lookup in the request's own tokens
+              (n-gram) cannot. (A review task does not serve: reviews quote the code, which n-gram with 15
+              drafts copies as far as suffix decoding does. A JSON tool-definition task does not either:
+              SmolLM2-135M does not follow it, and its answers share little.)
 """
 from __future__ import annotations
 
@@ -91,30 +93,38 @@ def open_chats(count: int) -> list[tuple[str, list[dict]]]:
 
 
 REVISION_COMMENT = "# Callers rely on this behaviour; keep it stable."
+REVISION_NOTE = "# Reviewed."
+DOCUMENT = ("Write user documentation for this function: what it is for, its parameters, what it returns, "
+            "and an example.")
 
 
 def revisions(function) -> list[str]:
-    """Four revisions of `function`'s source: as written, with a comment added at the top of its body, with
-    its first parameter renamed, and with both."""
+    """Eight revisions of `function`'s source: as written, and with each combination of a comment added at the
+    top of its body, its first parameter renamed and a note appended after it."""
     code = textwrap.dedent(inspect.getsource(function))[:1200]
-    lines = code.split("\n")
+    lines = code.rstrip("\n").split("\n")
     body = next(i for i, line in enumerate(lines) if line.rstrip().endswith(":")) + 1   # after the signature
     indent = re.match(r"\s*", lines[body]).group(0) if body < len(lines) else "    "
-    commented = "\n".join(lines[:body] + [indent + REVISION_COMMENT] + lines[body:])
     first = next(iter(inspect.signature(function).parameters), None)
-    rename = (lambda text: re.sub(rf"\b{first}\b", first + "_value", text)) if first else (lambda text: text)
-    return [code, commented, rename(code), rename(commented)]
+    found = []
+    for edits in range(8):
+        text = "\n".join(lines[:body] + [indent + REVISION_COMMENT] + lines[body:] if edits & 1 else lines)
+        if edits & 2 and first:
+            text = re.sub(rf"\b{first}\b", first + "_value", text)
+        if edits & 4:
+            text += "\n" + REVISION_NOTE
+        found.append(text + "\n")
+    return found
 
 
 def repetitive_chats(count: int) -> list[tuple[str, list[dict]]]:
-    """A review of each revision of one function after another (`count` prompts, 4 per function)."""
+    """Documentation of each revision of one function after another (`count` prompts, 8 per function)."""
     chats = []
     for function in _functions():
         for code in revisions(function):
             if len(chats) == count:
                 return chats
-            content = f"Review this function: list its problems and suggest improvements.\n\n{code}"
-            chats.append(("repetitive", [{"role": "user", "content": content}]))
+            chats.append(("repetitive", [{"role": "user", "content": f"{DOCUMENT}\n\n{code}"}]))
     return chats
 
 
@@ -132,7 +142,6 @@ def run_compare(args) -> dict:
     from minivllm import LLM, SamplingParams
     from minivllm.spec_decode.config import SpeculativeConfig
     from minivllm.spec_decode.controller import SpeculationController
-    from minivllm.spec_decode.suffix import SuffixCache
 
     largest = max(batch for _, _, batch, _ in args.compare_cases)
     llm = LLM(seed=0, max_model_len=args.real_max_model_len, max_num_seqs=largest, speculative_config=NGRAM,
@@ -158,8 +167,7 @@ def run_compare(args) -> dict:
             if controller is not None:
                 controller.reset_stats()
                 if controller.suffix is not None:
-                    cache = controller.suffix.cache
-                    controller.suffix.cache = SuffixCache(cache.max_depth, cache.max_cached_requests)
+                    controller.suffix.cache.clear()
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             started = time.perf_counter()
             outputs = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]

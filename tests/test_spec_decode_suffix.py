@@ -11,7 +11,8 @@ from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import SpeculationController
 from minivllm.spec_decode.ngram import NgramProposer, token_history
-from minivllm.spec_decode.suffix import MAX_OCCURRENCES, SuffixCache, SuffixProposer
+from minivllm.spec_decode.suffix import (MAX_CANDIDATES, MAX_OCCURRENCES, SuffixCache, SuffixProposer,
+                                         greedy_continuation)
 from tests.test_spec_decode import _decoding_batch
 
 DEPTH, FACTOR, MIN_PROB = 6, 1.0, 0.2
@@ -23,19 +24,39 @@ def _occurrences(corpus, pattern):
     return [(s, p) for s in reversed(corpus) for p in range(len(s) - m - 1, -1, -1) if s[p:p + m] == pattern]
 
 
-def _brute_force(corpus, context, k, max_occurrences=None, cache=False):
-    """The longest suffix of `context` seen followed by a token, and for each draft position the counts of
-    the next tokens among the occurrences that agree with the draft so far. Returns (match length, limit,
-    occurrences). The cache's paths are DEPTH tokens deep: its match leaves room for k drafts below it."""
+def _brute_force(corpus, context, k, max_occurrences=None):
+    """The longest suffix of `context` (at most DEPTH - 1 tokens) seen followed by a token, and for each draft
+    position the counts of the next tokens among the occurrences that agree with the draft so far. Returns
+    (match length, limit, continuations)."""
     length = 0
-    for m in range(1, min(DEPTH - k if cache else DEPTH - 1, len(context)) + 1):
+    for m in range(1, min(DEPTH - 1, len(context)) + 1):
         if _occurrences(corpus, context[len(context) - m:]):
             length = m
     if not length:
         return 0, 0, []
     occurrences = _occurrences(corpus, context[len(context) - length:])[:max_occurrences]
-    limit = min(k, max(1, int(FACTOR * length)), DEPTH - length if cache else k)
+    limit = min(k, max(1, int(FACTOR * length)))
     return length, limit, [s[p + length:][:limit] for s, p in occurrences]
+
+
+def _brute_force_cache(outputs, context, k, key_len):
+    """The cache's answer by a scan of the outputs: of the latest MAX_CANDIDATES positions that follow the
+    context's last `key_len` tokens (and precede a token), those matching the most tokens back (at most
+    DEPTH - 1) vote. Returns (match length, limit, continuations), latest first."""
+    if len(context) < key_len:
+        return 0, 0, []
+    key = context[len(context) - key_len:]
+    candidates = [(out, p) for out in reversed(outputs) for p in range(len(out) - 1, key_len - 1, -1)
+                  if out[p - key_len:p] == key][:MAX_CANDIDATES]
+    if not candidates:
+        return 0, 0, []
+
+    def matched(out, p):
+        return max(m for m in range(key_len, min(DEPTH - 1, len(context), p) + 1)
+                   if out[p - m:p] == context[len(context) - m:])
+    length = max(matched(out, p) for out, p in candidates)
+    limit = min(k, max(1, int(FACTOR * length)))
+    return length, limit, [out[p:p + limit] for out, p in candidates if matched(out, p) == length]
 
 
 def _check_greedy(draft, score, continuations, limit, tie_to_latest):
@@ -72,31 +93,36 @@ def test_suffix_proposals_match_a_brute_force_search():
         length, limit, continuations = _brute_force([history], history, k, MAX_OCCURRENCES)
         _check_greedy(own, score, continuations, limit, tie_to_latest=True)
     outputs = [rng.choice(np.arange(4), rng.integers(2, 30)).tolist() for _ in range(40)]
-    cache = SuffixCache(DEPTH, max_cached_requests=40)
-    for output in outputs:
-        cache.add(output)
-    assert cache.work(float("inf")) is False
-    for _ in range(500):
-        context, k = rng.choice(np.arange(4), rng.integers(1, 12)).tolist(), int(rng.integers(1, DEPTH))
-        node, length = cache.match(context[-(DEPTH - k):])
-        draft, score = cache.draft(node, min(k, max(1, int(FACTOR * length)), DEPTH - length), MIN_PROB)
-        expected_length, limit, continuations = _brute_force(outputs, context, k, cache=True)
-        assert length == expected_length
-        if length:
-            _check_greedy(draft, score, continuations, limit, tie_to_latest=False)
+    for key_len in (1, 3):
+        cache = SuffixCache(DEPTH, max_cached_requests=40, key_len=key_len)
+        for output in outputs:
+            cache.add(output)
+        cached = [o for o in outputs if len(o) > key_len]
+        for _ in range(500):
+            context, k = rng.choice(np.arange(4), rng.integers(1, 12)).tolist(), int(rng.integers(1, DEPTH))
+            draft, score, length = cache.propose(token_history(context),
+                                                 lambda m, k=k: min(k, max(1, int(FACTOR * m))), MIN_PROB)
+            expected_length, limit, continuations = _brute_force_cache(cached, context, k, key_len)
+            assert length == expected_length
+            if length:
+                _check_greedy(draft, score, continuations, limit, tie_to_latest=True)
+            else:
+                assert draft == []
     # The proposer takes the draft with the larger score (its own history on a tie), the cache's only after a
-    # match of at least `min_cache_match` tokens.
-    proposer.cache = cache
+    # match of at least `min_cache_match` tokens (the cache's key).
     used_cache = {1: 0, 3: 0}
     for min_cache_match in used_cache:
-        proposer.min_cache_match = min_cache_match
+        proposer = SuffixProposer(DEPTH, max_cached_requests=40, max_spec_factor=FACTOR, min_token_prob=MIN_PROB,
+                                  min_cache_match=min_cache_match)
+        for output in outputs:
+            proposer.add_output(output)
+        cached = [o for o in outputs if len(o) > min_cache_match]
         for _ in range(200):
             history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, DEPTH))
             own, own_score = proposer.propose_own(token_history(history), k)
-            length, limit, continuations = _brute_force(outputs, history, k, cache=True)
-            node, _ = cache.match(history[-(DEPTH - k):])
-            other, other_score = cache.draft(node, limit, MIN_PROB) if length >= min_cache_match else ([], 0.0)
-            expected = other if other_score > own_score else own
+            length, limit, continuations = _brute_force_cache(cached, history, k, min_cache_match)
+            other, other_score = greedy_continuation(continuations, limit, MIN_PROB) if length else ([], 0.0)
+            expected = other if other_score > own_score and other else own
             used_cache[min_cache_match] += expected is other and bool(other)
             assert proposer.propose(history, k) == expected
     assert all(used_cache.values())   # both settings took some drafts from the cache
@@ -104,50 +130,44 @@ def test_suffix_proposals_match_a_brute_force_search():
 
 def test_a_copied_passage_longer_than_the_depth_still_drafts_k_tokens():
     """A sequence that copies its prompt keeps matching DEPTH - 1 tokens of it: its own history still drafts k
-    (a match is bounded by the depth, the draft is not), and so does the cache, matching fewer tokens."""
+    (a match is bounded by the depth, the draft is not), and so does the cache."""
     passage = list(range(100, 140))
     suffix = SuffixProposer(DEPTH, max_cached_requests=4, max_spec_factor=FACTOR, min_token_prob=MIN_PROB)
     for copied in range(DEPTH, 30):
         assert suffix.propose(passage + passage[:copied], 5) == passage[copied:copied + 5]
     suffix.add_output(passage)
-    suffix.work(float("inf"))
-    for copied in range(DEPTH, 30):   # the cache's match leaves room for the drafts in its DEPTH-deep paths
-        node, length = suffix.cache.match(passage[:copied][-(DEPTH - 5):])
-        assert length == DEPTH - 5
-        assert suffix.cache.draft(node, 5, MIN_PROB)[0] == passage[copied:copied + 5]
+    for copied in range(DEPTH, 30):
+        draft, _, length = suffix.cache.propose(token_history(passage[:copied]), lambda m: 5, MIN_PROB)
+        assert length == DEPTH - 1 and draft == passage[copied:copied + 5]
 
 
 def test_the_cache_keeps_the_latest_outputs_and_frees_the_rest():
-    """Bounded memory: with room for 5 outputs, inserted in small time slices, the cache holds the nodes of
-    and answers as one built from the last 5 alone; with room for none it stays a root, and a lowered bound
-    applies at the next insert."""
+    """Bounded memory: with room for 5 outputs, the cache indexes and answers as one built from the last 5
+    alone, and its token array stays within twice theirs; with room for none it holds nothing, and a
+    lowered bound applies at the next insert."""
     rng = np.random.default_rng(1)
     outputs = [rng.choice(np.arange(5), 25).tolist() for _ in range(12)]
     bounded, fresh = SuffixCache(DEPTH, max_cached_requests=5), SuffixCache(DEPTH, max_cached_requests=5)
     for i, output in enumerate(outputs):
         bounded.add(output)
-        while bounded.work(1e-5):   # in small slices, as after each launched step
-            pass
         if i >= 7:
             fresh.add(output)
-    fresh.work(float("inf"))
-    assert bounded.num_cached == 5 and bounded.num_nodes == fresh.num_nodes
+        assert len(bounded._tokens) <= 2 * 26 * bounded.num_cached   # 25 tokens and a separator each
+    assert bounded.num_cached == 5 and bounded.num_indexed == fresh.num_indexed == 5 * (25 - 3)
     for _ in range(300):
-        context = rng.choice(np.arange(5), rng.integers(1, 8)).tolist()
-        (node_a, len_a), (node_b, len_b) = bounded.match(context), fresh.match(context)
-        assert len_a == len_b
-        assert bounded.draft(node_a, 4, MIN_PROB)[1] == pytest.approx(fresh.draft(node_b, 4, MIN_PROB)[1])
+        context = token_history(rng.choice(np.arange(5), rng.integers(1, 8)).tolist())
+        assert bounded.propose(context, lambda m: 4, MIN_PROB) == fresh.propose(context, lambda m: 4, MIN_PROB)
     empty = SuffixCache(DEPTH, max_cached_requests=0)
     empty.add(outputs[0])
-    empty.work(float("inf"))
-    assert empty.num_nodes == 1 and empty.num_cached == 0
+    assert empty.num_indexed == 0 and empty.num_cached == 0
     bounded.max_cached_requests = 1   # a smaller bound applies at the next insert
     bounded.add(outputs[0])
-    bounded.work(float("inf"))
     alone = SuffixCache(DEPTH, max_cached_requests=1)
     alone.add(outputs[0])
-    alone.work(float("inf"))
-    assert bounded.num_cached == 1 and bounded.num_nodes == alone.num_nodes
+    assert bounded.num_cached == 1 and bounded.num_indexed == alone.num_indexed
+    assert bounded.propose(token_history(outputs[0][:6]), lambda m: 4, MIN_PROB)[0] == outputs[0][6:10]
+    bounded.clear()
+    assert bounded.num_cached == bounded.num_indexed == 0
 
 
 def test_proposals_behind_a_token_in_flight_skip_it_without_losing_drafts():
@@ -176,9 +196,6 @@ def test_suffix_config_and_cache_of_other_requests_outputs():
     controller = SpeculationController(config, max_model_len=1024)
     answer = list(range(40, 60))
     controller.forget(7, [30, 31] + answer)          # another request's output
-    controller.work_after_launch()
-    while controller.suffix.cache.has_work:
-        controller.work_after_launch()
     seq = SequenceGroup("r", None, [1, 2, 40, 41], SamplingParams(max_tokens=100)).seqs[0]
     seq.append_token(42)
     seq.num_computed_tokens = 4

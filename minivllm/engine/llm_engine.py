@@ -282,7 +282,6 @@ class LLMEngine:
             if self.spec is not None:
                 if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                     self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
-                self.spec.work_after_launch()   # the device is busy: the suffix cache's inserts wait for nothing
         outputs = [self._make_output(group) for group in synced]
         if self._in_flight is not None:
             outputs += self._complete_in_flight()

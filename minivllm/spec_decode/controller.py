@@ -66,8 +66,6 @@ SURE_MARGIN, SURE_STEPS = 1.25, 3
 # Draft positions priced one by one up to this many per estimate, then in evenly spaced groups (at 256
 # sequences x 7 drafts, pricing each would cost the host milliseconds).
 MAX_PRICED_PREFIXES = 64
-# Host time per step for the suffix cache's inserts, spent after the step is launched (the device runs).
-SUFFIX_WORK_SECONDS = 1e-4
 
 
 def _decodes(seq: Sequence) -> bool:
@@ -340,8 +338,3 @@ class SpeculationController:
         self._seq_counts.pop(seq_id, None)
         self._histories.pop(seq_id, None)
         self.chaining.forget(seq_id)
-
-    def work_after_launch(self) -> None:
-        """Host work that waits for a launched step: the suffix cache's inserts, a slice per step."""
-        if self.suffix is not None and self.suffix.cache.has_work:
-            self.suffix.work(SUFFIX_WORK_SECONDS)

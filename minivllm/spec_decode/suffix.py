@@ -2,30 +2,27 @@
 prompt + output and from a bounded cache of other requests' recent outputs, as long as their frequency
 says the continuation is likely.
 
-A draft starts at the longest suffix of the sequence that was seen before followed by some token, then
-follows the most frequent continuation while the product of the continuation frequencies (the chance that
-the whole draft so far is right) stays at least `min_token_prob`, for at most `max_spec_factor` x the
-match length tokens (a long match predicts far). The own history and the cache each propose a draft (the
-cache only after a match of at least `min_cache_match` tokens); the one with the larger score (the sum of
-those products: the expected number of accepted tokens) wins, the own history on a tie. A match in the own
-history is at most `max_depth` - 1 tokens and its draft is not bounded by the depth: a sequence that copies a
-passage keeps matching `max_depth` - 1 tokens and must still draft k. The cache's paths are `max_depth` tokens
-deep, so its match leaves room for the draft (at most `max_depth` - k tokens, less the stand-ins).
+A draft starts at the longest suffix of the sequence (at most `max_depth` - 1 tokens) that was seen before
+followed by some token, then follows the most frequent continuation among that suffix's latest occurrences
+while the product of the continuation frequencies (the chance that the whole draft so far is right) stays at
+least `min_token_prob`, for at most `max_spec_factor` x the match length tokens (a long match predicts far).
+The own history and the cache each propose a draft (the cache only after a match of at least
+`min_cache_match` tokens); the one with the larger score (the sum of those products: the expected number of
+accepted tokens) wins, the own history on a tie. A sequence that copies a passage keeps matching
+`max_depth` - 1 tokens and still drafts k: the depth bounds the match, not the draft.
 
 - The own history is the controller's int32 `array` of the sequence, searched like the n-gram proposer's
   with `bytes.rfind` (the longest match by bisection, then its `MAX_OCCURRENCES` latest occurrences):
   nothing is kept up to date per token, so a sequence that does not speculate costs nothing.
-- `SuffixCache` is a trie of every substring of up to `max_depth` tokens of the last `max_cached_requests`
-  outputs: per node the occurrences of its string, how many of them a further token follows, and its
-  most frequent child, so a lookup costs a walk of dict lookups whatever the cache holds. An output costs
-  `max_depth` node visits per token to insert, so finished outputs queue and `work` inserts them in slices
-  of time after a step is launched; once the cache is full the oldest output is removed the same way. A
-  node is an index into flat lists of ints and a dict of int to int (which the garbage collector does not
-  track), not an object: millions of nodes add nothing to a collection's walk.
+- `SuffixCache` holds the last `max_cached_requests` outputs end to end in one int32 array and indexes
+  every position by the `key_len` tokens before it. A lookup takes the latest `MAX_CANDIDATES` positions
+  that follow the sequence's last `key_len` tokens, measures how far back each matches, and votes among
+  the longest as the own history does. Inserting an output costs one dict append per token (a trie of every
+  substring cost `max_depth` node updates per token: about 4 ms of host time per 256-token output, which at
+  batch 1 on a small model lands on the critical path), so outputs go in whole when their request finishes.
 """
 from __future__ import annotations
 
-import time
 from array import array
 from collections import deque
 
@@ -34,7 +31,10 @@ from minivllm.spec_decode.ngram import ITEM, token_history
 # Latest occurrences of the match in a sequence's own history that vote on a draft; each costs the host a
 # search, and the latest few carry the continuation (the lookup's cost: `us_per_proposal` in spec_replay's file).
 MAX_OCCURRENCES = 8
-ROOT = 0
+# Latest cache positions after the sequence's last `key_len` tokens whose match is measured (each costs a few
+# slice comparisons); the voters are those of them with the longest match.
+MAX_CANDIDATES = 16
+SEPARATOR = -1   # after each cached output: no token id equals it, so matches and drafts stop there
 
 
 def greedy_continuation(continuations: list, limit: int, min_token_prob: float) -> tuple[list[int], float]:
@@ -66,136 +66,96 @@ def greedy_continuation(continuations: list, limit: int, min_token_prob: float) 
 
 
 class SuffixCache:
-    """Substring counts of recent outputs, bounded by `max_cached_requests` outputs of `max_depth`-deep paths."""
+    """Recent outputs of other requests, bounded by `max_cached_requests`, indexed by `key_len`-token strings."""
 
-    def __init__(self, max_depth: int, max_cached_requests: int) -> None:
-        self.max_depth, self.max_cached_requests = max_depth, max_cached_requests
-        self._occurrences = [0]        # node -> occurrences of its string (at most max_depth tokens deep)
-        self._followed = [0]           # node -> those followed by a token within the depth (sum over children)
-        self._best = [-1]              # node -> its child with the most occurrences
-        self._token = [-1]             # node -> the token on the edge into it
-        self._children: list[dict | None] = [None]   # node -> {token: child}
-        self._free: list[int] = []
-        self._cached: deque[array] = deque()          # outputs in the trie, oldest first
-        self._ops: deque[list] = deque()              # [tokens, next start position, +1 insert / -1 remove]
+    def __init__(self, max_depth: int, max_cached_requests: int, key_len: int = 3) -> None:
+        self.max_depth, self.max_cached_requests, self.key_len = max_depth, max_cached_requests, key_len
+        self.clear()
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self._token) - len(self._free)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._ops)
+    def clear(self) -> None:
+        self._tokens = array("i")   # cached outputs, each followed by SEPARATOR; _tokens[0] is position _base
+        self._base = 0
+        self._outputs: deque[tuple[int, int]] = deque()   # (start, end) positions of each output, oldest first
+        self._index: dict[bytes, list[int]] = {}          # key -> positions after its occurrences, ascending
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._outputs)
+
+    @property
+    def num_indexed(self) -> int:
+        """Positions in the index (one per cached token after each output's first `key_len`)."""
+        return sum(map(len, self._index.values()))
+
+    def _keys(self, start: int, end: int) -> list[bytes]:
+        """The key before each position from start + key_len to end - 1 (those followed by a token)."""
+        data, key = self._tokens[start - self._base:end - self._base].tobytes(), ITEM * self.key_len
+        return [data[at - key:at] for at in range(key, len(data), ITEM)]
 
     def add(self, tokens) -> None:
-        """Queue an output for insertion (`work` inserts it); beyond the cache's size the oldest queued
-        one is dropped, so the queue stays bounded when outputs arrive faster than `work` runs."""
-        if len(tokens) < 2:
+        """Cache an output; beyond `max_cached_requests` the oldest ones go."""
+        if len(tokens) <= self.key_len or self.max_cached_requests <= 0:
             return
-        self._ops.append([token_history(tokens), 0, 1])
-        queued = [op for op in self._ops if op[2] > 0 and op[1] == 0]
-        if len(queued) > self.max_cached_requests:
-            self._ops.remove(queued[0])
-
-    def work(self, seconds: float) -> bool:
-        """Insert and remove queued outputs for about `seconds` of host time; returns whether work is left."""
-        deadline = time.perf_counter() + seconds
-        while self._ops:
-            op = self._ops[0]
-            tokens, sign = op[0], op[2]
-            n = len(tokens)
-            while op[1] < n:
-                self._update_suffix(tokens, op[1], sign)
-                op[1] += 1
-                if op[1] % 4 == 0 and time.perf_counter() > deadline:
-                    return True
-            self._ops.popleft()
-            if sign > 0:
-                self._cached.append(tokens)
-                while len(self._cached) > self.max_cached_requests:   # removed before the next insert
-                    self._ops.appendleft([self._cached.popleft(), 0, -1])
-        return False
-
-    def _new_node(self, token: int) -> int:
-        if self._free:
-            node = self._free.pop()
-            self._occurrences[node] = self._followed[node] = 0
-            self._best[node], self._token[node], self._children[node] = -1, token, None
-            return node
-        self._occurrences.append(0)
-        self._followed.append(0)
-        self._best.append(-1)
-        self._token.append(token)
-        self._children.append(None)
-        return len(self._token) - 1
-
-    def _update_suffix(self, tokens, start: int, sign: int) -> None:
-        """Add (sign 1) or remove (-1) the path of tokens[start : start + max_depth]."""
-        occurrences, followed, best, children_of = self._occurrences, self._followed, self._best, self._children
-        node, path = ROOT, []
-        for token in tokens[start:start + self.max_depth]:
-            children = children_of[node]
-            if children is None:
-                children = children_of[node] = {}
-            child = children.get(token)
-            if child is None:   # (only when inserting)
-                child = children[token] = self._new_node(token)
-            followed[node] += sign
-            occurrences[child] += sign
-            if sign > 0:
-                if best[node] < 0 or occurrences[child] >= occurrences[best[node]]:
-                    best[node] = child
+        start = self._base + len(self._tokens)
+        self._tokens.extend(token_history(tokens))
+        self._tokens.append(SEPARATOR)
+        end = start + len(tokens)
+        self._outputs.append((start, end))
+        index = self._index
+        for position, key in enumerate(self._keys(start, end), start + self.key_len):
+            positions = index.get(key)
+            if positions is None:
+                index[key] = [position]
             else:
-                path.append((node, child))
-            node = child
-        for parent, child in reversed(path):   # deepest first: a string that no longer occurs goes
-            if occurrences[child] == 0:
-                del children_of[parent][self._token[child]]
-                self._free.append(child)
-            if best[parent] == child:
-                children = children_of[parent]
-                best[parent] = max(children.values(), key=occurrences.__getitem__) if children else -1
+                positions.append(position)
+        while len(self._outputs) > self.max_cached_requests:
+            self._evict()
 
-    def _walk(self, pattern) -> int:
-        node = ROOT
-        for token in pattern:
-            children = self._children[node]
-            node = children.get(token, -1) if children is not None else -1
-            if node < 0:
-                return -1
-        return node
+    def _evict(self) -> None:
+        """Drop the oldest output: its positions are the first of each of its keys' lists."""
+        start, end = self._outputs.popleft()
+        index = self._index
+        for key in self._keys(start, end):
+            positions = index[key]
+            del positions[0]
+            if not positions:
+                del index[key]
+        dead = self._outputs[0][0] - self._base if self._outputs else len(self._tokens)
+        if 2 * dead > len(self._tokens):   # keep the array at most twice what is cached
+            del self._tokens[:dead]
+            self._base += dead
 
-    def match(self, history) -> tuple[int, int]:
-        """The node of the longest suffix of `history` (at most max_depth - 1 tokens) that the cache has
-        seen followed by a token, and its length; (ROOT, 0) when none. Bisection: a suffix of such a
-        string is such a string too."""
-        low, high, found = 0, min(self.max_depth - 1, len(history)), ROOT
+    def propose(self, history: array, limit_of, min_token_prob: float) -> tuple[list[int], float, int]:
+        """The draft continuing `history` from the cache, its score and the match length; `limit_of(match
+        length)` gives the continuation tokens to follow."""
         n = len(history)
-        while low < high:
-            mid = (low + high + 1) // 2
-            node = self._walk(history[n - mid:])
-            if node >= 0 and self._followed[node]:
-                low, found = mid, node
-            else:
-                high = mid - 1
-        return found, low
-
-    def draft(self, node: int, limit: int, min_token_prob: float) -> tuple[list[int], float]:
-        """The most frequent path below `node`, as `greedy_continuation` takes it."""
-        draft, prob, score = [], 1.0, 0.0
-        while len(draft) < limit and self._followed[node]:
-            child = self._best[node]
-            prob *= self._occurrences[child] / self._followed[node]
-            if prob < min_token_prob:
-                break
-            draft.append(self._token[child])
-            score += prob
-            node = child
-        return draft, score
+        if n < self.key_len:
+            return [], 0.0, 0
+        key = history[n - self.key_len:].tobytes()
+        positions = self._index.get(key)
+        if positions is None:
+            return [], 0.0, 0
+        tokens, base, longest = self._tokens, self._base, min(self.max_depth - 1, n)
+        best, matched = self.key_len, []
+        for position in positions[-MAX_CANDIDATES:][::-1]:   # latest first
+            at = position - base
+            if at < best or tokens[at - best:at] != history[n - best:]:
+                continue   # matches less than the longest so far
+            grown = best
+            while grown < longest and at > grown and tokens[at - grown - 1] == history[n - grown - 1]:
+                grown += 1   # (a SEPARATOR never equals a token: a match stays inside one output)
+            if grown > best:
+                best, matched = grown, []
+            matched.append(at)
+        limit = limit_of(best)
+        continuations = []
+        for at in matched:
+            continuation = tokens[at:at + limit]
+            if SEPARATOR in continuation:
+                continuation = continuation[:continuation.index(SEPARATOR)]
+            continuations.append(continuation)
+        draft, score = greedy_continuation(continuations, limit, min_token_prob)
+        return draft, score, best
 
 
 class SuffixProposer:
@@ -205,7 +165,7 @@ class SuffixProposer:
                  min_token_prob: float = 0.3, min_cache_match: int = 3) -> None:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
         self.min_cache_match = min_cache_match
-        self.cache = SuffixCache(max_depth, max_cached_requests)
+        self.cache = SuffixCache(max_depth, max_cached_requests, min_cache_match)
 
     def _limit(self, match_len: int, k: int, skip: int = 0) -> int:
         """Continuation tokens to follow: `skip` stand-ins, then at most `k` drafts, as many as the match
@@ -221,11 +181,9 @@ class SuffixProposer:
         own, own_score = self.propose_own(history, k, skip)
         if own_score >= k + skip:   # certain, and as long as any draft: the cache cannot score higher
             return own[skip:]
-        room = max(1, self.max_depth - k - skip)   # the longest match whose path leaves k + skip tokens below it
-        node, match_len = self.cache.match(history[max(0, len(history) - room):])
-        if match_len >= max(1, self.min_cache_match):
-            limit = min(self._limit(match_len, k, skip), self.max_depth - match_len)
-            other, score = self.cache.draft(node, limit, self.min_token_prob)
+        if self.cache.num_cached:   # (its key is `min_cache_match` tokens: a hit matches at least that)
+            other, score, _ = self.cache.propose(history, lambda length: self._limit(length, k, skip),
+                                                 self.min_token_prob)
             if score > own_score and len(other) > skip:
                 return other[skip:]
         return own[skip:]
@@ -262,6 +220,3 @@ class SuffixProposer:
 
     def add_output(self, output_token_ids) -> None:
         self.cache.add(output_token_ids)
-
-    def work(self, seconds: float) -> bool:
-        return self.cache.work(seconds)
