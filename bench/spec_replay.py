@@ -4,14 +4,15 @@
 At each position a proposer drafts from the prompt and the output so far (and, for suffix decoding, from
 the outputs of the requests before it, in the order a batch-1 run serves them); the drafts that agree with
 the recorded output are accepted and the replay moves past them and the token after them. Greedy outputs
-with speculation equal those without, so this is what a batch-1 run would verify, minus the drafts made
-behind a token still in flight. Reported per workload and proposer: steps, verify steps, tokens per step
+with speculation equal those without, so this is what a batch-1 run would verify (after a plain step the drafts
+are made behind the token in flight, as under async scheduling). Reported per workload and proposer: steps,
+verify steps, tokens per step
 (the speedup's ceiling when a verify step costs a plain one), tokens per verify step, acceptance and the
 host microseconds per lookup, for
 n-gram (the benchmark's configuration), a grid of suffix decoding's draft factor and probability floor, and
-suffix decoding's defaults under a draft cap of 7 (`suffix_k7`), with the cache drafting after a match of any
-length instead of three tokens or more (`suffix_cache_match1`) and without the cache of other requests' outputs
-(`suffix_own_only`).
+suffix decoding's defaults with the own history drafting after a match of one token instead of two or more
+(`suffix_own_match1`), with the cache drafting after a match of any length instead of three tokens or more
+(`suffix_cache_match1`) and without the cache of other requests' outputs (`suffix_own_only`).
 The result file is per device (`spec_replay_<device>.json`): the outputs, and so the replay, depend on
 the device's arithmetic.
 
@@ -32,21 +33,26 @@ from bench.spec_workloads import NGRAM, WORKLOADS  # noqa: E402
 from minivllm.spec_decode.ngram import token_history  # noqa: E402
 
 CASES = (("grounded", 9), ("open", 9), ("repetitive", 16))
-SUFFIX_GRID = [(factor, prob) for factor in (1.0, 2.0, 4.0) for prob in (0.3, 0.5, 0.7)]
+SUFFIX_GRID = [(factor, prob) for factor in (2.0, 4.0, 8.0) for prob in (0.5, 0.7)]
 
 
 def replay(proposer, records: list[tuple[list[int], list[int]]], k: int) -> dict:
     """Verify `proposer`'s drafts (up to `k`) against each record's output, one request after another; a
-    proposer with `add_output` gets each finished output, as the engine hands it to the suffix cache."""
+    proposer with `add_output` gets each finished output, as the engine hands it to the suffix cache. After a
+    plain step the proposer drafts behind the token in flight, as under async scheduling (the history without
+    the newest token, whose stand-in it skips); after a verify step, which the engine reads back first, from
+    the whole history."""
     steps = verifies = drafted = accepted = 0
     seconds = 0.0
     for prompt, output in records:
-        position = 1   # the first output token comes from the prompt's step
+        position, verified = 1, True   # the first output token comes from the prompt's step, read back
         while position < len(output):
-            history = token_history(prompt + output[:position])   # as the controller keeps it
+            behind = not verified and position >= 2
+            history = token_history(prompt + output[:position - behind])   # as the controller keeps it
             started = time.perf_counter()
-            drafts = proposer.propose(history, k)
+            drafts = proposer.propose(history, k, skip=1) if behind else proposer.propose(history, k)
             seconds += time.perf_counter() - started
+            verified = bool(drafts)
             hits = 0
             while hits < len(drafts) and position + hits < len(output) and drafts[hits] == output[position + hits]:
                 hits += 1
@@ -73,9 +79,10 @@ def proposers(quick: bool) -> dict:
     for factor, prob in SUFFIX_GRID[:2] if quick else SUFFIX_GRID:
         made[f"suffix_f{factor:g}_p{prob:g}"] = (lambda factor=factor, prob=prob: SuffixProposer(depth, cached, factor, prob),
                                                  default.num_speculative_tokens)
-    # The defaults under a draft cap of 7 (a verify step of 8 rows at batch 1): what the longer cap adds.
-    made["suffix_k7"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
-                                                default.suffix_decoding_min_token_prob), 7)
+    # The defaults with the own history drafting after a match of one token: what such matches add.
+    made["suffix_own_match1"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
+                                                        default.suffix_decoding_min_token_prob, min_own_match=1),
+                                 default.num_speculative_tokens)
     # The defaults with the cache drafting after a match of any length: what matches of one or two tokens add.
     made["suffix_cache_match1"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
                                                           default.suffix_decoding_min_token_prob, 1),

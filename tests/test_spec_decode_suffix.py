@@ -11,7 +11,7 @@ from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import SpeculationController
 from minivllm.spec_decode.ngram import NgramProposer, token_history
-from minivllm.spec_decode.suffix import (MAX_CANDIDATES, MAX_OCCURRENCES, SuffixCache, SuffixProposer,
+from minivllm.spec_decode.suffix import (MAX_CANDIDATES, MAX_OCCURRENCES, MIN_OWN_MATCH, SuffixCache, SuffixProposer,
                                          greedy_continuation)
 from tests.test_spec_decode import _decoding_batch
 
@@ -32,7 +32,7 @@ def _brute_force(corpus, context, k, max_occurrences=None):
     for m in range(1, min(DEPTH - 1, len(context)) + 1):
         if _occurrences(corpus, context[len(context) - m:]):
             length = m
-    if not length:
+    if length < MIN_OWN_MATCH:
         return 0, 0, []
     occurrences = _occurrences(corpus, context[len(context) - length:])[:max_occurrences]
     limit = min(k, max(1, int(FACTOR * length)))
@@ -174,9 +174,10 @@ def test_proposals_behind_a_token_in_flight_skip_it_without_losing_drafts():
     """Under async scheduling a sequence's newest token is still being sampled when it proposes: the
     continuation's first token stands for it, and the drafts after it are as many as the match earns."""
     suffix = SuffixProposer(DEPTH, max_cached_requests=0, max_spec_factor=FACTOR, min_token_prob=MIN_PROB)
-    history = [5, 7, 8, 9, 5]                       # "5" recurs once, followed by 7 8 9: a 1-token match
-    assert suffix.propose(history, 3) == [7]         # earns one draft ...
-    assert suffix.propose(history, 3, skip=1) == [8]  # ... after the stand-in for the token in flight too
+    history = [5, 6, 7, 8, 9, 5, 6]                   # "5 6" recurs once, followed by 7 8 9: a 2-token match
+    assert suffix.propose(history, 3) == [7, 8]       # earns two drafts ...
+    assert suffix.propose(history, 3, skip=1) == [8, 9]   # ... after the stand-in for the token in flight too
+    assert suffix.propose([5, 7, 8, 9, 5], 3) == []   # a 1-token match drafts nothing (MIN_OWN_MATCH)
     assert suffix.propose([1, 2, 3, 9, 1, 2, 3], 2, skip=1) == [1, 2]   # a 3-token match earns 2 (k)
     rng = np.random.default_rng(1)
     ngram = NgramProposer(1, 3)
@@ -200,8 +201,8 @@ def test_suffix_config_and_cache_of_other_requests_outputs():
     seq.append_token(42)
     seq.num_computed_tokens = 4
     assert controller.choose_k([seq]) == 15          # nothing measured: optimistic
-    # a 3-token match drafts 4 x 3 = 12 of the 17 tokens that followed it (the draft factor, under the cap of 15)
-    assert controller.propose([seq], 15) == 1 and seq.spec_token_ids == answer[3:15]
+    # a 3-token match earns 8 x 3 drafts (the draft factor): 15 (the cap) of the 17 tokens that followed it
+    assert controller.propose([seq], 15) == 1 and seq.spec_token_ids == answer[3:18]
 
 
 def test_only_sequences_whose_drafts_pay_for_their_verify_rows_speculate():

@@ -16,14 +16,14 @@ class _Oracle:
     def __init__(self, outputs: dict) -> None:
         self.outputs = outputs
 
-    def propose(self, history, k):
+    def propose(self, history, k, skip=0):
         prompt, output = self.outputs[history[0]]
-        done = len(history) - len(prompt)
+        done = len(history) - len(prompt) + skip
         return list(output[done:done + k])
 
 
 class _Wrong:
-    def propose(self, history, k):
+    def propose(self, history, k, skip=0):
         return [-1] * k
 
 
@@ -37,6 +37,22 @@ def test_replay_counts_steps_as_verification_would():
     wrong = replay(_Wrong(), records, 4)      # every draft rejected: one token a step, each step a verify step
     assert wrong["steps"] == wrong["verify_steps"] == 39 + 10
     assert wrong["tokens_per_step"] == 1.0 and wrong["acceptance"] == 0.0
+
+
+def test_drafts_after_a_plain_step_are_made_behind_the_token_in_flight():
+    """After a step with no drafts the proposer sees the history without the newest token and skips its
+    stand-in (as under async scheduling); after a verify step, the whole history."""
+    prompt, output = [7, 1, 2], list(range(100, 120))
+    calls = []
+
+    class EveryOther(_Oracle):
+        def propose(self, history, k, skip=0):
+            calls.append((len(history), skip))
+            return [] if len(calls) % 2 else super().propose(history, k, skip)
+
+    result = replay(EveryOther({7: (prompt, output)}), [(prompt, output)], 3)
+    assert calls[:3] == [(len(prompt) + 1, 0), (len(prompt) + 1, 1), (len(prompt) + 6, 0)]
+    assert result["acceptance"] == 1.0   # the skipped stand-in is the token the plain step produced
 
 
 @pytest.mark.long

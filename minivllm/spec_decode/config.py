@@ -12,9 +12,9 @@ with the real model, n-gram with up to 15 drafts beat 5 on grounded, open-ended 
 both machine starts measured; at batch 8 and 32 neither cap led on both (bench/results/spec_decode_h200.json,
 `ngram_k5` in each compare case).
 Suffix decoding's drafts also stop where their frequency says they are unlikely. Its draft factor and probability floor
-default to 4 and 0.7 (vLLM's: 1 and 0.1): long drafts only where the match is long and its continuations agree.
-Replayed over the real model's greedy outputs (bench/spec_replay.py, bench/results/spec_replay_cpu.json), the
-grid and the draft caps behind these defaults are in docs/speculative_decoding.md.
+default to 8 and 0.7 (vLLM's: 1 and 0.1): a match of two tokens may draft 15, and a draft stops where earlier
+continuations disagree. The grid behind these defaults, replayed over the real model's greedy outputs on an H200
+(bench/spec_replay.py), is in docs/speculative_decoding.md.
 
 `adaptive` (minivllm's own, default on) lets the engine pick k per step, down to 0, from measured
 acceptance and step cost; off, every eligible sequence speculates `num_speculative_tokens` each step.
@@ -37,7 +37,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     suffix_decoding_max_tree_depth: int = 24           # longest match + draft, in tokens
     suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
-    suffix_decoding_max_spec_factor: float = 4.0       # drafts per token of match
+    suffix_decoding_max_spec_factor: float = 8.0       # drafts per token of match
     suffix_decoding_min_token_prob: float = 0.7        # stop when the draft's estimated chance falls below
     suffix_decoding_min_cache_match: int = 3           # shortest match in other requests' outputs that drafts
 

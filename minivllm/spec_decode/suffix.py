@@ -31,6 +31,9 @@ from minivllm.spec_decode.ngram import ITEM, token_history
 # Latest occurrences of the match in a sequence's own history that vote on a draft; each costs the host a
 # search, and the latest few carry the continuation (the lookup's cost: `us_per_proposal` in spec_replay's file).
 MAX_OCCURRENCES = 8
+# Shortest match in the own history that drafts (as n-gram's `prompt_lookup_min`): after a one-token match the
+# draft is rarely right, and each verify step costs more than a plain one (`suffix_own_match1` in spec_replay's file).
+MIN_OWN_MATCH = 2
 # Latest cache positions after the sequence's last `key_len` tokens whose match is measured (each costs a few
 # slice comparisons); the voters are those of them with the longest match.
 MAX_CANDIDATES = 16
@@ -162,9 +165,9 @@ class SuffixProposer:
     proposes_on_device = False
 
     def __init__(self, max_depth: int = 24, max_cached_requests: int = 512, max_spec_factor: float = 2.0,
-                 min_token_prob: float = 0.3, min_cache_match: int = 3) -> None:
+                 min_token_prob: float = 0.3, min_cache_match: int = 3, min_own_match: int = MIN_OWN_MATCH) -> None:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
-        self.min_cache_match = min_cache_match
+        self.min_cache_match, self.min_own_match = min_cache_match, min_own_match
         self.cache = SuffixCache(max_depth, max_cached_requests, min_cache_match)
 
     def _limit(self, match_len: int, k: int, skip: int = 0) -> int:
@@ -209,7 +212,7 @@ class SuffixProposer:
                 low = mid
             else:
                 high = mid - 1
-        if low == 0:
+        if low < self.min_own_match:
             return [], 0.0
         limit = self._limit(low, k, skip)
         continuations, stop = [], end
