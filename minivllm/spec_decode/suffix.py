@@ -205,15 +205,15 @@ class SuffixProposer:
                 stop = at + len(tail) - 1   # straddles tokens: look further back
             return -1
 
-        low, high = 0, min(self.max_depth - 1, n - 1)
+        low, high = self.min_own_match, min(self.max_depth - 1, n - 1)
+        if low > high or latest(low, end) < 0:   # (most steps of open-ended text: one search)
+            return [], 0.0
         while low < high:   # the longest suffix seen before (a suffix of a recurring string recurs)
             mid = (low + high + 1) // 2
             if latest(mid, end) >= 0:
                 low = mid
             else:
                 high = mid - 1
-        if low < self.min_own_match:
-            return [], 0.0
         limit = self._limit(low, k, skip)
         continuations, stop = [], end
         while len(continuations) < MAX_OCCURRENCES and (at := latest(low, stop)) >= 0:
