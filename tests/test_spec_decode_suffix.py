@@ -59,7 +59,7 @@ def _brute_force_cache(outputs, context, k, key_len):
     return length, limit, [out[p:p + limit] for out, p in candidates if matched(out, p) == length]
 
 
-def _check_greedy(draft, score, continuations, limit, tie_to_latest):
+def _check_greedy(draft, score, continuations, limit, tie_to_latest, min_prob=MIN_PROB):
     """`draft` follows a most frequent continuation at each position (the latest occurrence's token on a
     tie when `tie_to_latest`), stops where the running product falls below MIN_PROB, and `score` sums it."""
     prob, expected_score, survivors = 1.0, 0.0, continuations
@@ -69,7 +69,7 @@ def _check_greedy(draft, score, continuations, limit, tie_to_latest):
             if len(c) > j:
                 counts[c[j]] = counts.get(c[j], 0) + 1
         top = max(counts.values(), default=0)
-        if j == limit or not counts or prob * top / sum(counts.values()) < MIN_PROB:
+        if j == limit or not counts or prob * top / sum(counts.values()) < min_prob:
             assert len(draft) == j, (draft, continuations)
             break
         assert counts.get(draft[j]) == top, (draft, continuations)
@@ -89,9 +89,11 @@ def test_suffix_proposals_match_a_brute_force_search():
         alphabet = (np.arange(3), np.array([0, 1, 256, 65536]))[i % 2]
         history = rng.choice(alphabet, rng.integers(1, 60)).tolist()
         k = int(rng.integers(1, 8))
-        own, score = proposer.propose_own(token_history(history), k)
+        own, match = proposer.propose_own(token_history(history), k)
         length, limit, continuations = _brute_force([history], history, k, MAX_OCCURRENCES)
-        _check_greedy(own, score, continuations, limit, tie_to_latest=True)
+        assert match == length
+        _check_greedy(own, greedy_continuation(continuations, limit, 0.0)[1] if length else 0.0, continuations,
+                      limit, tie_to_latest=True, min_prob=0.0)
     outputs = [rng.choice(np.arange(4), rng.integers(2, 30)).tolist() for _ in range(40)]
     for key_len in (1, 3):
         cache = SuffixCache(DEPTH, max_cached_requests=40, key_len=key_len)
@@ -108,7 +110,7 @@ def test_suffix_proposals_match_a_brute_force_search():
                 _check_greedy(draft, score, continuations, limit, tie_to_latest=True)
             else:
                 assert draft == []
-    # The proposer takes the draft with the larger score (its own history on a tie), the cache's only after a
+    # The proposer takes the draft of the longer match (its own history on a tie), the cache's only after a
     # match of at least `min_cache_match` tokens (the cache's key).
     used_cache = {1: 0, 3: 0}
     for min_cache_match in used_cache:
@@ -119,10 +121,10 @@ def test_suffix_proposals_match_a_brute_force_search():
         cached = [o for o in outputs if len(o) > min_cache_match]
         for _ in range(200):
             history, k = rng.choice(np.arange(4), rng.integers(2, 20)).tolist(), int(rng.integers(1, DEPTH))
-            own, own_score = proposer.propose_own(token_history(history), k)
+            own, own_match = proposer.propose_own(token_history(history), k)
             length, limit, continuations = _brute_force_cache(cached, history, k, min_cache_match)
-            other, other_score = greedy_continuation(continuations, limit, MIN_PROB) if length else ([], 0.0)
-            expected = other if other_score > own_score and other else own
+            other = greedy_continuation(continuations, limit, MIN_PROB)[0] if length else []
+            expected = other if length > own_match and other else own
             used_cache[min_cache_match] += expected is other and bool(other)
             assert proposer.propose(history, k) == expected
     assert all(used_cache.values())   # both settings took some drafts from the cache
