@@ -19,9 +19,10 @@ matching `max_depth` - 1 tokens and still drafts k: the depth bounds the match, 
 - `SuffixCache` holds the last `max_cached_requests` outputs end to end in one int32 array and indexes
   every position by the `key_len` tokens before it. A lookup takes the latest `MAX_CANDIDATES` positions
   that follow the sequence's last `key_len` tokens, measures how far back each matches, and votes among
-  the longest as the own history does. Inserting an output costs one dict append per token (a trie of every
-  substring cost `max_depth` node updates per token: about 4 ms of host time per 256-token output, which at
-  batch 1 on a small model lands on the critical path), so outputs go in whole when their request finishes.
+  the longest as the own history does, stopping at `min_token_prob`. Inserting an output costs one dict append
+  per token, so outputs go in whole when their request finishes (a trie of every substring cost `max_depth`
+  node updates per token, which on a batch-1 step of a small model, bound by the host, lengthened steps:
+  WRITEUP section 5, tried and rejected).
 """
 from __future__ import annotations
 
