@@ -75,22 +75,22 @@ def proposers(quick: bool) -> dict:
     default = SpeculativeConfig(method="suffix")
     made = {"ngram": (lambda: NgramProposer(NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]),
                       NGRAM["num_speculative_tokens"])}
-    depth, cached = default.suffix_decoding_max_tree_depth, default.suffix_decoding_max_cached_requests
+    settings = {"max_depth": default.suffix_decoding_max_tree_depth,
+                "max_cached_requests": default.suffix_decoding_max_cached_requests,
+                "max_spec_factor": default.suffix_decoding_max_spec_factor,
+                "min_token_prob": default.suffix_decoding_min_token_prob,
+                "min_cache_match": default.suffix_decoding_min_cache_match}
+
+    def suffix(**changes):   # suffix decoding at its defaults but for `changes`, under its default draft cap
+        return lambda: SuffixProposer(**{**settings, **changes}), default.num_speculative_tokens
     for factor, prob in SUFFIX_GRID[:2] if quick else SUFFIX_GRID:
-        made[f"suffix_f{factor:g}_p{prob:g}"] = (lambda factor=factor, prob=prob: SuffixProposer(depth, cached, factor, prob),
-                                                 default.num_speculative_tokens)
+        made[f"suffix_f{factor:g}_p{prob:g}"] = suffix(max_spec_factor=factor, min_token_prob=prob)
     # The defaults with the own history drafting after a match of one token: what such matches add.
-    made["suffix_own_match1"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
-                                                        default.suffix_decoding_min_token_prob, min_own_match=1),
-                                 default.num_speculative_tokens)
+    made["suffix_own_match1"] = suffix(min_own_match=1)
     # The defaults with the cache drafting after a match of any length: what matches of one or two tokens add.
-    made["suffix_cache_match1"] = (lambda: SuffixProposer(depth, cached, default.suffix_decoding_max_spec_factor,
-                                                          default.suffix_decoding_min_token_prob, 1),
-                                   default.num_speculative_tokens)
+    made["suffix_cache_match1"] = suffix(min_cache_match=1)
     # The defaults with no cache of other requests' outputs: what the cache adds.
-    made["suffix_own_only"] = (lambda: SuffixProposer(depth, 0, default.suffix_decoding_max_spec_factor,
-                                                      default.suffix_decoding_min_token_prob),
-                               default.num_speculative_tokens)
+    made["suffix_own_only"] = suffix(max_cached_requests=0)
     return made
 
 

@@ -35,7 +35,7 @@ class SpeculativeConfig:
     model: str | None = None          # draft_model: a folder, .gguf or dummy config name
     draft_layers: int | None = None   # draft_model: the target's first N layers (self-speculation)
     adaptive: bool = True
-    suffix_decoding_max_tree_depth: int = 24           # longest match + draft, in tokens
+    suffix_decoding_max_tree_depth: int = 24           # a match is at most this minus one tokens
     suffix_decoding_max_cached_requests: int = 512     # other requests' outputs kept for lookups
     suffix_decoding_max_spec_factor: float = 8.0       # drafts per token of match
     suffix_decoding_min_token_prob: float = 0.7        # stop when the draft's estimated chance falls below

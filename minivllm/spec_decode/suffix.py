@@ -9,9 +9,10 @@ the cache, whose counts span many requests, a draft also stops where the product
 frequencies (the chance that the whole draft so far is right) falls below `min_token_prob`; the own history's
 few occurrences follow their majority as n-gram lookup follows the latest (with the floor too, suffix decoding
 verified 71 times against n-gram's 87 on open-ended chat on an H200 and ran slower: `compare_own_floor` in
-bench/results/spec_decode_h200.json). The own history and the cache each propose a draft (the cache only after a match of at least `min_cache_match`
-tokens); the one with the longer match wins, the own history on a tie. A sequence that copies a passage keeps
-matching `max_depth` - 1 tokens and still drafts k: the depth bounds the match, not the draft.
+bench/results/spec_decode_h200.json). The own history and the cache each propose a draft (the cache only after a
+match of at least `min_cache_match` tokens); the one with the longer match wins, the own history on a tie. A
+sequence that copies a passage keeps matching `max_depth` - 1 tokens and still drafts k: the depth bounds the
+match, not the draft.
 
 - The own history is the controller's int32 `array` of the sequence, searched like the n-gram proposer's
   with `bytes.rfind` (the longest match by bisection, then its `MAX_OCCURRENCES` latest occurrences):
@@ -170,8 +171,8 @@ class SuffixProposer:
     def __init__(self, max_depth: int = 24, max_cached_requests: int = 512, max_spec_factor: float = 2.0,
                  min_token_prob: float = 0.3, min_cache_match: int = 3, min_own_match: int = MIN_OWN_MATCH) -> None:
         self.max_depth, self.max_spec_factor, self.min_token_prob = max_depth, max_spec_factor, min_token_prob
-        self.min_cache_match, self.min_own_match = min_cache_match, min_own_match
-        self.cache = SuffixCache(max_depth, max_cached_requests, min_cache_match)
+        self.min_own_match = min_own_match
+        self.cache = SuffixCache(max_depth, max_cached_requests, key_len=min_cache_match)   # a hit matches its key
 
     def _limit(self, match_len: int, k: int, skip: int = 0) -> int:
         """Continuation tokens to follow: `skip` stand-ins, then at most `k` drafts, as many as the match
@@ -186,7 +187,6 @@ class SuffixProposer:
         history = token_history(token_ids)
         own, own_match = self.propose_own(history, k, skip)
         if self.cache.num_cached and own_match < self.max_depth - 1:   # (else no cache match is longer)
-            # (its key is `min_cache_match` tokens: a hit matches at least that)
             other, _, match = self.cache.propose(history, lambda length: self._limit(length, k, skip),
                                                  self.min_token_prob)
             if match > own_match and len(other) > skip:
