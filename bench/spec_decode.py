@@ -41,12 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import device_slug, graph_replay_us, print_table, run_metadata, write_json  # noqa: E402
-from bench.spec_workloads import NGRAM, SUFFIX, grounded_chats, run_compare  # noqa: E402,F401
+from bench.spec_workloads import BATCH1_PROMPTS, NGRAM, SUFFIX, grounded_chats, run_compare  # noqa: E402,F401
 
 LOAD_ORDER = ("off", "on", "on", "off", "off", "on")   # each mode early and late
 # The `compare` part's cases: (label, workload, batch, prompts), and the top-level keys they give.
-COMPARE_CASES = [("grounded_b1", "grounded", 1, 9), ("open_b1", "open", 1, 9), ("grounded_b8", "grounded", 8, 16),
-                 ("grounded_b32", "grounded", 32, 32), ("repetitive_b1", "repetitive", 1, 16)]
+COMPARE_CASES = [("grounded_b1", "grounded", 1, BATCH1_PROMPTS["grounded"]),
+                 ("open_b1", "open", 1, BATCH1_PROMPTS["open"]), ("grounded_b8", "grounded", 8, 32),
+                 ("grounded_b32", "grounded", 32, 64), ("repetitive_b1", "repetitive", 1, BATCH1_PROMPTS["repetitive"])]
 QUICK_COMPARE_CASES = [("grounded_b1", "grounded", 1, 1), ("open_b1", "open", 1, 1), ("grounded_b8", "grounded", 2, 2),
                        ("grounded_b32", "grounded", 2, 2), ("repetitive_b1", "repetitive", 1, 2)]
 

@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import device_slug, print_table, run_metadata, write_json  # noqa: E402
-from bench.spec_workloads import NGRAM, WORKLOADS  # noqa: E402
+from bench.spec_workloads import BATCH1_PROMPTS, NGRAM, WORKLOADS  # noqa: E402
 from minivllm.spec_decode.ngram import token_history  # noqa: E402
 
-CASES = (("grounded", 9), ("open", 9), ("repetitive", 16))
+CASES = tuple(BATCH1_PROMPTS.items())
 SUFFIX_GRID = [(factor, prob) for factor in (2.0, 4.0, 8.0) for prob in (0.5, 0.7)]
 
 

@@ -26,13 +26,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 4
 NGRAM_K5 = {**NGRAM, "num_speculative_tokens": 5}   # a cap of 5 drafts, as vLLM users commonly set it
 SUFFIX = {"method": "suffix"}
 TOPICS = ("assert", "for", "while", "if", "import", "return", "pass", "global", "raise", "del", "continue", "with",
-          "try", "class", "lambda", "nonlocal", "yield", "break")
+          "try", "class", "lambda", "nonlocal", "yield", "break", "assignment", "async", "atom-identifiers",
+          "attribute-access", "augassign", "binary", "booleans", "calls", "comparisons", "compound",
+          "context-managers", "conversions", "customization", "dict", "dynamic-features", "exceptions",
+          "execmodel", "floating", "formatstrings", "function", "identifiers", "integers", "lists", "naming",
+          "numeric-types", "power", "slicings", "specialnames", "strings", "subscriptions", "truth", "unary")
 FUNCTIONS = ("textwrap.dedent", "textwrap.indent", "json.decoder.py_scanstring", "shutil.copyfileobj",
-             "fnmatch.translate", "html.escape", "string.capwords", "shlex.quote", "posixpath.relpath",
-             "urllib.parse.urljoin", "calendar.isleap", "difflib.get_close_matches", "shutil.which",
-             "base64.b64encode", "glob.has_magic", "statistics.median", "random.shuffle", "heapq.nlargest",
-             "bisect.insort_right", "os.makedirs", "tempfile.mkdtemp", "zipfile.is_zipfile", "colorsys.rgb_to_hsv",
-             "keyword.iskeyword", "operator.length_hint", "functools.cmp_to_key", "itertools.accumulate")
+             "fnmatch.translate", "html.escape", "string.capwords", "shlex.quote", "urllib.parse.urljoin",
+             "calendar.isleap", "difflib.get_close_matches", "shutil.which", "base64.b64encode", "glob.has_magic",
+             "statistics.median", "random.shuffle", "heapq.nlargest", "tempfile.mkdtemp", "zipfile.is_zipfile",
+             "colorsys.rgb_to_hsv", "textwrap.shorten", "fnmatch.filter", "statistics.mode", "random.choices",
+             "copy.deepcopy", "inspect.cleandoc", "statistics.variance", "urllib.parse.quote", "shlex.split",
+             "html.unescape", "heapq.merge", "dataclasses.asdict", "mimetypes.guess_type", "ipaddress.ip_address")
 OPEN_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a refrigerator keeps food cold, for a curious ten-year-old.",
@@ -65,24 +70,29 @@ def _functions() -> list:
 
 def grounded_chats(count: int) -> list[tuple[str, list[dict]]]:
     """(kind, chat) pairs: summarise / rewrite a passage of the Python language reference, or edit a
-    function of the standard library (distinct for up to 32 prompts)."""
+    function of the standard library, in turn; every prompt has its own passage or function (so no answer is
+    in another's output), up to three times the number of functions this Python has the source of."""
     import pydoc_data.topics
 
     passages = []
     for name in TOPICS:
-        paragraphs = [p for p in pydoc_data.topics.topics[name].split("\n\n") if len(p) > 200 and "::=" not in p]
+        paragraphs = [p for p in pydoc_data.topics.topics.get(name, "").split("\n\n")
+                      if len(p) > 200 and "::=" not in p]
         if paragraphs:
             passages.append(" ".join(paragraphs[0].split())[:700])
     functions = [inspect.getsource(f) for f in _functions()]
+    distinct = 3 * min(len(passages) // 2, len(functions))
+    if count > distinct:
+        raise ValueError(f"{count} grounded prompts asked for; this Python gives {distinct} distinct ones")
     chats = []
     for i in range(count):
-        kind = ("summarise", "rewrite", "code-edit")[i % 3]
+        kind, j = ("summarise", "rewrite", "code-edit")[i % 3], i // 3
         if kind == "summarise":
-            content = f"Summarise this text in a few sentences:\n\n{passages[i % len(passages)]}"
+            content = f"Summarise this text in a few sentences:\n\n{passages[2 * j]}"
         elif kind == "rewrite":
-            content = f"Rewrite this text in simpler words, keeping every point:\n\n{passages[(i + 3) % len(passages)]}"
+            content = f"Rewrite this text in simpler words, keeping every point:\n\n{passages[2 * j + 1]}"
         else:
-            code = textwrap.dedent(functions[(i // 3) % len(functions)])[:1200]
+            code = textwrap.dedent(functions[j])[:1200]
             content = f"Add a docstring and type hints to this function and show the whole function:\n\n{code}"
         chats.append((kind, [{"role": "user", "content": content}]))
     return chats
@@ -129,6 +139,10 @@ def repetitive_chats(count: int) -> list[tuple[str, list[dict]]]:
 
 
 WORKLOADS = {"grounded": grounded_chats, "open": open_chats, "repetitive": repetitive_chats}
+# Prompts of each workload at batch 1, in bench/spec_decode.py's compare part and in bench/spec_replay.py. A
+# batch-1 run of nine prompts took under a second, and its ratios moved between runs by more than the
+# proposers differ: every prompt of the grounded set and the open set is used.
+BATCH1_PROMPTS = {"grounded": 18, "open": len(OPEN_PROMPTS), "repetitive": 16}
 
 
 def run_compare(args) -> dict:
