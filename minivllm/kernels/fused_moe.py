@@ -297,8 +297,7 @@ def _slot_rows(w_ptr, ids_ptr, N, stride_we, stride_wn, BLOCK_N: tl.constexpr):
 @triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn,
                              stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                             EVICT_FIRST: tl.constexpr = False):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for the slot's expert e, where
     slot = token * TOP_K + k; rounded where the grouped path rounds (its GEMM output, then silu)."""
     wait_for_previous(PDL)
@@ -312,14 +311,8 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, st
         k_mask = offs_k < K
         mask = n_mask[:, None] & k_mask[None, :]
         x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        if EVICT_FIRST:
-            g = tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            u = tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        else:
-            g = tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0)
-            u = tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0)
-        gate += tl.sum(g.to(tl.float32) * x, axis=1)
-        up += tl.sum(u.to(tl.float32) * x, axis=1)
+        gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
     if SCALED:
         scales = scale_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_se + offs_n
         gate = gate * tl.load(scales, mask=n_mask, other=0.0)
@@ -334,7 +327,7 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, st
 def _moe_down_combine_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we,
                                   stride_wn, stride_om, stride_se, TOP_K: tl.constexpr, SCALED: tl.constexpr,
                                   BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+                                  PDL: tl.constexpr):
     """out[token, n] = sum over the token's TOP_K slots of weight[slot] * (a[slot] . w2[e, n]), e the slot's expert.
     All TOP_K experts' rows stream as one 3-D tile [TOP_K, BLOCK_N, BLOCK_K] per step, so the program keeps
     TOP_K times the loads of a single GEMV in flight. Each slot's product is rounded to the output dtype before
@@ -350,11 +343,7 @@ def _moe_down_combine_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=k_valid[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if EVICT_FIRST:
-            w = tl.load(rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-        else:
-            w = tl.load(rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0).to(tl.float32)
+        w = tl.load(rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * a[:, None, :], axis=2)
     if SCALED:
         scales = scale_ptr + experts[:, None] * stride_se + offs_n[None, :]
@@ -377,11 +366,6 @@ DOWN_TILES = ((2, 256, 8), (1, 128, 4), (2, 256, 2), (8, 256, 8), (4, 1024, 8))
 GEMV_TILES = tuple(itertools.product(GATE_UP_TILES, DOWN_TILES))
 
 
-def _evict_first() -> bool:
-    import os
-    return os.environ.get("MINIVLLM_AB_L2_PREFETCH", "0") == "2"
-
-
 def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                        tile: tuple) -> torch.Tensor:
@@ -399,13 +383,13 @@ def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
     _moe_gate_up_gemv_kernel[(num_slots, triton.cdiv(inter, up_n))](
         hidden_states, w13, w13_scale if scaled else w13, ids, activated, inter, hidden, hidden_states.stride(0),
         w13.stride(0), w13.stride(1), activated.stride(0), w13_scale.stride(0) if scaled else 0, TOP_K=top_k,
-        SCALED=scaled, BLOCK_N=up_n, BLOCK_K=up_k, num_warps=up_warps, EVICT_FIRST=_evict_first(), **pdl)
+        SCALED=scaled, BLOCK_N=up_n, BLOCK_K=up_k, num_warps=up_warps, **pdl)
     out = torch.empty((num_tokens, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         activated, w2, w2_scale if scaled else w2, ids, topk_weights.reshape(-1).contiguous().float(), out, hidden,
         inter, activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if scaled else 0,
         TOP_K=top_k, SCALED=scaled, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down_n, BLOCK_K=down_k,
-        num_warps=down_warps, EVICT_FIRST=_evict_first(), **pdl)
+        num_warps=down_warps, **pdl)
     return out
 
 

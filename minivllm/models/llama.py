@@ -23,16 +23,10 @@ from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.fusion import PendingNorm, gate_up_activation, normed_linear, norms_in_gemvs, qkv_rotary
-from minivllm.layers import l2_prefetch
 from minivllm.layers.layernorm import RMSNorm, norm_layer_input
 from minivllm.layers.linear import (MergedColumnParallelLinear, PackedColumnLinear, QKVParallelLinear,
                                     RowParallelLinear)
 from minivllm.layers.rotary import get_rope, rope_parameters_of
-
-
-def _weight16(module: nn.Module | None) -> torch.Tensor | None:
-    weight = getattr(module, "weight", None)
-    return weight if isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _head_dim(hf_config) -> int:
@@ -81,7 +75,6 @@ class LlamaAttention(nn.Module):
                                       self.num_heads + self.num_kv_heads, kv_cache)
         else:
             qkv, rotated = normed_linear(self.qkv_proj, hidden_states)[0], False
-        l2_prefetch.ahead(_weight16(self.o_proj), qkv.shape[0])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -155,8 +148,6 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = norm_layer_input(self.input_layernorm, hidden_states, residual)
             hidden_states = self.self_attn(positions, hidden_states)
-        if l2_prefetch.setting() == 2:
-            l2_prefetch.ahead(_weight16(getattr(self, "l2_next", None)), hidden_states.shape[0])
         if post_in_gemv:
             pending = PendingNorm.of(self.post_attention_layernorm, hidden_states, residual)
             return self.mlp(pending), pending.stream
@@ -178,9 +169,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(hf_config, rotary_emb, make_mlp(hf_config, i) if make_mlp else None)
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
-        for layer, after in zip(self.layers, self.layers[1:]):
-            if hasattr(after, "self_attn"):   # (not a submodule: its weights are the next layer's)
-                object.__setattr__(layer, "l2_next", after.self_attn.qkv_proj)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """`num_layers`: run only the first layers, then the final norm (an early-exit draft model)."""
@@ -188,7 +176,6 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, residual)
-        l2_prefetch.join()
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
