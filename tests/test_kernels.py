@@ -416,7 +416,7 @@ def test_fusions_reject_bad_shapes():
 # ----- realistic shapes on a GPU (the lead runs these on an H100) -----
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 32), (20, 10, 32)])
 def test_rotary_in_place_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
     from minivllm.kernels.rotary import apply_rotary_
     from minivllm.layers.rotary import get_rope
@@ -471,7 +471,7 @@ def test_rotary_stores_rotated_keys_and_values_in_the_paged_cache(norms):
     from minivllm.attention.torch_backend import write_kv_reference
     from minivllm.kernels.rotary import apply_rotary_
     from minivllm.layers.rotary import get_rope
-    num_heads, num_kv_heads, head_dim, tokens, block_size = 4, 2, 32, 5, 4
+    num_heads, num_kv_heads, head_dim, tokens, block_size = 12, 10, 32, 5, 4   # more heads than one program takes
     rope = get_rope(head_dim, 64, 10000.0, None).to(DEVICE)
     g = torch.Generator().manual_seed(7)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(DEVICE)
