@@ -141,7 +141,7 @@ def repetitive_chats(count: int) -> list[tuple[str, list[dict]]]:
 WORKLOADS = {"grounded": grounded_chats, "open": open_chats, "repetitive": repetitive_chats}
 # Prompts of each workload at batch 1, in bench/spec_decode.py's compare part and in bench/spec_replay.py. With 9
 # grounded prompts a run with n-gram lasted 0.27 s on an H200 and the ratios moved between machine starts by more
-# than the proposers differ; with 18 it lasts 0.57 s (docs/speculative_decoding.md).
+# than the proposers differ; with 18 it lasts 0.56 s (docs/speculative_decoding.md).
 BATCH1_PROMPTS = {"grounded": 18, "open": len(OPEN_PROMPTS), "repetitive": 16}
 
 
