@@ -56,10 +56,12 @@ def _rotate_heads(row_ptr, norm_ptr, eps, cos, sin, d, d_mask, first, cache_row_
 
 @triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, q_stride, k_stride,
-                         cos_sin_stride, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                         cache_stride_block, cache_stride_row, cache_stride_h, NUM_Q_HEADS: tl.constexpr,
-                         NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+                   cos_sin_stride, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_block,
+                   cache_stride_row, cache_stride_h, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                   STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, block): query heads block * BLOCK_H.. while block < the query blocks, else the key heads of
+    block - query blocks, with their values into the cache under STORE."""
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
