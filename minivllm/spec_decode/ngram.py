@@ -20,6 +20,16 @@ def token_history(token_ids) -> array:
     return token_ids if isinstance(token_ids, array) else array("i", token_ids)
 
 
+def latest_match(data: bytes, tail: bytes, end: int) -> int:
+    """The token index of the latest occurrence of `tail` in `data` (a history's raw bytes) that ends by byte
+    `end`, or -1; hits that straddle two tokens are skipped."""
+    while (at := data.rfind(tail, 0, end)) >= 0:
+        if at % ITEM == 0:
+            return at // ITEM
+        end = at + len(tail) - 1   # straddles tokens: look further back
+    return -1
+
+
 class NgramProposer:
     proposes_on_device = False
 
@@ -36,11 +46,8 @@ class NgramProposer:
         data = history.tobytes()
         before_last = ITEM * (length - 1)   # a match must end before the last token
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            tail = data[ITEM * (length - n):]
-            end = before_last
-            while (at := data.rfind(tail, 0, end)) >= 0:
-                if at % ITEM == 0:   # the most recent match continues best in practice
-                    start = at // ITEM + n + skip
-                    return history[start:start + k].tolist()
-                end = at + len(tail) - 1   # straddles tokens: look further back
+            at = latest_match(data, data[ITEM * (length - n):], before_last)
+            if at >= 0:   # the most recent match continues best in practice
+                start = at + n + skip
+                return history[start:start + k].tolist()
         return []

@@ -30,7 +30,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 
-from minivllm.spec_decode.ngram import ITEM, token_history
+from minivllm.spec_decode.ngram import ITEM, latest_match, token_history
 
 # Latest occurrences of the match in a sequence's own history that vote on a draft; each costs the host a
 # search, and the latest few carry the continuation (the lookup's cost: `us_per_proposal` in spec_replay's file).
@@ -200,12 +200,7 @@ class SuffixProposer:
         end = ITEM * (n - 1)   # an occurrence must be followed by a token of the history
 
         def latest(match_len: int, before: int) -> int:
-            tail, stop = data[ITEM * (n - match_len):], before
-            while (at := data.rfind(tail, 0, stop)) >= 0:
-                if at % ITEM == 0:
-                    return at // ITEM
-                stop = at + len(tail) - 1   # straddles tokens: look further back
-            return -1
+            return latest_match(data, data[ITEM * (n - match_len):], before)
 
         low, high = self.min_own_match, min(self.max_depth - 1, n - 1)
         if low > high or latest(low, end) < 0:   # (most steps of open-ended text: one search)
