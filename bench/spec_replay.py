@@ -50,7 +50,7 @@ def replay(proposer, records: list[tuple[list[int], list[int]]], k: int) -> dict
             behind = not verified and position >= 2
             history = token_history(prompt + output[:position - behind])   # as the controller keeps it
             started = time.perf_counter()
-            drafts = proposer.propose(history, k, skip=1) if behind else proposer.propose(history, k)
+            drafts = proposer.propose(history, k, skip=int(behind))
             seconds += time.perf_counter() - started
             verified = bool(drafts)
             hits = 0
