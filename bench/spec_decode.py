@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
     args.ngram_fixed_k = [int(x) for x in args.ngram_fixed_k.split(",") if x]
     args.ngram_max_k = [int(x) for x in args.ngram_max_k.split(",") if x]
-    args.compare_cases, args.compare_rounds = (QUICK_COMPARE_CASES, 1) if args.quick else (COMPARE_CASES, 3)
+    args.compare_cases, args.compare_rounds = (QUICK_COMPARE_CASES, 1) if args.quick else (COMPARE_CASES, 4)
     args.compare_max_tokens = 8 if args.quick else 256
     args.idle_batches, args.idle_steps = ((1, 32), 200) if args.quick else ((1, 8, 32, 256), 2000)
     args.compare_engine_options = ({"gpu_memory_utilization": 0.5} if device.type == "cuda" else

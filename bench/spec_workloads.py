@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import statistics
 import textwrap
 import time
 
@@ -148,9 +149,11 @@ BATCH1_PROMPTS = {"grounded": 18, "open": len(OPEN_PROMPTS), "repetitive": 16}
 def run_compare(args) -> dict:
     """Off, n-gram (up to 15 drafts, and up to 5) and suffix decoding on the same engine (speculation switched per
     run), for each (workload, batch) case: every prompt submitted at once with at most `batch` running, greedy.
-    Modes alternate (off, ngram, ngram_k5, suffix, then the reverse) for `args.compare_rounds` rounds; the best run
-    of each mode counts. Before each run the prefix cache is emptied, and suffix decoding starts from an empty cache
-    of other requests' outputs (so only earlier requests of the same run feed it)."""
+    Modes alternate (off, ngram, ngram_k5, suffix, then the reverse) for `args.compare_rounds` rounds. A mode's speedup
+    is the median over these sweeps of its tokens per second over off's in the same sweep: a run lasts about a second,
+    and the machine's speed drifts over a case's sweeps by more than the modes differ (a third on one H200 start), so
+    only runs close in time are compared. Before each run the prefix cache is emptied, and suffix decoding starts from
+    an empty cache of other requests' outputs (so only earlier requests of the same run feed it)."""
     import torch
 
     from minivllm import LLM, SamplingParams
@@ -204,8 +207,12 @@ def run_compare(args) -> dict:
             best["first_difference_at"] = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                                            for a, b in zip(outputs, reference) if a != b]
             case[mode] = best
+        off_runs = case["off"]["tokens_per_s_runs"]
         for mode in ("ngram", "ngram_k5", "suffix"):
-            case[f"{mode}_speedup"] = case[mode]["tokens_per_s"] / case["off"]["tokens_per_s"]
+            ratios = [run / off for run, off in zip(case[mode]["tokens_per_s_runs"], off_runs)]
+            case[f"{mode}_speedup"] = statistics.median(ratios)
+            case[mode]["speedup_per_sweep"] = ratios
+            case[mode]["best_over_best"] = case[mode]["tokens_per_s"] / case["off"]["tokens_per_s"]
         results[label] = case
         print(f"  {workload}, batch {batch}: off {case['off']['tokens_per_s']:.0f} tok/s, n-gram "
               f"x{case['ngram_speedup']:.2f} (5 drafts x{case['ngram_k5_speedup']:.2f}), "

@@ -51,7 +51,9 @@ def test_fp32_tiny_model_token_identical(tmp_path):
 
 def test_small_decode_graphs_compute_their_rows_logits(tmp_path):
     """Decode graphs of up to 16 rows return the logits of the rows they ran (what the LM head gives for
-    the graph's hidden states), larger ones none; greedy output still equals transformers'."""
+    the graph's hidden states), larger ones none; every decode step's inputs were staged straight into the
+    graphs' buffers (padding rows included: 3 and 40 sequences replay the 4- and 48-row graphs); greedy output
+    still equals transformers'."""
     from minivllm.worker.cuda_graph import LOGITS_IN_GRAPH_MAX_ROWS
     reference = make_tiny_hf_checkpoint(tmp_path, "llama3").cuda()
     g = torch.Generator().manual_seed(2)
@@ -59,7 +61,7 @@ def test_small_decode_graphs_compute_their_rows_logits(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_model_len=256, max_num_seqs=48)
     runner = llm.llm_engine.runner
-    graphs, seen = runner.graph_runner, []
+    graphs, seen, staged = runner.graph_runner, [], []
     run = graphs.run
 
     def checked(inputs):
@@ -67,6 +69,7 @@ def test_small_decode_graphs_compute_their_rows_logits(tmp_path):
         if inputs.metadata.is_decode_only:
             rows = hidden.shape[0]
             seen.append((rows, logits is not None))
+            staged.append(inputs.staged is not None and inputs.staged[0] is graphs)
             if logits is not None:
                 torch.testing.assert_close(logits, runner.model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
         return hidden, logits
@@ -75,6 +78,7 @@ def test_small_decode_graphs_compute_their_rows_logits(tmp_path):
     assert _greedy(llm, prompts[:3], 12) == expected[:3]
     assert _greedy(llm, prompts, 12) == expected
     del graphs.run
+    assert set(staged) == {True} and {rows for rows, _ in seen} >= {3, 40}
     assert {with_logits for rows, with_logits in seen if rows <= LOGITS_IN_GRAPH_MAX_ROWS} == {True}
     assert {with_logits for rows, with_logits in seen if rows > LOGITS_IN_GRAPH_MAX_ROWS} == {False}
 

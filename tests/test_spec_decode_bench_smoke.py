@@ -27,3 +27,5 @@ def test_quick_run_writes_every_acceptance_key(tmp_path):
     # trying them: its start is optimistic.
     assert any(case[mode].get("num_verify", 0) for case in result["compare"].values() for mode in ("ngram", "suffix"))
     assert {row["method"] for row in result["idle_host_cost"]["rows"]} == {"ngram", "suffix"}
+    for case in result["compare"].values():   # one sweep: the speedup is that sweep's ratio to off
+        assert case["suffix"]["speedup_per_sweep"] == [case["suffix_speedup"]]

@@ -146,6 +146,7 @@ class LLMEngine:
         self._prompt_logprobs_out: dict[str, list] = {}  # request id -> RequestOutput.prompt_logprobs
         self._in_flight: _InFlightStep | None = None
         self._last_launch: _Launch | None = None   # the last step launched, while the engine has work
+        self._unpriced: list[tuple] = []            # (step, the next step's pending output, its launch), read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         spec_config = SpeculativeConfig.from_dict(config.speculative_config)
@@ -245,7 +246,7 @@ class LLMEngine:
         if self._in_flight is not None and (self._in_flight.needs_sync or (
                 num_drafts and not self.spec.proposes_behind(self.scheduler.running))):
             waited_for_verify = bool(self._in_flight.scheduler_output.spec_token_ids)
-            synced = self._update_in_flight()
+            synced = self._update_in_flight(price_later=True)
         if self.spec is not None and self.spec.propose(self.scheduler.running, num_drafts):
             self.structured_output.truncate_drafts(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
@@ -259,9 +260,6 @@ class LLMEngine:
             # prefill steps that make it). Read back at the end of this call instead, it would hold back the
             # outputs of the step before it, which this call returns: every running decode would get two
             # tokens a step late, each time a prompt completes.
-            needs_sync = (bool(scheduler_output.spec_token_ids) and not self.spec.chains(scheduler_output)) or any(
-                seq.sampling_params.uses_penalties or (n and seq.num_output_tokens == 0)
-                for seq, n in zip(scheduler_output.seqs, scheduler_output.num_samples))
             bitmask = None
             if self.structured_output.is_constrained(scheduler_output):
                 bitmask = functools.partial(self._grammar_bitmask, scheduler_output, synced)
@@ -271,6 +269,10 @@ class LLMEngine:
             timed = self._times_every_step or self.spec is not None
             timed_end = self._times_every_step or bool(timed and scheduler_output.spec_token_ids)
             pending = self.runner.execute_async(scheduler_output, bitmask, timed, timed_end)
+            self._price_steps()   # the step read back above, priced now that the device has this one
+            needs_sync = (bool(scheduler_output.spec_token_ids) and not self.spec.chains(scheduler_output)) or any(
+                seq.sampling_params.uses_penalties or (n and seq.num_output_tokens == 0)
+                for seq, n in zip(scheduler_output.seqs, scheduler_output.num_samples))
             self.step_times.observe_launch(scheduler_output.total_num_scheduled_tokens)
             launch = None if pending.started is None else _Launch(
                 scheduler_output.total_num_scheduled_tokens, len(scheduler_output.seqs),
@@ -282,6 +284,7 @@ class LLMEngine:
             if self.spec is not None:
                 if self._in_flight is not None and self._in_flight.scheduler_output.spec_token_ids:
                     self.spec.num_chained_steps += 1   # launched behind a verify step not yet read back
+        self._price_steps()
         outputs = [self._make_output(group) for group in synced]
         if self._in_flight is not None:
             outputs += self._complete_in_flight()
@@ -304,15 +307,30 @@ class LLMEngine:
     def _complete_in_flight(self) -> list[RequestOutput]:
         return [self._make_output(group) for group in self._update_in_flight()]
 
-    def _update_in_flight(self) -> list[SequenceGroup]:
-        """Read the step in flight back and hand its tokens to the scheduler; returns the groups touched."""
+    def _update_in_flight(self, price_later: bool = False) -> list[SequenceGroup]:
+        """Read the step in flight back and hand its tokens to the scheduler; returns the groups touched.
+        `price_later`: the device times of the step before it go to the cost models at the next `_price_steps`,
+        not now (the caller launches a step first: after a verify step the device idles until then)."""
         scheduler_output, pending, _, previous, launch = self._in_flight
         self._in_flight = None
         model_output = pending.result()
         if previous is not None:
-            # A step's cost: from its start on the device to the next step's start (its device time, plus
-            # the time the device then idled for the host, as after a verify step that was waited for).
-            # The chain breaks when the engine runs dry, so idle time between requests is no step's cost.
+            self._unpriced.append((previous, pending, launch))
+        if not price_later:
+            self._price_steps()
+        if launch is not None and scheduler_output.num_discarded_steps:
+            launch.discarded = all(scheduler_output.is_discarded(i) for i in range(len(scheduler_output.seqs)))
+        if model_output.prompt_logprobs:
+            self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
+        self._count_tokens(scheduler_output, model_output)
+        return self.scheduler.update(scheduler_output, model_output)
+
+    def _price_steps(self) -> None:
+        """Hand the device times of the steps read back since the last call to the cost models: each step's cost,
+        from its start on the device to the next step's start (its device time, plus the time the device then
+        idled for the host, as after a verify step that was waited for). The chain breaks when the engine runs
+        dry, so idle time between requests is no step's cost."""
+        for previous, pending, launch in self._unpriced:
             seconds = previous.started.seconds_until(pending.started)
             if self._times_every_step:
                 self.step_times.observe_device(previous.started.seconds_until(previous.ended),
@@ -326,12 +344,7 @@ class LLMEngine:
                     self.spec.observe_discarded_step(seconds)
             if not previous.verified:
                 self.scheduler.observe_step(previous.num_tokens, seconds)
-        if launch is not None and scheduler_output.num_discarded_steps:
-            launch.discarded = all(scheduler_output.is_discarded(i) for i in range(len(scheduler_output.seqs)))
-        if model_output.prompt_logprobs:
-            self._store_prompt_logprobs(scheduler_output, model_output.prompt_logprobs)
-        self._count_tokens(scheduler_output, model_output)
-        return self.scheduler.update(scheduler_output, model_output)
+        self._unpriced.clear()
 
     def _count_tokens(self, scheduler_output, model_output) -> None:
         """Prompt tokens computed this step (the part of each chunk inside the prompt) and tokens generated."""

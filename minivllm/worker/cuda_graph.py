@@ -101,11 +101,28 @@ class CUDAGraphRunner:
         self.max_batch = self.sizes[-1]   # rows of the largest decode graph
         self.max_model_len = max_model_len
         n = max(self.max_batch, max(self.mixed_sizes, default=0))
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # The inputs every graph reads: views of one device buffer laid out like a pinned host mirror, so that a
+        # decode step's inputs arrive in one copy (`stage_decode`); the block tables come last, so that the rows
+        # of a smaller graph end the copy early.
+        layout = {"input_ids": (torch.int64, (n,)), "positions": (torch.int64, (n,)),
+                  "slot_mapping": (torch.int64, (n,)), "seq_lens": (torch.int32, (self.max_batch,)),
+                  "block_tables": (torch.int32, (self.max_batch, max_blocks_per_seq))}
+        offsets, total = {}, 0
+        for name, (kind, shape) in layout.items():
+            offsets[name] = total
+            total += -(-int(np.prod(shape)) * kind.itemsize // 16) * 16
+        self._inputs = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
+        self._mirror_copied = torch.cuda.Event()
+        self._host = {}   # numpy views of the mirror, by name
+        for name, (kind, shape) in layout.items():
+            nbytes = int(np.prod(shape)) * kind.itemsize
+            setattr(self, name, self._inputs[offsets[name]:offsets[name] + nbytes].view(kind).view(shape))
+            self._host[name] = self._mirror[offsets[name]:offsets[name] + nbytes].numpy().view(
+                np.int64 if kind == torch.int64 else np.int32).reshape(shape)
+        self.slot_mapping.fill_(-1)
+        self._host["slot_mapping"][:] = -1
+        self._block_tables_offset = offsets["block_tables"]
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
@@ -183,6 +200,32 @@ class CUDAGraphRunner:
                     "warmed up first: %s", self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes),
                     self.warmed_up or "none")
 
+    def decode_size(self, num_seqs: int, num_tokens: int, max_query_len: int) -> int | None:
+        """The decode graph (its padded row count) that replays a step of these shapes, one row per token, or None
+        (a mixed graph or no graph)."""
+        if num_seqs > self.max_seqs or num_tokens > self.max_batch or max_query_len > MAX_DECODE_ROWS_QUERY_LEN:
+            return None
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def stage_decode(self, padded: int, token_ids, positions, slot_mapping, seq_lens, block_tables,
+                     stream: torch.cuda.Stream | None = None) -> None:
+        """Queue the copy of a decode step's inputs into the graphs' buffers, one row per token (host arrays:
+        `block_tables` [rows, width]), rows up to `padded` as padding (no KV written, no context). One host-to-device
+        copy replaces a copy per buffer before the replay; `run` then only replays. The mirror is rewritten only
+        once the previous copy from it is done."""
+        host, rows = self._host, len(token_ids)
+        self._mirror_copied.synchronize()
+        host["input_ids"][:rows] = token_ids
+        host["positions"][:rows] = positions
+        host["slot_mapping"][:rows] = slot_mapping
+        host["slot_mapping"][rows:padded] = -1
+        host["seq_lens"][:rows] = seq_lens
+        host["seq_lens"][rows:padded] = 0
+        host["block_tables"][:rows, :block_tables.shape[1]] = block_tables
+        end = self._block_tables_offset + padded * self.block_tables.stride(0) * 4
+        self._inputs[:end].copy_(self._mirror[:end], non_blocking=True)
+        self._mirror_copied.record(stream)
+
     def _as_decode_rows(self, inputs: ModelInputs) -> bool:
         meta = inputs.metadata
         return (not meta.is_decode_only and meta.max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
@@ -200,6 +243,10 @@ class CUDAGraphRunner:
         """Replay the step's graph: (hidden states, the logits of every row if the graph computed them)."""
         meta = inputs.metadata
         batch, num_tokens = meta.num_seqs, inputs.input_ids.shape[0]
+        if inputs.staged is not None and inputs.staged[0] is self:   # `stage_decode` copied the inputs in
+            padded = inputs.staged[1]
+            self.graphs[padded].replay()
+            return self.hidden[:num_tokens], self.logits[:num_tokens] if self._logits_in_graph(padded) else None
         rows = self._as_decode_rows(inputs)
         decode = meta.is_decode_only or rows
         padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)

@@ -21,12 +21,13 @@ class SequenceSamplingRow(SamplingRow):
     """A SamplingRow that reads its token lists from the sequence only when the sampler asks (penalties),
     instead of copying both lists for every row of every step."""
 
-    def __init__(self, seq: Sequence, sample_index: int, drafts: list[int] = (), num_step_drafts: int = 0) -> None:
-        """`drafts`: the draft tokens before this row's position (a verified position sees them as output);
-        `num_step_drafts`: all of the sequence's drafts in this step."""
+    def __init__(self, seq: Sequence, sample_index: int, step_drafts: list[int] = (), num_drafts_before: int = 0
+                 ) -> None:
+        """`step_drafts`: the sequence's drafts in this step; `num_drafts_before`: how many of them precede this
+        row's position (a verified position sees them as output). A verify step makes a row per position, so the
+        list is shared, not sliced per row."""
         self.seq, self.params, self.sample_index = seq, seq.sampling_params, sample_index
-        self.drafts = list(drafts)
-        self.num_step_drafts = num_step_drafts
+        self.step_drafts, self.num_drafts_before = step_drafts, num_drafts_before
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -34,14 +35,16 @@ class SequenceSamplingRow(SamplingRow):
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.seq.output_token_ids + self.drafts if self.drafts else self.seq.output_token_ids
+        if not self.num_drafts_before:
+            return self.seq.output_token_ids
+        return self.seq.output_token_ids + list(self.step_drafts[:self.num_drafts_before])
 
     @property
     def num_output_tokens(self) -> int:
         # Tokens before this row's sample: the appended ones plus any still in flight (the scheduler
         # counted this step's sample and drafts as pending already), plus the drafts before this position.
-        return (self.seq.num_output_tokens + self.seq.num_pending_tokens - 1 - self.num_step_drafts
-                + len(self.drafts))
+        return (self.seq.num_output_tokens + self.seq.num_pending_tokens - 1 - len(self.step_drafts)
+                + self.num_drafts_before)
 
 
 # Longest query that runs as decode rows: each row reads its whole context, so long queries (prefill
@@ -95,6 +98,8 @@ class ModelInputs:
     # context length (its position + 1) and its sequence's block-table row (see worker/cuda_graph.py).
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     samples_every_row: bool = False    # logits_indices is 0, 1, ..., T - 1 (plain decode, verify steps)
+    # (graph runner, padded rows) when the step's inputs were staged into that runner's decode-graph buffers
+    staged: tuple | None = None
 
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8}
@@ -190,9 +195,10 @@ class PinnedBufferPool:
 
 
 def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: StagingBuffer,
-                   previous_samples: PreviousSamples | None = None, stream=None) -> ModelInputs:
+                   previous_samples: PreviousSamples | None = None, stream=None, graph=None) -> ModelInputs:
     """`previous_samples`: the step still in flight, whose sampled ids fill pending input positions;
-    `stream`: the stream the step runs on (None: the current one)."""
+    `stream`: the stream the step runs on (None: the current one); `graph`: the CUDA graph runner, into whose
+    buffers a step its decode graphs replay is staged (worker/cuda_graph.py `stage_decode`)."""
     seqs = scheduler_output.seqs
     num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
@@ -241,28 +247,46 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
             spec_rows.append(list(range(len(rows), len(rows) + len(drafts) + 1)))
             for j in range(len(drafts) + 1):
                 logits_indices.append(end - 1 - len(drafts) + j)
-                rows.append(SequenceSamplingRow(seq, sample_index=seq.index, drafts=drafts[:j],
-                                                num_step_drafts=len(drafts)))
+                rows.append(SequenceSamplingRow(seq, seq.index, drafts, j))
             continue
         for k in range(num_samples):
             logits_indices.append(end - 1)
             # A forking sequence samples for its future siblings too: sample k becomes sibling k.
             rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
 
-    int64_arrays = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping,
-                    np.asarray(logits_indices, dtype=np.int64), np.asarray(fill_positions, dtype=np.int64),
-                    np.asarray(fill_rows, dtype=np.int64)]
     spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
-    if spec_host is not None:
-        int64_arrays += list(spec_host[1:])
-    int32_arrays = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
     max_query_len = int(num_scheduled.max())
+    decode_only = max_query_len == 1
+    padded = None if graph is None else graph.decode_size(len(seqs), num_tokens, max_query_len)
+    if padded is not None:   # a decode graph's step: its inputs go straight into the graph's buffers
+        graph.stage_decode(padded, token_ids, positions, slot_mapping, seq_lens if decode_only else positions + 1,
+                           block_tables if decode_only else block_tables[seq_index], stream)
+    int64_arrays = [np.asarray(logits_indices, dtype=np.int64), np.asarray(fill_positions, dtype=np.int64),
+                    np.asarray(fill_rows, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
+    if padded is None:
+        int64_arrays += [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping]
+    # Per-sequence metadata for what runs outside the graph (a draft model's forward, tensor-parallel ranks). A
+    # decode step's is the graph's own rows.
+    int32_arrays = [] if padded is not None and decode_only else [
+        query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
     short_queries = 1 < max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
-    if short_queries:
+    if short_queries and padded is None:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
-    int64_d, int32_d = stager.transfer([(torch.int64, int64_arrays), (torch.int32, int32_arrays)], stream)
-    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, fill_positions_d, fill_rows_d, *spec_d = int64_d
-    query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = int32_d
+    groups = [(torch.int64, int64_arrays)] + ([(torch.int32, int32_arrays)] if int32_arrays else [])
+    int64_d, *int32_d = stager.transfer(groups, stream)
+    logits_indices_d, fill_positions_d, fill_rows_d = int64_d[:3]
+    spec_d = int64_d[3:3 + (len(spec_host) - 1 if spec_host is not None else 0)]
+    if padded is None:
+        input_ids_d, positions_d, slot_mapping_d = int64_d[-3:]
+        query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = int32_d[0]
+    else:
+        input_ids_d, positions_d = graph.input_ids[:num_tokens], graph.positions[:num_tokens]
+        slot_mapping_d, decode_rows = graph.slot_mapping[:num_tokens], []
+        if decode_only:
+            query_start_loc_d = graph.decode_query_start_loc[:len(seqs) + 1]
+            seq_lens_d, block_tables_d = graph.seq_lens[:len(seqs)], graph.block_tables[:len(seqs), :max_blocks]
+        else:
+            query_start_loc_d, seq_lens_d, block_tables_d = int32_d[0]
     if len(fill_positions) == 1 and not previous_samples.verified:
         # Batch 1: one slice copy, a launch fewer than gather + scatter (the host is a step's bottleneck here).
         position, row = fill_positions[0], fill_rows[0]
@@ -289,7 +313,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         logits_indices=logits_indices_d,
         sampling_rows=rows,
         sample_row_of_seq=sample_row_of_seq,
-        decode_rows=tuple(decode_rows) if short_queries else None,
+        decode_rows=tuple(decode_rows) if decode_rows else None,
+        staged=None if padded is None else (graph, padded),
         samples_every_row=len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens)),
         spec=None if spec_host is None else SpecLayout(
             seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
@@ -300,19 +325,17 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
 
 def _spec_layout_arrays(spec_tokens: list[list[int]], spec_rows: list[list[int]], query_start_loc: np.ndarray
                         ) -> tuple[np.ndarray, ...]:
-    """(seq_index, num_drafts, draft ids, row index, draft positions), padded to the longest draft list."""
-    seq_index = np.asarray([i for i, drafts in enumerate(spec_tokens) if drafts], dtype=np.int64)
-    num_drafts = np.asarray([len(spec_tokens[i]) for i in seq_index], dtype=np.int64)
-    k = int(num_drafts.max())
-    draft_ids = np.full((len(seq_index), k), -1, dtype=np.int64)
-    row_index = np.empty((len(seq_index), k + 1), dtype=np.int64)
-    draft_positions = np.empty((len(seq_index), k), dtype=np.int64)
-    for n, (i, rows) in enumerate(zip(seq_index.tolist(), spec_rows)):
-        d = len(rows) - 1
-        draft_ids[n, :d] = spec_tokens[i]
-        row_index[n, :d + 1] = rows
-        row_index[n, d + 1:] = rows[-1]
-        first = int(query_start_loc[i + 1]) - d
-        draft_positions[n, :d] = np.arange(first, first + d)
-        draft_positions[n, d:] = first + d - 1
-    return seq_index, num_drafts, draft_ids, row_index, draft_positions
+    """(seq_index, num_drafts, draft ids, row index, draft positions), padded to the longest draft list (built as
+    lists: at batch 1 a numpy call per array cost more than the lists)."""
+    seq_index = [i for i, drafts in enumerate(spec_tokens) if drafts]
+    num_drafts = [len(spec_tokens[i]) for i in seq_index]
+    k = max(num_drafts)
+    ends = query_start_loc.tolist()
+    draft_ids, row_index, draft_positions = [], [], []
+    for i, d, rows in zip(seq_index, num_drafts, spec_rows):
+        pad = k - d
+        draft_ids.append(spec_tokens[i] + [-1] * pad)
+        row_index.append(rows + rows[-1:] * pad)
+        first = ends[i + 1] - d
+        draft_positions.append(list(range(first, first + d)) + [first + d - 1] * pad)
+    return tuple(np.array(a, dtype=np.int64) for a in (seq_index, num_drafts, draft_ids, row_index, draft_positions))

@@ -266,7 +266,8 @@ class ModelRunner:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
-        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream)
+        inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream,
+                                self.graph_runner)
         # Recorded once the host has prepared the inputs: on a device idle for the host it marks when the step's
         # work could begin, so the idle time from the step before (its `ended`) includes that preparation.
         started = StepStart(self.device, stream) if timed else None
