@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import run_metadata, write_json  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.worker.inputs import prepare_inputs  # noqa: E402
+from minivllm.worker.inputs import prepare_inputs, prepare_sampling  # noqa: E402
 
 PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update", "outputs")
 
@@ -48,6 +48,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[st
         out = engine.scheduler.schedule()
         t1 = time.perf_counter()
         inputs = prepare_inputs(out, runner.block_size, runner.stager)
+        prepare_sampling(inputs, out, runner.sampling_stager)
         sync()
         t2 = time.perf_counter()
         hidden, _ = runner._forward(inputs)

@@ -57,7 +57,7 @@ def receive_step(header: tuple, device: torch.device) -> tuple[list[tuple[int, i
                                  seq_lens=seq_lens.to(torch.int32), block_tables=block_tables.to(torch.int32),
                                  max_query_len=max_query_len, max_seq_len=max_seq_len,
                                  query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu)
-    return blocks_to_copy, ModelInputs(ids, positions, metadata, logits_indices, [], {}), prompt_rows
+    return blocks_to_copy, ModelInputs(ids, positions, metadata, logits_indices=logits_indices), prompt_rows
 
 
 @torch.inference_mode()

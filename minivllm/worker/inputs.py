@@ -6,7 +6,7 @@ memory every step costs more than the copy itself).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -90,16 +90,17 @@ class ModelInputs:
     input_ids: torch.Tensor       # [T] int64 (pending tokens filled in on the device)
     positions: torch.Tensor       # [T] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from (repeated for forks)
-    sampling_rows: list[SamplingRow]
-    sample_row_of_seq: dict[int, int]  # seq_id -> the sampling row of its own next token
-    spec: SpecLayout | None = None     # draft tokens to verify, if any sequence speculates
     # Short queries (a verify step) as one decode row per token, staged with the rest: each token's
     # context length (its position + 1) and its sequence's block-table row (see worker/cuda_graph.py).
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-    samples_every_row: bool = False    # logits_indices is 0, 1, ..., T - 1 (plain decode, verify steps)
     # (graph runner, padded rows) when the step's inputs were staged into that runner's decode-graph buffers
     staged: tuple | None = None
+    # Sampling, from `prepare_sampling` (tensor-parallel ranks get logits_indices only):
+    logits_indices: torch.Tensor | None = None  # [S] rows of the hidden states to sample from (repeated for forks)
+    sampling_rows: list[SamplingRow] = field(default_factory=list)
+    sample_row_of_seq: dict[int, int] = field(default_factory=dict)  # seq_id -> the row of its own next token
+    spec: SpecLayout | None = None     # draft tokens to verify, if any sequence speculates
+    samples_every_row: bool = False    # logits_indices is 0, 1, ..., T - 1 (plain decode, verify steps)
 
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8}
@@ -114,17 +115,20 @@ class StagingBuffer:
     every host-side torch call (a copy, an event, a view) is a visible share of a step (spec_decode.py
     --profile), so the device tensors come from one dtype view and one split per group.
 
-    The copy is asynchronous; before the buffer is overwritten by the next step we wait on the event
-    recorded after the previous copy, so a copy still in flight never reads half-new data.
+    The copy is asynchronous; before a buffer is overwritten we wait on the event recorded after its previous
+    copy, so a copy still in flight never reads half-new data. With `num_buffers` > 1 the buffers take turns: a
+    copy queued behind a forward pass is then not waited for by the next step's preparation.
     """
 
     ALIGN_BYTES = 16
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_buffers: int = 1) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self.host = torch.empty(0, dtype=torch.uint8)
-        self.copied = torch.cuda.Event() if self.pinned else None
+        # Pinned buffers used in turn, each with the event recorded after its last copy.
+        self.buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(num_buffers)]
+        self.events = [torch.cuda.Event() for _ in range(num_buffers)] if self.pinned else []
+        self.turn = 0
 
     def transfer(self, groups: list[tuple[torch.dtype, list[np.ndarray]]], stream=None) -> list[list[torch.Tensor]]:
         """[(dtype, host arrays)] -> per group, the arrays as device tensors of that dtype (shapes kept).
@@ -142,10 +146,12 @@ class StagingBuffer:
             plan.append((dtype, np_dtype, arrays, total, end, pieces))
             total = end
         if self.pinned:
-            self.copied.synchronize()
-            if self.host.numel() < total:
-                self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.uint8, pin_memory=True)
-            host = self.host[:total]
+            turn = self.turn = (self.turn + 1) % len(self.buffers)
+            self.events[turn].synchronize()
+            if self.buffers[turn].numel() < total:
+                self.buffers[turn] = torch.empty(max(total, 2 * self.buffers[turn].numel()), dtype=torch.uint8,
+                                                 pin_memory=True)
+            host = self.buffers[turn][:total]
         else:
             host = torch.empty(total, dtype=torch.uint8)   # the returned CPU tensors alias it: fresh each step
         host_bytes = host.numpy()
@@ -157,7 +163,7 @@ class StagingBuffer:
                 offset += n + pad
         if self.pinned:
             flat = host.to(self.device, non_blocking=True)
-            self.copied.record(stream)
+            self.events[turn].record(stream)
         else:
             flat = host
         out = []
@@ -196,9 +202,10 @@ class PinnedBufferPool:
 
 def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: StagingBuffer,
                    previous_samples: PreviousSamples | None = None, stream=None, graph=None) -> ModelInputs:
-    """`previous_samples`: the step still in flight, whose sampled ids fill pending input positions;
-    `stream`: the stream the step runs on (None: the current one); `graph`: the CUDA graph runner, into whose
-    buffers a step its decode graphs replay is staged (worker/cuda_graph.py `stage_decode`)."""
+    """The forward pass's inputs (`prepare_sampling` adds what sampling needs). `previous_samples`: the step still
+    in flight, whose sampled ids fill pending input positions; `stream`: the stream the step runs on (None: the
+    current one); `graph`: the CUDA graph runner, into whose buffers a step its decode graphs replay is staged
+    (worker/cuda_graph.py `stage_decode`)."""
     seqs = scheduler_output.seqs
     num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
@@ -234,35 +241,15 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
-    logits_indices: list[int] = []
-    rows: list[SamplingRow] = []
-    sample_row_of_seq: dict[int, int] = {}
-    spec_rows: list[list[int]] = []  # per speculating sequence: the sampling rows of its verified positions
-    for i, (seq, num_samples, drafts) in enumerate(zip(seqs, scheduler_output.num_samples, spec_tokens)):
-        if num_samples:
-            sample_row_of_seq[seq.seq_id] = len(rows) + len(drafts)
-        end = int(query_start_loc[i + 1])
-        if drafts:
-            # Every draft position and the one after the last draft are scored: num_drafts + 1 rows.
-            spec_rows.append(list(range(len(rows), len(rows) + len(drafts) + 1)))
-            for j in range(len(drafts) + 1):
-                logits_indices.append(end - 1 - len(drafts) + j)
-                rows.append(SequenceSamplingRow(seq, seq.index, drafts, j))
-            continue
-        for k in range(num_samples):
-            logits_indices.append(end - 1)
-            # A forking sequence samples for its future siblings too: sample k becomes sibling k.
-            rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
-
-    spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
     max_query_len = int(num_scheduled.max())
     decode_only = max_query_len == 1
     padded = None if graph is None else graph.decode_size(len(seqs), num_tokens, max_query_len)
     if padded is not None:   # a decode graph's step: its inputs go straight into the graph's buffers
         graph.stage_decode(padded, token_ids, positions, slot_mapping, seq_lens if decode_only else positions + 1,
                            block_tables if decode_only else block_tables[seq_index], stream)
-    int64_arrays = [np.asarray(logits_indices, dtype=np.int64), np.asarray(fill_positions, dtype=np.int64),
-                    np.asarray(fill_rows, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
+    one_fill = len(fill_positions) == 1 and not previous_samples.verified
+    int64_arrays = [] if one_fill or not fill_positions else [np.asarray(fill_positions, dtype=np.int64),
+                                                               np.asarray(fill_rows, dtype=np.int64)]
     if padded is None:
         int64_arrays += [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping]
     # Per-sequence metadata for what runs outside the graph (a draft model's forward, tensor-parallel ranks). A
@@ -272,26 +259,29 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     short_queries = 1 < max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
     if short_queries and padded is None:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
-    groups = [(torch.int64, int64_arrays)] + ([(torch.int32, int32_arrays)] if int32_arrays else [])
-    int64_d, *int32_d = stager.transfer(groups, stream)
-    logits_indices_d, fill_positions_d, fill_rows_d = int64_d[:3]
-    spec_d = int64_d[3:3 + (len(spec_host) - 1 if spec_host is not None else 0)]
+    groups = [(dtype, arrays) for dtype, arrays in ((torch.int64, int64_arrays), (torch.int32, int32_arrays)) if arrays]
+    staged = stager.transfer(groups, stream) if groups else []
+    int64_d = staged.pop(0) if int64_arrays else []
+    int32_d = staged.pop(0) if int32_arrays else []
+    decode_rows = None
     if padded is None:
         input_ids_d, positions_d, slot_mapping_d = int64_d[-3:]
-        query_start_loc_d, seq_lens_d, block_tables_d, *decode_rows = int32_d[0]
+        query_start_loc_d, seq_lens_d, block_tables_d, *rows = int32_d
+        decode_rows = tuple(rows) if rows else None
     else:
         input_ids_d, positions_d = graph.input_ids[:num_tokens], graph.positions[:num_tokens]
-        slot_mapping_d, decode_rows = graph.slot_mapping[:num_tokens], []
+        slot_mapping_d = graph.slot_mapping[:num_tokens]
         if decode_only:
             query_start_loc_d = graph.decode_query_start_loc[:len(seqs) + 1]
             seq_lens_d, block_tables_d = graph.seq_lens[:len(seqs)], graph.block_tables[:len(seqs), :max_blocks]
         else:
-            query_start_loc_d, seq_lens_d, block_tables_d = int32_d[0]
-    if len(fill_positions) == 1 and not previous_samples.verified:
+            query_start_loc_d, seq_lens_d, block_tables_d = int32_d
+    if one_fill:
         # Batch 1: one slice copy, a launch fewer than gather + scatter (the host is a step's bottleneck here).
         position, row = fill_positions[0], fill_rows[0]
         input_ids_d[position:position + 1].copy_(previous_samples.token_ids[row:row + 1], non_blocking=True)
     elif fill_positions:
+        fill_positions_d, fill_rows_d = int64_d[:2]
         filled = previous_samples.token_ids[fill_rows_d]
         # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
         input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled
@@ -306,36 +296,64 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         seq_lens_cpu=seq_lens.tolist(),
         min_query_len=int(num_scheduled.min()),
     )
-    return ModelInputs(
-        input_ids=input_ids_d,
-        positions=positions_d,
-        metadata=metadata,
-        logits_indices=logits_indices_d,
-        sampling_rows=rows,
-        sample_row_of_seq=sample_row_of_seq,
-        decode_rows=tuple(decode_rows) if decode_rows else None,
-        staged=None if padded is None else (graph, padded),
-        samples_every_row=len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens)),
-        spec=None if spec_host is None else SpecLayout(
+    return ModelInputs(input_ids=input_ids_d, positions=positions_d, metadata=metadata, decode_rows=decode_rows,
+                       staged=None if padded is None else (graph, padded))
+
+
+def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, stager: StagingBuffer,
+                     stream=None) -> None:
+    """Fill in `inputs`' sampling rows, the hidden rows they sample and the drafts' layout. Apart from the forward
+    inputs, so that the runner can launch the forward first: after a verify step the device idles until then.
+    `stager`: not the one `prepare_inputs` used (its copy may queue behind the forward)."""
+    seqs = scheduler_output.seqs
+    query_start_loc = inputs.metadata.query_start_loc_cpu
+    num_tokens = query_start_loc[-1]
+    spec_tokens = scheduler_output.spec_token_ids or [[]] * len(seqs)
+    logits_indices: list[int] = []
+    rows: list[SamplingRow] = []
+    sample_row_of_seq: dict[int, int] = {}
+    spec_rows: list[list[int]] = []  # per speculating sequence: the sampling rows of its verified positions
+    for i, (seq, num_samples, drafts) in enumerate(zip(seqs, scheduler_output.num_samples, spec_tokens)):
+        if num_samples:
+            sample_row_of_seq[seq.seq_id] = len(rows) + len(drafts)
+        end = query_start_loc[i + 1]
+        if drafts:
+            # Every draft position and the one after the last draft are scored: num_drafts + 1 rows.
+            spec_rows.append(list(range(len(rows), len(rows) + len(drafts) + 1)))
+            for j in range(len(drafts) + 1):
+                logits_indices.append(end - 1 - len(drafts) + j)
+                rows.append(SequenceSamplingRow(seq, seq.index, drafts, j))
+            continue
+        for k in range(num_samples):
+            logits_indices.append(end - 1)
+            # A forking sequence samples for its future siblings too: sample k becomes sibling k.
+            rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
+    spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
+    arrays = [np.asarray(logits_indices, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
+    (logits_indices_d, *spec_d), = stager.transfer([(torch.int64, arrays)], stream)
+    inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
+    inputs.samples_every_row = len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens))
+    if spec_host is not None:
+        # each speculating sequence's last known token, the one before its drafts
+        last_positions = (np.asarray(inputs.metadata.seq_lens_cpu)[spec_host[0]] - spec_host[1] - 1)
+        inputs.spec = SpecLayout(
             seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
-            last_positions=positions[spec_host[4][:, 0] - 1],
-            num_drafts_d=spec_d[0], draft_token_ids_d=spec_d[1], row_index=spec_d[2], draft_positions=spec_d[3]),
-    )
+            last_positions=last_positions, num_drafts_d=spec_d[0], draft_token_ids_d=spec_d[1], row_index=spec_d[2],
+            draft_positions=spec_d[3])
 
 
-def _spec_layout_arrays(spec_tokens: list[list[int]], spec_rows: list[list[int]], query_start_loc: np.ndarray
+def _spec_layout_arrays(spec_tokens: list[list[int]], spec_rows: list[list[int]], query_start_loc: list[int]
                         ) -> tuple[np.ndarray, ...]:
     """(seq_index, num_drafts, draft ids, row index, draft positions), padded to the longest draft list (built as
     lists: at batch 1 a numpy call per array cost more than the lists)."""
     seq_index = [i for i, drafts in enumerate(spec_tokens) if drafts]
     num_drafts = [len(spec_tokens[i]) for i in seq_index]
     k = max(num_drafts)
-    ends = query_start_loc.tolist()
     draft_ids, row_index, draft_positions = [], [], []
     for i, d, rows in zip(seq_index, num_drafts, spec_rows):
         pad = k - d
         draft_ids.append(spec_tokens[i] + [-1] * pad)
         row_index.append(rows + rows[-1:] * pad)
-        first = ends[i + 1] - d
+        first = query_start_loc[i + 1] - d
         draft_positions.append(list(range(first, first + d)) + [first + d - 1] * pad)
     return tuple(np.array(a, dtype=np.int64) for a in (seq_index, num_drafts, draft_ids, row_index, draft_positions))

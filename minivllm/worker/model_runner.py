@@ -29,7 +29,7 @@ from minivllm.spec_decode.metadata import build_spec_metadata
 from minivllm.spec_decode.rejection_sampler import greedy_verify_host
 from minivllm.worker.cuda_graph import CUDAGraphRunner, max_decode_rows
 from minivllm.worker.inputs import (ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
-                                   prepare_inputs)
+                                   prepare_inputs, prepare_sampling)
 from minivllm.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, resolve_kv_cache_dtype
 from minivllm.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, prompt_logprob_rows
 from minivllm.worker.swap import SwapSpace, num_cpu_blocks
@@ -145,6 +145,9 @@ class ModelRunner:
                     self.kv_cache_bytes / 2**30, 100 * self.kv_cache_bytes / max(budget, 1))
         self.graph_runner: CUDAGraphRunner | None = None
         self.stager = StagingBuffer(self.device)
+        # Sampling's arrays are copied behind the forward pass; two buffers in turn, so that preparing the next step
+        # does not wait for the one on the device.
+        self.sampling_stager = StagingBuffer(self.device, num_buffers=2)
         self.host_buffers = PinnedBufferPool()
         self.bitmask_stager = StagingBuffer(self.device)
         self._previous_samples: PreviousSamples | None = None
@@ -274,6 +277,11 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.set_step(scheduler_output)
         prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
+        # Sampling's inputs after the forward's launch, unless a draft model (the drafts' layout) or the other
+        # tensor-parallel ranks (the rows to sample) need them first.
+        sampling_first = self.proposer is not None or self.step_broadcaster is not None
+        if sampling_first:
+            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs,
                                   None if prompt_rows is None else prompt_rows[1])
@@ -282,6 +290,8 @@ class ModelRunner:
         if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
         hidden, all_logits = self._forward(inputs)
+        if not sampling_first:
+            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         if not inputs.sampling_rows:
             self._previous_samples = None
