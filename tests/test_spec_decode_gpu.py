@@ -77,8 +77,9 @@ def _has_default_model() -> bool:
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_real_model_fp32_greedy_identical_at_batch_1(method):
     """The speculation benchmark's setting (the real model, batch 1, its grounded prompts; adaptive n-gram
-    with chained and discarded steps, suffix decoding on every step: the controller may switch suffix
-    decoding off on this model, and then nothing would be verified) in fp32: every output equals plain
+    with every verify step chained, so that chained and discarded steps both happen (priced on a machine's
+    measured gaps, chaining may never pay there), suffix decoding on every step: the controller may switch
+    suffix decoding off on this model, and then nothing would be verified) in fp32: every output equals plain
     decoding. In bf16 a few outputs part at near-ties, where a verify step's logits for a position differ in
     the last bits from a decode step's (WRITEUP.md section 5)."""
     from bench.spec_decode import NGRAM, SUFFIX, grounded_chats
@@ -90,6 +91,8 @@ def test_real_model_fp32_greedy_identical_at_batch_1(method):
     batched_reference = [o.outputs[0].token_ids for o in plain.chat(chats, params, use_tqdm=False)]
     del plain
     llm = LLM(speculative_config=NGRAM if method == "ngram" else {**SUFFIX, "adaptive": False}, **options)
+    if method == "ngram":
+        llm.llm_engine.spec.chaining.chains = lambda seq_ids, plain_cost: True
     outputs = [llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids for chat in chats]
     assert outputs == reference
     assert [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)] == batched_reference
