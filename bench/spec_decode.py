@@ -6,7 +6,8 @@ Parts, all in one run on one device (results in spec_decode_<gpu>.json with devi
          (bench/spec_workloads.py: input-grounded, open-ended and repetitive chats built from real text); gives
          the top-level keys grounded_b1_speedup, open_b1_speedup, grounded_b8_speedup, grounded_b32_speedup
          (n-gram at its defaults) and
-         suffix_repetitive_b1_speedup, ngram_repetitive_b1_speedup (best run of each mode over off's).
+         suffix_repetitive_b1_speedup, ngram_repetitive_b1_speedup (each the median over eight sweeps of a mode's
+         tokens/s over off's in the same sweep).
   real   the real default model, batch 1, greedy, the input-grounded chat prompts: tokens/s with no
          speculation, n-gram, suffix decoding and draft-layers, the acceptance per draft position and the
          mean tokens per verify step; outputs compared.

@@ -12,7 +12,8 @@ Without graphs a forward pass costs the host about 25 ms of Python and launch ov
 H100 for Llama-3-8B), twice the GPU time of a 512-token prefill: time to first token would be host-bound.
 A replay costs the host well under a millisecond. Padding rows write no KV (slot -1) and padding
 sequences have no query tokens and no context, so the kernels skip them; their hidden rows are
-never read.
+never read. The graphs read their inputs from views of one device buffer with a pinned host mirror: a decode
+step's inputs go in with one copy (`stage_decode`, called by `prepare_inputs`), a mixed step's by a copy per buffer.
 
 A step of short queries (a verify step: 1 + k tokens per sequence) replays a decode graph with one row
 per token: row t attends to its sequence's first `positions[t] + 1` tokens (its own KV is written just
