@@ -204,8 +204,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
                    previous_samples: PreviousSamples | None = None, stream=None, graph=None) -> ModelInputs:
     """The forward pass's inputs (`prepare_sampling` adds what sampling needs). `previous_samples`: the step still
     in flight, whose sampled ids fill pending input positions; `stream`: the stream the step runs on (None: the
-    current one); `graph`: the CUDA graph runner, into whose buffers a step its decode graphs replay is staged
-    (worker/cuda_graph.py `stage_decode`)."""
+    current one); `graph`: the CUDA graph runner, which takes a step one of its decode graphs replays straight into
+    that graph's buffers (worker/cuda_graph.py `stage_decode`)."""
     seqs = scheduler_output.seqs
     num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
@@ -260,9 +260,9 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     if short_queries and padded is None:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
     groups = [(dtype, arrays) for dtype, arrays in ((torch.int64, int64_arrays), (torch.int32, int32_arrays)) if arrays]
-    staged = stager.transfer(groups, stream) if groups else []
-    int64_d = staged.pop(0) if int64_arrays else []
-    int32_d = staged.pop(0) if int32_arrays else []
+    sent = stager.transfer(groups, stream) if groups else []
+    int64_d = sent.pop(0) if int64_arrays else []
+    int32_d = sent.pop(0) if int32_arrays else []
     decode_rows = None
     if padded is None:
         input_ids_d, positions_d, slot_mapping_d = int64_d[-3:]
