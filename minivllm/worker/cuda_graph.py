@@ -108,22 +108,21 @@ class CUDAGraphRunner:
         layout = {"input_ids": (torch.int64, (n,)), "positions": (torch.int64, (n,)),
                   "slot_mapping": (torch.int64, (n,)), "seq_lens": (torch.int32, (self.max_batch,)),
                   "block_tables": (torch.int32, (self.max_batch, max_blocks_per_seq))}
-        offsets, total = {}, 0
+        spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
         for name, (kind, shape) in layout.items():
-            offsets[name] = total
-            total += -(-int(np.prod(shape)) * kind.itemsize // 16) * 16
+            nbytes = int(np.prod(shape)) * kind.itemsize
+            spans[name] = slice(total, total + nbytes)
+            total += -(-nbytes // 16) * 16
         self._inputs = torch.zeros(total, dtype=torch.uint8, device=device)
         self._mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         self._mirror_copied = torch.cuda.Event()
         self._host = {}   # numpy views of the mirror, by name
         for name, (kind, shape) in layout.items():
-            nbytes = int(np.prod(shape)) * kind.itemsize
-            setattr(self, name, self._inputs[offsets[name]:offsets[name] + nbytes].view(kind).view(shape))
-            self._host[name] = self._mirror[offsets[name]:offsets[name] + nbytes].numpy().view(
-                np.int64 if kind == torch.int64 else np.int32).reshape(shape)
+            setattr(self, name, self._inputs[spans[name]].view(kind).view(shape))
+            self._host[name] = self._mirror[spans[name]].view(kind).view(shape).numpy()
         self.slot_mapping.fill_(-1)
         self._host["slot_mapping"][:] = -1
-        self._block_tables_offset = offsets["block_tables"]
+        self._block_tables_offset = spans["block_tables"].start
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
@@ -223,7 +222,7 @@ class CUDAGraphRunner:
         host["seq_lens"][:rows] = seq_lens
         host["seq_lens"][rows:padded] = 0
         host["block_tables"][:rows, :block_tables.shape[1]] = block_tables
-        end = self._block_tables_offset + padded * self.block_tables.stride(0) * 4
+        end = self._block_tables_offset + padded * self.block_tables.stride(0) * self.block_tables.element_size()
         self._inputs[:end].copy_(self._mirror[:end], non_blocking=True)
         self._mirror_copied.record(stream)
 

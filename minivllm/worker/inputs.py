@@ -1,8 +1,10 @@
 """Flatten one SchedulerOutput into the model's input tensors and attention metadata.
 
-Vectorised with numpy over tokens; the only Python loop is over scheduled sequences. All arrays (int64
-and int32) travel in one host-to-device copy from a persistent pinned staging buffer (pinning fresh
-memory every step costs more than the copy itself).
+Vectorised with numpy over tokens; the only Python loop is over scheduled sequences. Two parts: the forward
+pass's inputs (`prepare_inputs`) and sampling's (`prepare_sampling`, built once the forward is launched). Each
+part's arrays (int64 and int32) travel in one host-to-device copy from a persistent pinned staging buffer (pinning
+fresh memory every step costs more than the copy itself); a step that replays a decode graph writes its forward
+inputs into the graph's own pinned mirror instead (worker/cuda_graph.py `stage_decode`).
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ class StagingBuffer:
 
     Each array starts on a 16-byte boundary: Triton specialises kernels on whether pointers are 16-byte
     aligned, so an array landing at an odd offset in one step would recompile the kernels reading it
-    mid-run (a fresh compile costs a step ~200 ms). One copy per step rather than one per dtype: at batch 1
+    mid-run (a fresh compile costs a step ~200 ms). One copy per transfer rather than one per dtype: at batch 1
     every host-side torch call (a copy, an event, a view) is a visible share of a step (spec_decode.py
     --profile), so the device tensors come from one dtype view and one split per group.
 
