@@ -35,6 +35,28 @@ def test_gemv_matches_linear(tile, with_bias):
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("tile", dense_gemv.GEMV_STREAM_TILES + ((3, 1, 2, 0, "stream"),))
+@pytest.mark.parametrize("n", [37, 203])
+def test_streaming_gemv_matches_linear(tile, n):
+    """The streaming tiles (each program several tiles of rows, the next in flight while one is summed; the first
+    loaded before or after the PDL wait) equal F.linear's row, with a bias; they take no norm and no row wider than
+    STREAM_MAX_K."""
+    g = torch.Generator().manual_seed(n)
+    k = 1100
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    x = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
+    out = dense_gemv.gemv(x, weight, bias, tile)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    assert out.shape == (1, n)
+    torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="no norm"):
+        dense_gemv.gemv(x, weight, None, tile, norm=RowNorm(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-5))
+    wide = torch.zeros(n, dense_gemv.STREAM_MAX_K + 1, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        dense_gemv.gemv(torch.zeros(1, wide.shape[1], dtype=torch.bfloat16, device=DEVICE), wide, None, tile)
+
+
 @pytest.mark.parametrize("tile, num_rows, with_bias", [
     (tile, num_rows, with_bias) for num_rows, with_bias in [(2, False), (3, True), (8, True), (13, False), (48, True)]
     for tile in dense_gemv.rows_tiles(num_rows)])
@@ -164,7 +186,7 @@ def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
         weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
         bias = torch.randn(n, generator=g).to("cuda", torch.bfloat16) if with_bias else None
         for num_rows, padded in ((1, 1), (6, 8), (40, 64)):
-            tiles = dense_gemv.GEMV_TILES if num_rows == 1 else dense_gemv.rows_tiles(padded)
+            tiles = dense_gemv.GEMV_TILES + dense_gemv.GEMV_STREAM_TILES if num_rows == 1 else dense_gemv.rows_tiles(padded)
             x = torch.randn(num_rows, k, generator=g).to("cuda", torch.bfloat16)
             dense_gemv.linear(x, weight, bias)   # times the candidates (outside any capture)
             key = ("dense_gemv", torch.bfloat16, (n, k), with_bias, *((("rows", padded),) if num_rows > 1 else ()))

@@ -6,7 +6,10 @@ attention and router (a few to 20 MB) cuBLAS's kernels stop short of it: they sp
 kernel, or run too few programs to keep enough loads in flight. Here each program owns BLOCK_N output rows and
 streams them whole (BLOCK_K columns per load, fp32 sums), so the grid has N / BLOCK_N programs and one kernel
 does the layer. Whether it or cuBLAS runs, and with which tile, is timed per weight shape on the GPU
-(`kernels/tuning.pick`, cuBLAS among the candidates), so a shape where cuBLAS is faster keeps it.
+(`kernels/tuning.pick`, cuBLAS among the candidates), so a shape where cuBLAS is faster keeps it. The streaming
+tiles (`_gemv_stream_kernel`) are candidates too: a few programs per SM, each streaming a run of whole rows a tile at a
+time with the next tile's load in flight, the first tile loaded before the PDL wait, so a short grid launches at once
+and its first weight bytes overlap the kernel in front.
 
 A few rows (a weight of at most `ROWS_MAX_WEIGHT_BYTES`) take `_gemv_rows_kernel` (up to 8 rows: each program
 streams its weight rows once and multiplies them by every input row on the CUDA cores) or `_gemv_rows_mma_kernel`
@@ -45,6 +48,12 @@ from minivllm.kernels.rmsnorm import RowNorm
 # fastest tile at every shape was one of these three (`tuner_us` in bench/results/models_h200.json and
 # throughput_w1_h200.json); each candidate costs start-up time to time.
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
+# (programs per SM, BLOCK_N, num_warps, EARLY, "stream") of `_gemv_stream_kernel`, one row of at most STREAM_MAX_K
+# columns (a whole row of a BLOCK_N-row tile in registers, the next tile's in flight). Offered to the tuner beside the
+# tiles above, on an H200 they made batch-1 decode 1.7% faster at Qwen3-30B-A3B and 1.4% at Llama-3-8B (alternating in
+# one process, every shape timed again per setting: `gemv_stream` in bench/results/decode_ab_h200.json).
+GEMV_STREAM_TILES = ((4, 2, 4, 1, "stream"), (8, 2, 4, 1, "stream"))
+STREAM_MAX_K = 4096
 # Most input rows the GEMV takes; the tiles of `_gemv_rows_kernel` (up to 8 rows; each program reads the rows of x
 # once per BLOCK_N weight rows, from L2) and of `_gemv_rows_mma_kernel` (marked "mma"; a tile takes rows padded to
 # 16 or the next power of 2 while BLOCK_K x rows <= MMA_TILE_ELEMENTS, so x's tile stays at 16 KB).
@@ -121,6 +130,37 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, rows_per_program, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """out[n] = x . w[n] (+ b[n]) for one row of x: each program streams `rows_per_program` whole rows (K <= BLOCK_K),
+    BLOCK_N at a time, with the next BLOCK_N rows' load issued before the current ones are reduced. EARLY: the first
+    rows are loaded before the PDL wait (weights are no earlier kernel's output)."""
+    first = tl.program_id(0) * rows_per_program
+    last = tl.minimum(first + rows_per_program, N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    offs_r = tl.arange(0, BLOCK_N)
+    columns = w_ptr + offs_k[None, :]
+    rows = first + offs_r
+    if EARLY:
+        w = tl.load(columns + rows[:, None].to(tl.int64) * stride_wn, mask=(rows < last)[:, None] & k_mask[None, :],
+                    other=0.0)
+    wait_for_previous(PDL)
+    if not EARLY:
+        w = tl.load(columns + rows[:, None].to(tl.int64) * stride_wn, mask=(rows < last)[:, None] & k_mask[None, :],
+                    other=0.0)
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    for start in range(first, last, BLOCK_N):
+        rows = start + offs_r
+        upcoming = rows + BLOCK_N
+        w_next = tl.load(columns + upcoming[:, None].to(tl.int64) * stride_wn,
+                         mask=(upcoming < last)[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        _store_row(out_ptr, acc, b_ptr, rows, rows < last, HAS_BIAS)
+        w = w_next
 
 
 @triton.jit
@@ -209,6 +249,22 @@ def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
              mask=n_mask[:, None] & m_mask[None, :])
 
 
+def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple) -> torch.Tensor:
+    """`gemv` with a `GEMV_STREAM_TILES` tile (on the CPU, as if on 4 SMs)."""
+    programs_per_sm, block_n, warps, early = tile[:4]
+    if weight.shape[1] > STREAM_MAX_K:
+        raise ValueError(f"the streaming GEMV takes rows of at most {STREAM_MAX_K} columns")
+    n, k = weight.shape
+    programs = programs_per_sm * (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4)
+    per_program = triton.cdiv(triton.cdiv(n, programs), block_n) * block_n
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    _gemv_stream_kernel[(triton.cdiv(n, per_program),)](
+        x, weight, weight if bias is None else bias, out, n, k, weight.stride(0), per_program,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), EARLY=early, num_warps=warps,
+        **launch_options(x.device))
+    return out
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int],
          norm: RowNorm | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x of at most `MAX_ROWS` rows (a [1, K] row or [K]: one) with the given tile;
@@ -236,6 +292,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
             num_warps=warps, **launch_options(x.device))
         return out
     x = x.contiguous()
+    if tile[-1] == "stream":
+        if norm is not None:
+            raise ValueError("the streaming GEMV folds no norm")
+        return _gemv_stream(x, weight, bias, tile)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     grid = triton.cdiv(n, block_n)
     residual = stream = normed = norm_weight = None
@@ -281,5 +341,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
     tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
     candidates = tiles if norm is not None else (None, *tiles)
+    if rows == 1 and norm is None and x.shape[-1] <= STREAM_MAX_K:
+        candidates += GEMV_STREAM_TILES
     tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
     return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)
