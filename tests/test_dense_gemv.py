@@ -39,7 +39,7 @@ def test_gemv_matches_linear(tile, with_bias):
 @pytest.mark.parametrize("n", [37, 203])
 def test_streaming_gemv_matches_linear(tile, n):
     """The streaming tiles (each program several tiles of rows, the next in flight while one is summed; the first
-    loaded before or after the PDL wait) equal F.linear's row, with a bias; they take no norm and no row wider than
+    loaded before or after the PDL wait) equal F.linear's row, with a bias; they take no row wider than
     STREAM_MAX_K."""
     g = torch.Generator().manual_seed(n)
     k = 1100
@@ -50,8 +50,6 @@ def test_streaming_gemv_matches_linear(tile, n):
     expected = F.linear(x.float(), weight.float(), bias.float())
     assert out.shape == (1, n)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match="no norm"):
-        dense_gemv.gemv(x, weight, None, tile, norm=RowNorm(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-5))
     wide = torch.zeros(n, dense_gemv.STREAM_MAX_K + 1, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="at most"):
         dense_gemv.gemv(torch.zeros(1, wide.shape[1], dtype=torch.bfloat16, device=DEVICE), wide, None, tile)
@@ -94,7 +92,7 @@ def _row(k, seed, scale=1.0):
     return (torch.randn(1, k, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE, torch.bfloat16)
 
 
-@pytest.mark.parametrize("tile", [dense_gemv.GEMV_TILES[0], dense_gemv.GEMV_TILES[-1]])
+@pytest.mark.parametrize("tile", [dense_gemv.GEMV_TILES[0], dense_gemv.GEMV_TILES[-1], *dense_gemv.GEMV_STREAM_TILES])
 @pytest.mark.parametrize("with_residual, write_normed, with_bias", [
     (True, True, False), (True, False, True), (False, True, False)])
 def test_gemv_with_norm_matches_the_norm_then_the_linear(tile, with_residual, write_normed, with_bias):
@@ -201,15 +199,19 @@ def test_linear_is_timed_per_shape_and_matches_cublas_in_a_graph():
 
 
 @pytest.mark.gpu
-def test_norm_folds_into_small_grids_only_and_matches_in_a_graph():
-    """On the GPU the norm folds into a router-sized GEMV and not into a qkv-sized one; with it folded in, every tile,
-    replayed from a CUDA graph, gives the norm kernel's residual stream and normed row exactly and the norm kernel
-    then the projection's output to bf16 rounding."""
+def test_norm_folds_into_small_grids_and_streaming_tiles_and_matches_in_a_graph():
+    """On the GPU the norm folds into a router-sized GEMV, and into a qkv-sized one only where the streaming tiles take
+    its rows (the only tiles offered there); with it folded in, every tile, replayed from a CUDA graph, gives the norm
+    kernel's residual stream and normed row exactly and the norm kernel then the projection's output to bf16
+    rounding."""
+    from minivllm.kernels import tuning
     from minivllm.kernels.rmsnorm import fused_add_rms_norm
-    x = torch.zeros(1, 2048, dtype=torch.bfloat16, device="cuda")
-    assert not dense_gemv.folds_norm(x, torch.zeros(5120, 2048, dtype=torch.bfloat16, device="cuda"))
+    wide = dense_gemv.STREAM_MAX_K * 2
+    assert not dense_gemv.folds_norm(torch.zeros(1, wide, dtype=torch.bfloat16, device="cuda"),
+                                     torch.zeros(5120, wide, dtype=torch.bfloat16, device="cuda"))
     g = torch.Generator().manual_seed(2)
-    for n, k in ((128, 2048), (8, 4096)):   # Qwen3-30B-A3B's and Mixtral-8x7B's routers
+    # Qwen3-30B-A3B's and Mixtral-8x7B's routers, Qwen3-30B-A3B's qkv_proj
+    for n, k in ((128, 2048), (8, 4096), (5120, 2048)):
         weight = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
         norm_weight = (1.0 + 0.1 * torch.randn(k, generator=g)).to("cuda", torch.bfloat16)
         x, residual = (torch.randn(1, k, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
@@ -217,7 +219,10 @@ def test_norm_folds_into_small_grids_only_and_matches_in_a_graph():
         stream, normed = torch.empty_like(x), torch.empty_like(x)
         norm = RowNorm(norm_weight, 1e-6, residual, stream, normed)
         dense_gemv.linear(x, weight, None, norm=norm)   # times the tiles (outside any capture)
-        for tile in dense_gemv.GEMV_TILES:
+        tiles = dense_gemv.GEMV_STREAM_TILES if n > dense_gemv.NORM_FOLD_MAX_ROWS else (
+            *dense_gemv.GEMV_TILES, *dense_gemv.GEMV_STREAM_TILES)
+        assert tuning._chosen[("dense_gemv", torch.bfloat16, (n, k), False, "norm")] in tiles
+        for tile in tiles:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = dense_gemv.gemv(x, weight, None, tile, norm=norm)

@@ -26,7 +26,10 @@ inverse RMS is a scalar of the row, so it factors out of the sum: each program s
 weight and the squares of x + residual in one pass over K and scales at the end. The normed row is not rounded to
 16 bits before the products, as the norm kernel's output is; `normed` asks for that rounded row too, for the
 layer's other consumers (an MoE block's experts). Every program repeats the norm's loads and arithmetic, so the
-fold pays only on a small grid (`NORM_FOLD_MAX_ROWS`).
+fold pays only on a small grid (`NORM_FOLD_MAX_ROWS`) or in the streaming tiles, whose few programs each norm the
+row once for a run of rows: there it made batch-1 decode 3.2% faster at Qwen3-30B-A3B (its input norm in qkv_proj)
+and 2.0% at Llama-3-8B (both norms, in qkv_proj and gate_up_proj) on an H200 (`norm_in_stream_gemv` in
+bench/results/decode_ab_h200.json).
 
 Reference: `torch.nn.functional.linear` (after `rmsnorm.fused_add_rms_norm_reference` with a norm).
 """
@@ -81,11 +84,12 @@ def rows_tiles(num_rows: int) -> tuple:
         t for t in GEMV_MMA_TILES if t[1] * mma_rows(num_rows) <= MMA_TILE_ELEMENTS)
 
 
-# The norm folds into projections of at most this many output rows. Each kernel's marginal time in batch-1 decode
+# The norm folds into projections of at most this many output rows in any tile, of more in the streaming tiles only
+# (their few programs norm the row once each for a run of rows). Each kernel's marginal time in batch-1 decode
 # steps on an H200 (bench/results/decode_layer_marginals_h200.json): Qwen3-30B-A3B's router (128 rows) with the
 # norm folded in took 2.56 us against 2.17 + 1.41 for it and the norm kernel, while its qkv_proj (5,120 rows) took
-# 9.18 against 6.43 + 1.57, and Llama-3-8B's (6,144 rows) 16.58 against 13.63 + 1.86: on a large grid the repeated
-# norm costs more than the launch it saves.
+# 9.18 against 6.43 + 1.57, and Llama-3-8B's (6,144 rows) 16.58 against 13.63 + 1.86, one or two rows a program: on
+# a large grid of those the repeated norm costs more than the launch it saves.
 NORM_FOLD_MAX_ROWS = 1024
 
 
@@ -133,11 +137,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
 
 
 @triton.jit
-def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, rows_per_program, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """out[n] = x . w[n] (+ b[n]) for one row of x: each program streams `rows_per_program` whole rows (K <= BLOCK_K),
-    BLOCK_N at a time, with the next BLOCK_N rows' load issued before the current ones are reduced. EARLY: the first
-    rows are loaded before the PDL wait (weights are no earlier kernel's output)."""
+def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K,
+                        stride_wn, rows_per_program, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                        WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """out[n] = x . w[n] (+ b[n]) for one row of x (NORM: of RMSNorm(x (+ residual)) * norm weight, as `_gemv_kernel`
+    computes it): each program streams `rows_per_program` whole rows (K <= BLOCK_K), BLOCK_N at a time, with the
+    next BLOCK_N rows' load issued before the current ones are reduced. EARLY: the first rows are loaded before the
+    PDL wait (weights are no earlier kernel's output)."""
     first = tl.program_id(0) * rows_per_program
     last = tl.minimum(first + rows_per_program, N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -152,13 +159,33 @@ def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, rows_per_
     if not EARLY:
         w = tl.load(columns + rows[:, None].to(tl.int64) * stride_wn, mask=(rows < last)[:, None] & k_mask[None, :],
                     other=0.0)
+    dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM:
+        if ADD:   # the residual stream's next value, rounded as it is stored
+            x = (x + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / K + eps)
+        if ADD or WRITE_NORMED:   # this program's share of the row, for the kernels after this one
+            offs = tl.program_id(0) * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
+            inside = offs < K
+            row = tl.load(x_ptr + offs, mask=inside, other=0.0)
+            if ADD:
+                residual = tl.load(residual_ptr + offs, mask=inside, other=0.0)
+                row = (row.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+                tl.store(stream_ptr + offs, row, mask=inside)
+            if WRITE_NORMED:   # as kernels/rmsnorm.py rounds: normalised, rounded, scaled, rounded
+                normed = (row.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
+                normed *= tl.load(norm_weight_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+                tl.store(normed_ptr + offs, normed.to(dtype), mask=inside)
+        x = x * tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     for start in range(first, last, BLOCK_N):
         rows = start + offs_r
         upcoming = rows + BLOCK_N
         w_next = tl.load(columns + upcoming[:, None].to(tl.int64) * stride_wn,
                          mask=(upcoming < last)[:, None] & k_mask[None, :], other=0.0)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if NORM:
+            acc *= inv_rms
         _store_row(out_ptr, acc, b_ptr, rows, rows < last, HAS_BIAS)
         w = w_next
 
@@ -249,19 +276,27 @@ def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
              mask=n_mask[:, None] & m_mask[None, :])
 
 
-def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple) -> torch.Tensor:
+def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple,
+                 norm: RowNorm | None) -> torch.Tensor:
     """`gemv` with a `GEMV_STREAM_TILES` tile (on the CPU, as if on 4 SMs)."""
     programs_per_sm, block_n, warps, early = tile[:4]
-    if weight.shape[1] > STREAM_MAX_K:
-        raise ValueError(f"the streaming GEMV takes rows of at most {STREAM_MAX_K} columns")
     n, k = weight.shape
+    if k > STREAM_MAX_K:
+        raise ValueError(f"the streaming GEMV takes rows of at most {STREAM_MAX_K} columns")
     programs = programs_per_sm * (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4)
     per_program = triton.cdiv(triton.cdiv(n, programs), block_n) * block_n
+    grid = triton.cdiv(n, per_program)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _gemv_stream_kernel[(triton.cdiv(n, per_program),)](
-        x, weight, weight if bias is None else bias, out, n, k, weight.stride(0), per_program,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), EARLY=early, num_warps=warps,
-        **launch_options(x.device))
+    residual = stream = normed = norm_weight = None
+    if norm is not None:
+        norm_weight, residual, stream, normed = norm.weight, norm.residual, norm.stream, norm.normed
+    _gemv_stream_kernel[(grid,)](
+        x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
+        x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
+        n, k, weight.stride(0), per_program, 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None,
+        NORM=norm is not None, ADD=residual is not None, WRITE_NORMED=normed is not None,
+        WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n,
+        BLOCK_K=triton.next_power_of_2(k), EARLY=early, num_warps=warps, **launch_options(x.device))
     return out
 
 
@@ -293,9 +328,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
         return out
     x = x.contiguous()
     if tile[-1] == "stream":
-        if norm is not None:
-            raise ValueError("the streaming GEMV folds no norm")
-        return _gemv_stream(x, weight, bias, tile)
+        return _gemv_stream(x, weight, bias, tile, norm)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     grid = triton.cdiv(n, block_n)
     residual = stream = normed = norm_weight = None
@@ -324,8 +357,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` takes a `norm` for this call: one row and a small grid (NORM_FOLD_MAX_ROWS)."""
-    return supports(x, weight) and x.numel() == x.shape[-1] and weight.shape[0] <= NORM_FOLD_MAX_ROWS
+    """Whether `linear` takes a `norm` for this call: one row, and a small grid (NORM_FOLD_MAX_ROWS) or rows the
+    streaming tiles take (STREAM_MAX_K)."""
+    return (supports(x, weight) and x.numel() == x.shape[-1]
+            and (weight.shape[0] <= NORM_FOLD_MAX_ROWS or x.shape[-1] <= STREAM_MAX_K))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -341,7 +376,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
     tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
     candidates = tiles if norm is not None else (None, *tiles)
-    if rows == 1 and norm is None and x.shape[-1] <= STREAM_MAX_K:
-        candidates += GEMV_STREAM_TILES
+    if rows == 1 and x.shape[-1] <= STREAM_MAX_K:
+        # a large grid repeats the norm in every program: only the streaming tiles' few programs take it there
+        candidates = GEMV_STREAM_TILES if norm is not None and weight.shape[0] > NORM_FOLD_MAX_ROWS else (
+            *candidates, *GEMV_STREAM_TILES)
     tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
     return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)

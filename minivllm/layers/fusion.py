@@ -80,7 +80,8 @@ def norms_in_gemvs(pairs, x: torch.Tensor) -> list[bool]:
     """For each (norm, projection) of a decoder layer at input x, whether the projection may take the norm as a
     PendingNorm: x is one token, the norm a plain RMSNorm on its Triton path (`fusable_into_gemv`, no quantized
     output) and the projection's quant method able to norm its input in its GEMV (`norms_input`: int4 at one row
-    on Hopper; 16-bit weights at one row on the GPU where the grid is small, as an MoE router's). Each norm so
+    on Hopper; 16-bit weights at one row on the GPU where the grid is small, as an MoE router's, or the rows short
+    enough for the streaming GEMV tiles). Each norm so
     taken runs no kernel of its own; its residual add happens in the same GEMV."""
     if envs.MINIVLLM_DISABLE_FUSIONS or x.shape[0] != 1:
         return [False] * len(pairs)

@@ -41,8 +41,8 @@ class UnquantizedLinearMethod:
             return dense_gemv.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
-    # At one row on the GPU, a projection with a small grid (an MoE router) runs the decoder layer's norm before
-    # it in its GEMV (layers/fusion.PendingNorm, kernels/dense_gemv.folds_norm).
+    # At one row on the GPU, a projection with a small grid (an MoE router) or rows the GEMV's streaming tiles take
+    # runs the decoder layer's norm before it in its GEMV (layers/fusion.PendingNorm, kernels/dense_gemv.folds_norm).
     def norms_input(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return dense_gemv.folds_norm(x, layer.weight)
 
