@@ -94,6 +94,25 @@ NORM_FOLD_MAX_ROWS = 1024
 
 
 @triton.jit
+def _write_row_share(x_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, K, inv_rms, ADD: tl.constexpr,
+                     WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr):
+    """This program's share of the row for the kernels after a GEMV with the norm folded in: x + residual (the
+    residual stream's next value) and the normed row, rounded as kernels/rmsnorm.py rounds them."""
+    dtype = x_ptr.dtype.element_ty
+    offs = tl.program_id(0) * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
+    inside = offs < K
+    row = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + offs, mask=inside, other=0.0)
+        row = (row.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(stream_ptr + offs, row, mask=inside)
+    if WRITE_NORMED:   # normalised, rounded, scaled, rounded
+        normed = (row.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
+        normed *= tl.load(norm_weight_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + offs, normed.to(dtype), mask=inside)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K, stride_wn,
                  eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, WRITE_NORMED: tl.constexpr,
                  WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -119,18 +138,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
     if NORM:
         inv_rms = tl.math.rsqrt(tl.sum(squares, 0) / K + eps)
         acc *= inv_rms
-        if ADD or WRITE_NORMED:   # this program's share of the row, for the kernels after this one
-            offs = tl.program_id(0) * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
-            inside = offs < K
-            row = tl.load(x_ptr + offs, mask=inside, other=0.0)
-            if ADD:
-                residual = tl.load(residual_ptr + offs, mask=inside, other=0.0)
-                row = (row.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                tl.store(stream_ptr + offs, row, mask=inside)
-            if WRITE_NORMED:   # as kernels/rmsnorm.py rounds: normalised, rounded, scaled, rounded
-                normed = (row.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
-                normed *= tl.load(norm_weight_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-                tl.store(normed_ptr + offs, normed.to(dtype), mask=inside)
+        if ADD or WRITE_NORMED:
+            _write_row_share(x_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, K, inv_rms, ADD, WRITE_NORMED,
+                             WRITE_BLOCK)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -165,18 +175,9 @@ def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_
         if ADD:   # the residual stream's next value, rounded as it is stored
             x = (x + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / K + eps)
-        if ADD or WRITE_NORMED:   # this program's share of the row, for the kernels after this one
-            offs = tl.program_id(0) * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
-            inside = offs < K
-            row = tl.load(x_ptr + offs, mask=inside, other=0.0)
-            if ADD:
-                residual = tl.load(residual_ptr + offs, mask=inside, other=0.0)
-                row = (row.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                tl.store(stream_ptr + offs, row, mask=inside)
-            if WRITE_NORMED:   # as kernels/rmsnorm.py rounds: normalised, rounded, scaled, rounded
-                normed = (row.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
-                normed *= tl.load(norm_weight_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-                tl.store(normed_ptr + offs, normed.to(dtype), mask=inside)
+        if ADD or WRITE_NORMED:
+            _write_row_share(x_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, K, inv_rms, ADD, WRITE_NORMED,
+                             WRITE_BLOCK)
         x = x * tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     for start in range(first, last, BLOCK_N):
         rows = start + offs_r
