@@ -45,6 +45,7 @@ import triton.language as tl
 from minivllm.kernels import tuning
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 from minivllm.kernels.rmsnorm import RowNorm
+from minivllm.kernels.split_k import num_sms
 
 # (BLOCK_N, BLOCK_K, num_warps): one or two rows a program keep the most loads in flight. Timed on an H200 against
 # cuBLAS for the attention, router and MLP shapes of Llama-3-8B, Qwen3-30B-A3B, Mixtral-8x7B and GPT-2 XL, the
@@ -277,6 +278,20 @@ def _gemv_rows_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
              mask=n_mask[:, None] & m_mask[None, :])
 
 
+def _norm_arguments(x: torch.Tensor, norm: RowNorm | None, grid: int) -> dict:
+    """The one-row kernels' norm arguments for `norm` over a grid of `grid` programs (x stands in for the tensors a
+    call without them does not read)."""
+    k = x.shape[-1]
+    share = {"WRITE_BLOCK": max(16, triton.next_power_of_2(triton.cdiv(k, grid)))}
+    if norm is None:
+        return {"residual_ptr": x, "norm_weight_ptr": x, "stream_ptr": x, "normed_ptr": x, "eps": 0.0, "NORM": False,
+                "ADD": False, "WRITE_NORMED": False, **share}
+    residual, normed = norm.residual, norm.normed
+    return {"residual_ptr": x if residual is None else residual.contiguous(), "norm_weight_ptr": norm.weight,
+            "stream_ptr": x if norm.stream is None else norm.stream, "normed_ptr": x if normed is None else normed,
+            "eps": norm.eps, "NORM": True, "ADD": residual is not None, "WRITE_NORMED": normed is not None, **share}
+
+
 def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple,
                  norm: RowNorm | None) -> torch.Tensor:
     """`gemv` with a `GEMV_STREAM_TILES` tile (on the CPU, as if on 4 SMs)."""
@@ -284,20 +299,13 @@ def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n, k = weight.shape
     if k > STREAM_MAX_K:
         raise ValueError(f"the streaming GEMV takes rows of at most {STREAM_MAX_K} columns")
-    programs = programs_per_sm * (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4)
-    per_program = triton.cdiv(triton.cdiv(n, programs), block_n) * block_n
+    per_program = triton.cdiv(triton.cdiv(n, programs_per_sm * num_sms(x.device)), block_n) * block_n
     grid = triton.cdiv(n, per_program)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    residual = stream = normed = norm_weight = None
-    if norm is not None:
-        norm_weight, residual, stream, normed = norm.weight, norm.residual, norm.stream, norm.normed
     _gemv_stream_kernel[(grid,)](
-        x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
-        x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
-        n, k, weight.stride(0), per_program, 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None,
-        NORM=norm is not None, ADD=residual is not None, WRITE_NORMED=normed is not None,
-        WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k), EARLY=early, num_warps=warps, **launch_options(x.device))
+        x, weight, weight if bias is None else bias, out, N=n, K=k, stride_wn=weight.stride(0),
+        rows_per_program=per_program, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
+        EARLY=early, num_warps=warps, **_norm_arguments(x, norm, grid), **launch_options(x.device))
     return out
 
 
@@ -332,16 +340,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
         return _gemv_stream(x, weight, bias, tile, norm)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     grid = triton.cdiv(n, block_n)
-    residual = stream = normed = norm_weight = None
-    if norm is not None:
-        norm_weight, residual, stream, normed = norm.weight, norm.residual, norm.stream, norm.normed
     _gemv_kernel[(grid,)](
-        x, weight, weight if bias is None else bias, out, x if residual is None else residual.contiguous(),
-        x if norm_weight is None else norm_weight, x if stream is None else stream, x if normed is None else normed,
-        n, k, weight.stride(0), 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None, NORM=norm is not None,
-        ADD=residual is not None, WRITE_NORMED=normed is not None,
-        WRITE_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(k, grid))), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **launch_options(x.device))
+        x, weight, weight if bias is None else bias, out, N=n, K=k, stride_wn=weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **_norm_arguments(x, norm, grid), **launch_options(x.device))
     return out
 
 
