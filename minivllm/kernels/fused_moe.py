@@ -331,15 +331,22 @@ def _moe_down_combine_gemv_kernel(a_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr,
     """out[token, n] = sum over the token's TOP_K slots of weight[slot] * (a[slot] . w2[e, n]), e the slot's expert.
     All TOP_K experts' rows stream as one 3-D tile [TOP_K, BLOCK_N, BLOCK_K] per step, so the program keeps
     TOP_K times the loads of a single GEMV in flight. Each slot's product is rounded to the output dtype before
-    the sum, where the grouped path rounds it."""
-    wait_for_previous(PDL)
+    the sum, where the grouped path rounds it.
+
+    The expert ids and the first BLOCK_K columns of the rows are loaded before the PDL wait, overlapping the gate/up
+    GEMV's tail: the ids are the output of the kernel before that one, which is complete once the gate/up GEMV lets
+    this kernel launch (it does so only past its own wait). Only `a`, the gate/up GEMV's output, waits."""
     token, slots, k_valid, experts, offs_n = token_slots(ids_ptr, TOP_K, BLOCK_TOPK, BLOCK_N)
     n_mask = offs_n < N
     rows = (w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn)
-    a_rows = a_ptr + slots[:, None] * stride_am
     row_mask = k_valid[:, None, None] & n_mask[None, :, None]
-    acc = tl.zeros((BLOCK_TOPK, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first_k = tl.arange(0, BLOCK_K)
+    w_first = tl.load(rows + first_k[None, None, :], mask=row_mask & (first_k < K)[None, None, :], other=0.0)
+    wait_for_previous(PDL)
+    a_rows = a_ptr + slots[:, None] * stride_am
+    a_first = tl.load(a_rows + first_k[None, :], mask=k_valid[:, None] & (first_k < K)[None, :], other=0.0)
+    acc = tl.sum(w_first.to(tl.float32) * a_first.to(tl.float32)[:, None, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=k_valid[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
