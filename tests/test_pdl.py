@@ -1,5 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on an H100 a CUDA graph of
-dependent PDL kernels computes exactly what the same kernels compute launched one after another (`gpu`)."""
+dependent PDL kernels (a quantized layer chain; an MoE decode chain whose down GEMV reads routing's output before
+its wait) computes exactly what the same kernels compute launched one after another (`gpu`)."""
 from __future__ import annotations
 
 import pytest
@@ -71,22 +72,58 @@ def test_graph_of_pdl_kernels_matches_ordinary_launches(monkeypatch, fused_sum, 
     gemv_tile = GemvConfig(128, 128, 4, 3, fused_sum=fused_sum, half=half)
     x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
     residual = torch.randn_like(x)
-    results = {}
-    for mode in ("0", setting):
-        monkeypatch.setenv("MINIVLLM_PDL", mode)
-        assert pdl.mode(device) == int(mode)
-        _chain(x, residual, layers, w8a8_tile, gemv_tile)   # compiles the kernels and sizes the tickets
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, new_residual = _chain(x, residual, layers, w8a8_tile, gemv_tile)
-        replays = []
-        for _ in range(20):   # a race would show as a replay that differs
-            graph.replay()
-            replays.append(torch.cat([out, new_residual], dim=1).clone())
-        torch.cuda.synchronize()
-        results[mode] = replays
+    results = {mode: _graph_replays(monkeypatch, mode, lambda: torch.cat(
+        _chain(x, residual, layers, w8a8_tile, gemv_tile), dim=1)) for mode in ("0", setting)}
     reference = results["0"][0]
     assert torch.isfinite(reference.float()).all()
     for replay in results["0"] + results[setting]:
+        assert torch.equal(replay, reference)
+
+
+def _graph_replays(monkeypatch, mode: str, chain) -> list[torch.Tensor]:
+    """`chain()`'s output over 20 replays of a CUDA graph of it captured with MINIVLLM_PDL=mode (a race would show
+    as a replay that differs)."""
+    monkeypatch.setenv("MINIVLLM_PDL", mode)
+    assert pdl.mode(torch.device("cuda")) == int(mode)
+    chain()   # compiles the kernels and sizes the tickets
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    replays = []
+    for _ in range(20):
+        graph.replay()
+        replays.append(out.clone())
+    torch.cuda.synchronize()
+    return replays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+def test_moe_decode_chain_of_pdl_kernels_matches_ordinary_launches(monkeypatch):
+    """Router GEMV -> routing -> gate/up GEMV -> down GEMV, layer after layer at one token: the down GEMV reads the
+    expert ids routing wrote two kernels before, ahead of its own wait. Each layer routes differently, so ids read
+    too early (a previous layer's, in a buffer the graph's pool reuses) would pick other experts."""
+    from minivllm.kernels import dense_gemv, fused_moe
+    from minivllm.kernels.moe_routing import route
+    device = torch.device("cuda")
+    hidden, inter, num_experts = 1024, 384, 64   # 384 columns: the down GEMV's first 256 and a masked rest
+    g = torch.Generator(device=device).manual_seed(0)
+    layers = [((torch.randn(num_experts, hidden, device=device, generator=g) / hidden ** 0.5).bfloat16(),
+               (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=g) / hidden ** 0.5).bfloat16(),
+               (torch.randn(num_experts, hidden, inter, device=device, generator=g) / inter ** 0.5).bfloat16())
+              for _ in range(12)]
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+
+    def chain():   # every layer on x (a chain through SwiGLU layers would overflow or vanish), one after another
+        outs = []
+        for router, w13, w2 in layers:
+            weights, ids = route(dense_gemv.gemv(x, router, None, dense_gemv.GEMV_TILES[0]), 8, True)
+            outs.append(fused_moe._few_token_experts(x, w13, w2, weights, ids, None, None, fused_moe.GEMV_TILES[0]))
+        return torch.cat(outs)
+    results = {mode: _graph_replays(monkeypatch, mode, chain) for mode in ("0", "1")}
+    reference = results["0"][0]
+    assert torch.isfinite(reference.float()).all() and reference.abs().max() > 0
+    for replay in results["0"] + results["1"]:
         assert torch.equal(replay, reference)
