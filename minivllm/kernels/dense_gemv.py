@@ -52,11 +52,11 @@ from minivllm.kernels.split_k import num_sms
 # fastest tile at every shape was one of these three (`tuner_us` in bench/results/models_h200.json and
 # throughput_w1_h200.json); each candidate costs start-up time to time.
 GEMV_TILES = ((1, 1024, 1), (2, 2048, 2), (4, 1024, 4))
-# (programs per SM, BLOCK_N, num_warps, EARLY, "stream") of `_gemv_stream_kernel`, one row of at most STREAM_MAX_K
+# (programs per SM, BLOCK_N, num_warps, "stream") of `_gemv_stream_kernel`, one row of at most STREAM_MAX_K
 # columns (a whole row of a BLOCK_N-row tile in registers, the next tile's in flight). Offered to the tuner beside the
 # tiles above, on an H200 they made batch-1 decode 1.7% faster at Qwen3-30B-A3B and 1.4% at Llama-3-8B (alternating in
 # one process, every shape timed again per setting: `gemv_stream` in bench/results/decode_ab_h200.json).
-GEMV_STREAM_TILES = ((4, 2, 4, 1, "stream"), (8, 2, 4, 1, "stream"))
+GEMV_STREAM_TILES = ((4, 2, 4, "stream"), (8, 2, 4, "stream"))
 STREAM_MAX_K = 4096
 # Most input rows the GEMV takes; the tiles of `_gemv_rows_kernel` (up to 8 rows; each program reads the rows of x
 # once per BLOCK_N weight rows, from L2) and of `_gemv_rows_mma_kernel` (marked "mma"; a tile takes rows padded to
@@ -151,11 +151,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, st
 def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_ptr, stream_ptr, normed_ptr, N, K,
                         stride_wn, rows_per_program, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                         WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[n] = x . w[n] (+ b[n]) for one row of x (NORM: of RMSNorm(x (+ residual)) * norm weight, as `_gemv_kernel`
     computes it): each program streams `rows_per_program` whole rows (K <= BLOCK_K), BLOCK_N at a time, with the
-    next BLOCK_N rows' load issued before the current ones are reduced. EARLY: the first rows are loaded before the
-    PDL wait (weights are no earlier kernel's output)."""
+    next BLOCK_N rows' load issued before the current ones are reduced. The first rows are loaded before the PDL wait
+    (weights are no earlier kernel's output)."""
     first = tl.program_id(0) * rows_per_program
     last = tl.minimum(first + rows_per_program, N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -163,13 +163,9 @@ def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, residual_ptr, norm_weight_
     offs_r = tl.arange(0, BLOCK_N)
     columns = w_ptr + offs_k[None, :]
     rows = first + offs_r
-    if EARLY:
-        w = tl.load(columns + rows[:, None].to(tl.int64) * stride_wn, mask=(rows < last)[:, None] & k_mask[None, :],
-                    other=0.0)
+    w = tl.load(columns + rows[:, None].to(tl.int64) * stride_wn, mask=(rows < last)[:, None] & k_mask[None, :],
+                other=0.0)
     wait_for_previous(PDL)
-    if not EARLY:
-        w = tl.load(columns + rows[:, None].to(tl.int64) * stride_wn, mask=(rows < last)[:, None] & k_mask[None, :],
-                    other=0.0)
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if NORM:
@@ -295,7 +291,7 @@ def _norm_arguments(x: torch.Tensor, norm: RowNorm | None, grid: int) -> dict:
 def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple,
                  norm: RowNorm | None) -> torch.Tensor:
     """`gemv` with a `GEMV_STREAM_TILES` tile (on the CPU, as if on 4 SMs)."""
-    programs_per_sm, block_n, warps, early = tile[:4]
+    programs_per_sm, block_n, warps = tile[:3]
     n, k = weight.shape
     if k > STREAM_MAX_K:
         raise ValueError(f"the streaming GEMV takes rows of at most {STREAM_MAX_K} columns")
@@ -305,7 +301,7 @@ def _gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _gemv_stream_kernel[(grid,)](
         x, weight, weight if bias is None else bias, out, N=n, K=k, stride_wn=weight.stride(0),
         rows_per_program=per_program, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
-        EARLY=early, num_warps=warps, **_norm_arguments(x, norm, grid), **launch_options(x.device))
+        num_warps=warps, **_norm_arguments(x, norm, grid), **launch_options(x.device))
     return out
 
 
