@@ -127,3 +127,66 @@ def test_moe_decode_chain_of_pdl_kernels_matches_ordinary_launches(monkeypatch):
     assert torch.isfinite(reference.float()).all() and reference.abs().max() > 0
     for replay in results["0"] + results["1"]:
         assert torch.equal(replay, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+def test_decode_attention_behind_its_kv_write_under_pdl_matches_ordinary_launches(monkeypatch):
+    """KV write -> split-K decode attention -> reduce, layer after layer, for a verify step's 16 rows of one
+    sequence (the last row's 16 fresh keys), a plain decode row and a padding row. The attention loads the keys
+    before each row's last 16 positions ahead of its wait; the step's own keys, written by the kernel just
+    before, must be read after it. Every replay writes new keys (its input changes), so keys read too early
+    (the previous replay's) would show as a difference."""
+    from minivllm.kernels.decode_attention import FRESH_POSITIONS, paged_decode_attention
+    from minivllm.kernels.kv_write import write_kv
+    device = torch.device("cuda")
+    kv_heads, group, head_dim, block_size, layers = 2, 4, 128, 16, 6
+    g = torch.Generator(device=device).manual_seed(0)
+    verify_start = 200   # the verifying sequence's context before this step
+    rows = FRESH_POSITIONS + 2
+    seq_lens = torch.tensor([verify_start + 1 + j for j in range(FRESH_POSITIONS)] + [77, 0], device=device,
+                            dtype=torch.int32)
+    blocks = torch.randperm(64, generator=g, device=device).to(torch.int32)
+    tables = torch.zeros(rows, 16, dtype=torch.int32, device=device)
+    tables[:FRESH_POSITIONS, :14] = blocks[:14]   # the verify rows share one sequence's blocks
+    tables[FRESH_POSITIONS, :5] = blocks[14:19]
+    positions = torch.cat([torch.arange(verify_start, verify_start + FRESH_POSITIONS, device=device),
+                           torch.tensor([76], device=device)])
+    slots = tables[torch.arange(rows - 1, device=device), positions // block_size].long() * block_size \
+        + positions % block_size
+    slots = torch.cat([slots, torch.tensor([-1], device=device)])
+    caches = [(torch.randn(64, block_size, kv_heads, head_dim, device=device, generator=g).bfloat16(),
+               torch.randn(64, block_size, kv_heads, head_dim, device=device, generator=g).bfloat16())
+              for _ in range(layers)]
+    mixes = [torch.randn(head_dim, head_dim, device=device, generator=g).bfloat16() / head_dim ** 0.5
+             for _ in range(layers)]
+    x = torch.zeros(rows, kv_heads * group, head_dim, device=device, dtype=torch.bfloat16)
+
+    def chain():
+        h, outs = x, []
+        for (k_cache, v_cache), mix in zip(caches, mixes):
+            kv = (h[:, :kv_heads] @ mix).contiguous()   # this step's keys and values follow the input
+            write_kv(kv, -kv, k_cache, v_cache, slots)
+            h = paged_decode_attention(h, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
+            outs.append(h)
+        return torch.cat(outs)
+
+    inputs = [torch.randn(x.shape, device=device, generator=g).bfloat16() for _ in range(12)]
+    expected = []
+    monkeypatch.setenv("MINIVLLM_PDL", "0")
+    for value in inputs:
+        x.copy_(value)
+        expected.append(chain().clone())
+    monkeypatch.setenv("MINIVLLM_PDL", "1")
+    assert pdl.mode(device) == 1
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for value, reference in zip(inputs, expected):
+        x.copy_(value)
+        graph.replay()
+        assert torch.isfinite(reference.float()).all() and reference[:rows - 1].abs().max() > 0
+        assert torch.equal(out, reference)
