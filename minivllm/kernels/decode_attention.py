@@ -18,10 +18,6 @@ Design:
 - Per-layer options, compiled in only when used (constexpr flags): a sliding window starts the key
   loop at seq_len - W (split-K partitions wholly before it write an empty partial result), and a
   logit soft cap maps each score s to c * tanh(s / c) before the softmax.
-- Early loads under PDL (kernels/pdl.py): a partition program reads its length, pages and first key/value tile
-  before it waits for the kernel before it (the KV write or rotary kernel), all but the keys of the row's last
-  `FRESH_POSITIONS` positions, which this step may have written and which it loads after the wait; the reduce
-  kernel reads the length before its wait. The first tile's loads then overlap the previous kernel's tail.
 - CUDA-graph safe: no host syncs, and the grids depend only on shapes (batch, kv heads and a split
   count derived from them and `block_tables.shape[1]`, the most blocks any sequence can own); programs
   whose partition starts past their sequence's length exit at once.
@@ -41,9 +37,6 @@ LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
 LONG_PARTITION_SIZE = 1024  # tokens: the shortest partition once batch x kv_heads gives every SM a program
-# A row's keys at positions before its last FRESH_POSITIONS were written by earlier steps: a step's rows of one
-# sequence (a verify step's query tokens, one row each) number at most this many (the worker's decode rows).
-FRESH_POSITIONS = 16
 
 
 @triton.jit
@@ -71,35 +64,6 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
-def _tile_rows(block_table, tile_start, end, kv_head, cache_stride_block, cache_stride_row, cache_stride_h,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A key tile's positions, which of them lie in the partition, and their cache row offsets (a tile may span
-    several pages)."""
-    positions = tile_start + tl.arange(0, BLOCK_N)
-    valid = positions < end
-    pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row + kv_head * cache_stride_h
-    return positions, valid, rows
-
-
-@triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap_scale,
-                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One key tile into the running softmax: k [D, N], v [N, D] -> (m_i, l_i, acc)."""
-    scores = _dot(q, k, DOT_PRECISION, UPCAST)                                # [G, N]
-    if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
-        scores = _tanh(scores * softcap_scale)
-    scores = scores * qk_scale
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.math.exp2(scores - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-    return m_new, l_i, acc
-
-
 # The block-table width changes every step in eager mode; specialising on it would recompile mid-run.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_partition_kernel(
@@ -112,66 +76,60 @@ def _decode_partition_kernel(
         SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr):
+        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Lengths and block tables are the step's inputs, copied in before its first kernel, and keys before the last
-    # FRESH positions were written by earlier steps: all may be read before the wait (kernels/pdl.py).
     seq_len = tl.load(seq_lens_ptr + seq)
     num_used = 1
     if SPLIT:
         partition = _partition_size(seq_len, tl.num_programs(2), fixed_partition, min_partition)
         num_used = (seq_len + partition - 1) // partition
         start = split * partition
-        end = tl.minimum(start + partition, seq_len)   # at most start: a partition past the context
+        if start >= seq_len:  # this partition lies past the context: no work, nothing written
+            return
+        end = tl.minimum(start + partition, seq_len)
     else:
         start = 0
         end = seq_len
     if USE_WINDOW:   # the query (position seq_len - 1) sees the last `sliding_window` keys only
         start = tl.maximum(start, seq_len - sliding_window)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    positions, valid, rows = _tile_rows(block_table, start, end, kv_head, cache_stride_block, cache_stride_row,
-                                        cache_stride_h, BLOCK_SIZE, BLOCK_N)
-    settled = valid & (positions < seq_len - FRESH)
-    dtype = query_ptr.dtype.element_ty
-    k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=settled[None, :] & dim_mask[:, None],
-                other=0.0).to(dtype)   # [D, N]
-    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=settled[:, None] & dim_mask[None, :],
-                other=0.0).to(dtype)   # [N, D]
-    wait_for_previous(PDL)   # before the early return below too (see kernels/pdl.py)
-    if SPLIT:
-        if start >= seq_len:  # this partition lies past the context: no work, nothing written
-            return
-    fresh = valid & (positions >= seq_len - FRESH)   # this step's keys, written by the kernel before
-    k = tl.where(fresh[None, :], tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
-                                          mask=fresh[None, :] & dim_mask[:, None], other=0.0).to(dtype), k)
-    v = tl.where(fresh[:, None], tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
-                                          mask=fresh[:, None] & dim_mask[None, :], other=0.0).to(dtype), v)
 
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * num_queries_per_kv + group
     head_mask = group < num_queries_per_kv
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
     q = tl.load(query_ptr + seq.to(tl.int64) * query_stride_t + heads[:, None] * query_stride_h
                 + dims[None, :], mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of scores (log2 units)
     l_i = tl.zeros([BLOCK_G], tl.float32)                  # running softmax denominator
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if start < end:   # not a padding row's empty context, nor a partition wholly before the window
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap_scale,
-                                     DOT_PRECISION, UPCAST, SOFTCAP)
-    for tile_start in range(start + BLOCK_N, end, BLOCK_N):
-        positions, valid, rows = _tile_rows(block_table, tile_start, end, kv_head, cache_stride_block,
-                                            cache_stride_row, cache_stride_h, BLOCK_SIZE, BLOCK_N)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < end
+        # Gather token rows through the block table; a tile may span several pages.
+        pages = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row \
+            + kv_head * cache_stride_h
         k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None],
                     mask=valid[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
+        scores = _dot(q, k, DOT_PRECISION, UPCAST)                                # [G, N]
+        if SOFTCAP:   # tanh of the scaled score; qk_scale then holds cap * log2(e)
+            scores = _tanh(scores * softcap_scale)
+        scores = scores * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :],
                     mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap_scale,
-                                     DOT_PRECISION, UPCAST, SOFTCAP)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
 
     acc = acc * v_scale   # the values' dequantization scale, once per output instead of per element
     out_mask = head_mask[:, None] & dim_mask[None, :]
@@ -200,12 +158,12 @@ def _decode_reduce_kernel(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
         head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
         min_partition, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)   # a step input: read before the wait (see the partition kernel)
+    seq_len = tl.load(seq_lens_ptr + seq)
     partition = _partition_size(seq_len, splits, fixed_partition, min_partition)
     num_used = (seq_len + partition - 1) // partition   # only these were written
-    wait_for_previous(PDL)
     if num_used == 1:   # the partition kernel wrote the output
         return
     base = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head
@@ -354,8 +312,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         SPLIT=split, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, FRESH=FRESH_POSITIONS,
-        **pdl,
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](

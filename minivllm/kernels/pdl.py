@@ -9,9 +9,8 @@ before it reads or writes anything another kernel touches, on every path (also b
 each kernel's completion still implies that of all kernels before it. Right after the wait it lets its own
 successor launch, so the overlap is one kernel deep, and a kernel may read before its wait what the kernels two or
 more back wrote: its predecessor let it launch only once past the wait for them (the few-token MoE down GEMV
-loads its expert ids, routing's output, and their first weights so), and anything a step's inputs or earlier steps
-wrote (decode attention loads the cached keys and values before the step's own so). CUDA graphs keep these launches
-as programmatic edges.
+loads its expert ids, routing's output, and their first weights so). CUDA graphs keep these launches as
+programmatic edges.
 
 Off (PDL=0, an ordinary launch) on CPU, under the interpreter, before sm_90, and with MINIVLLM_PDL=0 (envs.py).
 """
