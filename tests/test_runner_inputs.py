@@ -1,12 +1,17 @@
-"""The runner's host-side plumbing: staging buffers and the CUDA graph size ladders (no GPU needed)."""
+"""The runner's host-side plumbing: staging buffers, the CUDA graph size ladders and a verify step's staging into
+a decode graph (no GPU needed)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from minivllm.worker.cuda_graph import SPEC_DECODE_ROWS, capture_sizes, max_decode_rows, mixed_capture_sizes
-from minivllm.worker.inputs import StagingBuffer
+from minivllm.core.interfaces import SchedulerOutput
+from minivllm.core.sequence import Sequence, SequenceGroup
+from minivllm.sampling_params import SamplingParams
+from minivllm.worker.cuda_graph import (SPEC_DECODE_ROWS, CUDAGraphRunner, capture_sizes, max_decode_rows,
+                                        mixed_capture_sizes)
+from minivllm.worker.inputs import StagingBuffer, prepare_inputs
 
 
 def test_staging_buffer_returns_every_array_on_a_16_byte_boundary():
@@ -46,3 +51,72 @@ def test_decode_graphs_take_verify_steps_of_every_sequence_up_to_the_cap():
     assert max_decode_rows(1, 15) == 16 and max_decode_rows(8, 5) == 48 and max_decode_rows(32, 0) == 32
     assert max_decode_rows(32, 5) == SPEC_DECODE_ROWS and max_decode_rows(256, 5) == 256
     assert capture_sizes(max_decode_rows(1, 5))[-1] == 6 and capture_sizes(max_decode_rows(1, 15)) == [1, 2, 4, 8, 16]
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+
+class _HostGraphs(CUDAGraphRunner):
+    """The graph runner's staging (`decode_size`, `stage_decode`, `row_views`) over CPU buffers: one byte buffer and
+    its mirror, viewed per input as the runner lays them out; no graphs."""
+
+    def __init__(self, max_batch: int, max_blocks: int) -> None:
+        self.sizes, self.max_seqs, self.max_batch = capture_sizes(max_batch), max_batch, max_batch
+        layout = (("input_ids", torch.int64, (max_batch,)), ("positions", torch.int64, (max_batch,)),
+                  ("slot_mapping", torch.int64, (max_batch,)), ("seq_lens", torch.int32, (max_batch,)),
+                  ("block_tables", torch.int32, (max_batch, max_blocks)))
+        total = sum(-(-int(np.prod(shape)) * kind.itemsize // 16) * 16 for _, kind, shape in layout)
+        self._inputs, self._mirror = torch.zeros(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+        self._mirror_copied, self._host, self._row_views, start = _HostEvent(), {}, {}, 0
+        for name, kind, shape in layout:
+            end = start + int(np.prod(shape)) * kind.itemsize
+            setattr(self, name, self._inputs[start:end].view(kind).view(shape))
+            self._host[name] = self._mirror[start:end].view(kind).view(shape).numpy()
+            if name == "block_tables":
+                self._block_tables_offset = start
+            start = -(-end // 16) * 16
+        self.decode_query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32)
+
+
+def _sequence(token_ids: list[int], block_table: list[int], num_computed: int) -> Sequence:
+    seq = SequenceGroup("r", None, token_ids, SamplingParams(max_tokens=64)).seqs[0]
+    seq.block_table, seq.num_computed_tokens = block_table, num_computed
+    return seq
+
+
+@pytest.mark.parametrize("sequence_tensors", [True, False])
+def test_verify_step_staged_into_a_decode_graph_one_row_per_token(sequence_tensors):
+    """A verify step of two sequences (3 and 2 drafts) lands in the 8-row decode graph's buffers one row per token:
+    its token, position, slot, context length (position + 1) and its sequence's block-table row; padding rows write
+    no KV. The per-sequence metadata is the same whether it goes to the device or stays on the host, and staying
+    on the host makes no staging copy."""
+    block_size = 4
+    a = _sequence(list(range(100, 110)), [7, 3, 9, 1], 10)   # 10 tokens known, 3 drafts: rows at positions 9..12
+    b = _sequence(list(range(200, 205)), [5, 2], 5)       # 5 tokens known, 2 drafts: rows at positions 4..6
+    out = SchedulerOutput(seqs=[a, b], num_computed_tokens=[9, 4], num_scheduled_tokens=[4, 3], num_samples=[1, 1],
+                          spec_token_ids=[[11, 12, 13], [21, 22]])
+    graphs, stager = _HostGraphs(8, 4), StagingBuffer(torch.device("cpu"))
+    transfers = []
+    transfer = stager.transfer
+    stager.transfer = lambda groups, stream=None: transfers.append(groups) or transfer(groups, stream)
+    inputs = prepare_inputs(out, block_size, stager, graph=graphs, sequence_tensors=sequence_tensors)
+    assert inputs.staged == (graphs, 8)
+    positions = [9, 10, 11, 12, 4, 5, 6]
+    tables = [[7, 3, 9, 1]] * 4 + [[5, 2]] * 3
+    slots = [table[p // block_size] * block_size + p % block_size for p, table in zip(positions, tables)]
+    assert graphs.input_ids[:7].tolist() == [109, 11, 12, 13, 204, 21, 22]
+    assert graphs.positions[:7].tolist() == positions and inputs.positions.tolist() == positions
+    assert graphs.slot_mapping.tolist() == slots + [-1]
+    assert graphs.seq_lens[:7].tolist() == [p + 1 for p in positions] and graphs.seq_lens[7] == 0
+    assert [row[:len(table)] for row, table in zip(graphs.block_tables[:7].tolist(), tables)] == tables
+    meta = inputs.metadata
+    assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 4, 7]
+    assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [13, 7] and meta.num_seqs == 2
+    assert meta.block_tables.tolist() == [[7, 3, 9, 1], [5, 2, 0, 0]]
+    assert (meta.max_query_len, meta.min_query_len, meta.max_seq_len) == (4, 3, 13)
+    assert len(transfers) == sequence_tensors   # the host-only metadata made no staging copy

@@ -8,6 +8,7 @@ inputs into the graph's own pinned mirror instead (worker/cuda_graph.py `stage_d
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,18 +204,23 @@ class PinnedBufferPool:
 
 
 def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: StagingBuffer,
-                   previous_samples: PreviousSamples | None = None, stream=None, graph=None) -> ModelInputs:
+                   previous_samples: PreviousSamples | None = None, stream=None, graph=None,
+                   sequence_tensors: bool = True) -> ModelInputs:
     """The forward pass's inputs (`prepare_sampling` adds what sampling needs). `previous_samples`: the step still
     in flight, whose sampled ids fill pending input positions; `stream`: the stream the step runs on (None: the
     current one); `graph`: the CUDA graph runner, which takes a step one of its decode graphs replays straight into
-    that graph's buffers (worker/cuda_graph.py `stage_decode`)."""
+    that graph's buffers (worker/cuda_graph.py `stage_decode`); `sequence_tensors`: whether such a step of several
+    rows a sequence (a verify step) needs its per-sequence metadata on the device too, for what runs outside the
+    graph (a draft model, tensor-parallel ranks). Without, that metadata stays on the host: after a verify step
+    the device idles until this step is launched, and that copy was a third of the host's preparation."""
     seqs = scheduler_output.seqs
-    num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
+    scheduled = scheduler_output.num_scheduled_tokens
+    num_scheduled = np.asarray(scheduled, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
                         dtype=np.int64)
     seq_lens = starts + num_scheduled
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    query_start_loc[1:] = list(itertools.accumulate(scheduled))   # np.cumsum into a view costs more at a few rows
     num_tokens = int(query_start_loc[-1])
 
     spec_tokens = scheduler_output.spec_token_ids or [[]] * len(seqs)
@@ -230,7 +236,9 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
             fill_positions.append(len(token_ids))
             fill_rows.append(previous_samples.row_of_seq[seq.seq_id])
             token_ids.append(0)
-        token_ids.extend(max(t, 0) for t in drafts)  # device-proposed drafts are written in later
+        if drafts and min(drafts) < 0:   # device-proposed drafts (-1) are written in later
+            drafts = [max(t, 0) for t in drafts]
+        token_ids.extend(drafts)
 
     max_blocks = max(len(s.block_table) for s in seqs)
     block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
@@ -243,7 +251,7 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
-    max_query_len = int(num_scheduled.max())
+    max_query_len = max(scheduled)
     decode_only = max_query_len == 1
     padded = None if graph is None else graph.decode_size(len(seqs), num_tokens, max_query_len)
     if padded is not None:   # a decode graph's step: its inputs go straight into the graph's buffers
@@ -256,8 +264,9 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         int64_arrays += [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping]
     # Per-sequence metadata for what runs outside the graph (a draft model's forward, tensor-parallel ranks). A
     # decode step's is the graph's own rows.
-    int32_arrays = [] if padded is not None and decode_only else [
-        query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
+    sequence_arrays = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
+    on_host = padded is not None and not decode_only and not sequence_tensors
+    int32_arrays = [] if padded is not None and (decode_only or on_host) else sequence_arrays
     short_queries = 1 < max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
     if short_queries and padded is None:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
@@ -271,11 +280,12 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         query_start_loc_d, seq_lens_d, block_tables_d, *rows = int32_d
         decode_rows = tuple(rows) if rows else None
     else:
-        input_ids_d, positions_d = graph.input_ids[:num_tokens], graph.positions[:num_tokens]
-        slot_mapping_d = graph.slot_mapping[:num_tokens]
+        input_ids_d, positions_d, slot_mapping_d = graph.row_views(num_tokens)
         if decode_only:
             query_start_loc_d = graph.decode_query_start_loc[:len(seqs) + 1]
             seq_lens_d, block_tables_d = graph.seq_lens[:len(seqs)], graph.block_tables[:len(seqs), :max_blocks]
+        elif on_host:   # nothing on the device reads them: a use there fails instead of reading stale rows
+            query_start_loc_d, seq_lens_d, block_tables_d = (torch.from_numpy(a) for a in sequence_arrays)
         else:
             query_start_loc_d, seq_lens_d, block_tables_d = int32_d
     if one_fill:
@@ -287,16 +297,17 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         filled = previous_samples.token_ids[fill_rows_d]
         # A rejected position's -1 feeds only a step that is discarded: keep it a valid id.
         input_ids_d[fill_positions_d] = filled.clamp_min(0) if previous_samples.verified else filled
+    seq_lens_cpu = seq_lens.tolist()
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping_d,
         query_start_loc=query_start_loc_d,
         seq_lens=seq_lens_d,
         block_tables=block_tables_d,
         max_query_len=max_query_len,
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max(seq_lens_cpu),
         query_start_loc_cpu=query_start_loc.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        min_query_len=int(num_scheduled.min()),
+        seq_lens_cpu=seq_lens_cpu,
+        min_query_len=min(scheduled),
     )
     return ModelInputs(input_ids=input_ids_d, positions=positions_d, metadata=metadata, decode_rows=decode_rows,
                        staged=None if padded is None else (graph, padded))

@@ -269,17 +269,17 @@ class ModelRunner:
             self.swap_space.apply(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
+        # Sampling's inputs after the forward's launch, unless a draft model (the drafts' layout) or the other
+        # tensor-parallel ranks (the rows to sample) need them first; these need the per-sequence metadata too.
+        sampling_first = self.proposer is not None or self.step_broadcaster is not None
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream,
-                                self.graph_runner)
+                                self.graph_runner, sequence_tensors=sampling_first)
         # Recorded once the host has prepared the inputs: on a device idle for the host it marks when the step's
         # work could begin, so the idle time from the step before (its `ended`) includes that preparation.
         started = StepStart(self.device, stream) if timed else None
         if self.lora_manager is not None:
             self.lora_manager.set_step(scheduler_output)
         prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
-        # Sampling's inputs after the forward's launch, unless a draft model (the drafts' layout) or the other
-        # tensor-parallel ranks (the rows to sample) need them first.
-        sampling_first = self.proposer is not None or self.step_broadcaster is not None
         if sampling_first:
             prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
         if self.step_broadcaster is not None:
