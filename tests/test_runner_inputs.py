@@ -62,24 +62,13 @@ class _HostEvent:
 
 
 class _HostGraphs(CUDAGraphRunner):
-    """The graph runner's staging (`decode_size`, `stage_decode`, `row_views`) over CPU buffers: one byte buffer and
-    its mirror, viewed per input as the runner lays them out; no graphs."""
+    """The graph runner's staging (`decode_size`, `stage_decode`, `row_views`) over its input buffers laid out on the
+    CPU; no graphs."""
 
     def __init__(self, max_batch: int, max_blocks: int) -> None:
         self.sizes, self.max_seqs, self.max_batch = capture_sizes(max_batch), max_batch, max_batch
-        layout = (("input_ids", torch.int64, (max_batch,)), ("positions", torch.int64, (max_batch,)),
-                  ("slot_mapping", torch.int64, (max_batch,)), ("seq_lens", torch.int32, (max_batch,)),
-                  ("block_tables", torch.int32, (max_batch, max_blocks)))
-        total = sum(-(-int(np.prod(shape)) * kind.itemsize // 16) * 16 for _, kind, shape in layout)
-        self._inputs, self._mirror = torch.zeros(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
-        self._mirror_copied, self._host, self._row_views, start = _HostEvent(), {}, {}, 0
-        for name, kind, shape in layout:
-            end = start + int(np.prod(shape)) * kind.itemsize
-            setattr(self, name, self._inputs[start:end].view(kind).view(shape))
-            self._host[name] = self._mirror[start:end].view(kind).view(shape).numpy()
-            if name == "block_tables":
-                self._block_tables_offset = start
-            start = -(-end // 16) * 16
+        self._lay_out_inputs(max_batch, max_blocks, torch.device("cpu"), pin_memory=False)
+        self._mirror_copied, self._row_views = _HostEvent(), {}
         self.decode_query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32)
 
 

@@ -103,27 +103,8 @@ class CUDAGraphRunner:
         self.max_batch = self.sizes[-1]   # rows of the largest decode graph
         self.max_model_len = max_model_len
         n = max(self.max_batch, max(self.mixed_sizes, default=0))
-        # The inputs every graph reads: views of one device buffer laid out like a pinned host mirror, so that a
-        # decode step's inputs arrive in one copy (`stage_decode`); the block tables come last, so that the rows
-        # of a smaller graph end the copy early.
-        layout = {"input_ids": (torch.int64, (n,)), "positions": (torch.int64, (n,)),
-                  "slot_mapping": (torch.int64, (n,)), "seq_lens": (torch.int32, (self.max_batch,)),
-                  "block_tables": (torch.int32, (self.max_batch, max_blocks_per_seq))}
-        spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
-        for name, (kind, shape) in layout.items():
-            nbytes = int(np.prod(shape)) * kind.itemsize
-            spans[name] = slice(total, total + nbytes)
-            total += -(-nbytes // 16) * 16
-        self._inputs = torch.zeros(total, dtype=torch.uint8, device=device)
-        self._mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
+        self._lay_out_inputs(n, max_blocks_per_seq, device, pin_memory=True)
         self._mirror_copied = torch.cuda.Event()
-        self._host = {}   # numpy views of the mirror, by name
-        for name, (kind, shape) in layout.items():
-            setattr(self, name, self._inputs[spans[name]].view(kind).view(shape))
-            self._host[name] = self._mirror[spans[name]].view(kind).view(shape).numpy()
-        self.slot_mapping.fill_(-1)
-        self._host["slot_mapping"][:] = -1
-        self._block_tables_offset = spans["block_tables"].start
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
@@ -133,6 +114,29 @@ class CUDAGraphRunner:
         self.pool = None
         self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
         self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _lay_out_inputs(self, num_rows: int, max_blocks_per_seq: int, device: torch.device, pin_memory: bool) -> None:
+        """The inputs every graph reads: views of one device buffer laid out like a host mirror (pinned on the GPU), so
+        that a decode step's inputs arrive in one copy (`stage_decode`); the block tables come last, so that the rows
+        of a smaller graph end the copy early. `num_rows`: the most rows of any graph (`max_batch` for the decode
+        rows' context lengths and block tables)."""
+        layout = {"input_ids": (torch.int64, (num_rows,)), "positions": (torch.int64, (num_rows,)),
+                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (self.max_batch,)),
+                  "block_tables": (torch.int32, (self.max_batch, max_blocks_per_seq))}
+        spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
+        for name, (kind, shape) in layout.items():
+            nbytes = int(np.prod(shape)) * kind.itemsize
+            spans[name] = slice(total, total + nbytes)
+            total += -(-nbytes // 16) * 16
+        self._inputs = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory)
+        self._host = {}   # numpy views of the mirror, by name
+        for name, (kind, shape) in layout.items():
+            setattr(self, name, self._inputs[spans[name]].view(kind).view(shape))
+            self._host[name] = self._mirror[spans[name]].view(kind).view(shape).numpy()
+        self.slot_mapping.fill_(-1)
+        self._host["slot_mapping"][:] = -1
+        self._block_tables_offset = spans["block_tables"].start
 
     def row_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, positions, slot_mapping) of a step's first `num_tokens` rows, made once per count: three

@@ -264,9 +264,10 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
         int64_arrays += [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping]
     # Per-sequence metadata for what runs outside the graph (a draft model's forward, tensor-parallel ranks). A
     # decode step's is the graph's own rows.
-    sequence_arrays = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
     on_host = padded is not None and not decode_only and not sequence_tensors
-    int32_arrays = [] if padded is not None and (decode_only or on_host) else sequence_arrays
+    sequence_arrays = None if padded is not None and decode_only else [
+        query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables]
+    int32_arrays = [] if padded is not None and (decode_only or on_host) else list(sequence_arrays)
     short_queries = 1 < max_query_len <= MAX_DECODE_ROWS_QUERY_LEN
     if short_queries and padded is None:
         int32_arrays += [(positions + 1).astype(np.int32), block_tables[seq_index]]
