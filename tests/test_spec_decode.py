@@ -263,11 +263,11 @@ def test_a_quiet_period_chosen_under_load_ends_when_the_batch_shrinks():
     assert evaluations == [256, QUIET_BATCH - 1]
 
 
-def test_every_draft_winning_by_a_wide_margin_is_decided_again_after_a_few_steps():
+def test_a_plan_to_speculate_is_held_for_a_few_steps_and_longer_while_it_repeats():
     """At batch 1 with cheap verification and drafts that are mostly accepted, k = max is kept for
-    SURE_STEPS steps without a new estimate, and decided again at once when the batch changes size; the
-    optimistic start (nothing measured) is never held."""
-    from minivllm.spec_decode.controller import SURE_STEPS
+    HELD_STEPS steps without a new estimate, then for twice as many plus one while the estimate repeats it, and
+    decided again at once when the batch changes size; the optimistic start (nothing measured) is never held."""
+    from minivllm.spec_decode.controller import HELD_STEPS
     controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
                                        max_model_len=1024)
     seqs = _decoding_batch(2)
@@ -280,10 +280,17 @@ def test_every_draft_winning_by_a_wide_margin_is_decided_again_after_a_few_steps
         controller.observe_verification(seqs[0], 4, 4)
     controller.observe_step(5, 1, 0.011, speculative=True)
     evaluations.clear()
-    assert [controller.choose_k(seqs[:1]) for _ in range(SURE_STEPS + 2)] == [4] * (SURE_STEPS + 2)
-    assert evaluations == [1, 1]                     # decided, held for SURE_STEPS, decided again
+    second_hold = 2 * HELD_STEPS + 1
+    steps = 1 + HELD_STEPS + 1 + second_hold + 1
+    assert [controller.choose_k(seqs[:1]) for _ in range(steps)] == [4] * steps
+    assert evaluations == [1, 1, 1]                  # decided, held, decided (the same plan), held longer, decided
     controller.choose_k(seqs)                        # the batch grew: decided at once
-    assert evaluations == [1, 1, 2]
+    assert evaluations == [1, 1, 1, 2]
+    controller.observe_step(1, 1, 0.001, speculative=False)   # plain steps got cheap: drafts no longer pay
+    for _ in range(2):
+        controller.observe_step(5, 1, 0.011, speculative=True)
+    controller.choose_k(seqs[:1])                    # the batch changed size again: decided at once
+    assert evaluations == [1, 1, 1, 2, 1]
 
 
 def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
