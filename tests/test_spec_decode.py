@@ -263,7 +263,7 @@ def test_a_quiet_period_chosen_under_load_ends_when_the_batch_shrinks():
     assert evaluations == [256, QUIET_BATCH - 1]
 
 
-def test_a_plan_to_speculate_is_held_for_a_few_steps_and_longer_while_it_repeats():
+def test_every_draft_is_held_for_a_few_steps_and_longer_while_the_estimate_repeats_it():
     """At batch 1 with cheap verification and drafts that are mostly accepted, k = max is kept for
     HELD_STEPS steps without a new estimate, then for twice as many plus one while the estimate repeats it, and
     decided again at once when the batch changes size; the optimistic start (nothing measured) is never held."""
@@ -291,6 +291,24 @@ def test_a_plan_to_speculate_is_held_for_a_few_steps_and_longer_while_it_repeats
         controller.observe_step(5, 1, 0.011, speculative=True)
     controller.choose_k(seqs[:1])                    # the batch changed size again: decided at once
     assert evaluations == [1, 1, 1, 2, 1]
+
+
+def test_a_plan_for_some_sequences_is_decided_again_every_step():
+    """Drafts for one sequence of two (the other's are rejected) are not held: a sequence joining in place of
+    one that finished would get none until the hold ended."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    seqs = _decoding_batch(2)
+    controller.observe_step(2, 2, 0.010, speculative=False)
+    for _ in range(20):
+        controller.observe_verification(seqs[0], 4, 4)
+        controller.observe_verification(seqs[1], 4, 0)
+    controller.observe_step(7, 2, 0.011, speculative=True)
+    evaluations = []
+    rates = controller.rates
+    controller.rates = lambda seqs: evaluations.append(len(seqs)) or rates(seqs)
+    assert [controller.choose_k(seqs) for _ in range(3)] == [4] * 3 and evaluations == [2, 2, 2]
+    assert controller.propose(seqs, 4) == 1 and seqs[0].spec_token_ids and not seqs[1].spec_token_ids
 
 
 def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():

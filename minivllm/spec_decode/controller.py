@@ -25,10 +25,10 @@ steps, at batches of `QUIET_BATCH` or more (where an estimate costs the host a f
 answer stays 0 (up to `MAX_QUIET_STEPS`). The wait ends early when the batch it was chosen for is gone:
 a small batch that changes size, or a large one that shrinks below `QUIET_BATCH`, and when a try brings
 new measurements. A quiet step and a k = 0 `propose` touch no sequence (only those given drafts the step
-before). Likewise a plan to speculate, once costs are measured, stands for `HELD_STEPS` more steps while the
-batch keeps its size, a wait that doubles while the estimate gives the same plan (up to `MAX_HELD_STEPS`):
-at batch 1 most steps of a speculating run are plain ones whose lookup found nothing, and an estimate every
-step was a third of the host time the controller added to them.
+before). Likewise every draft for every sequence, once costs are measured, stands for `HELD_STEPS` more steps
+while the batch keeps its size, a wait that doubles while the estimate repeats it (up to `MAX_HELD_STEPS`): at
+batch 1 most steps of a speculating run are plain ones whose lookup found nothing, and an estimate every step
+was a third of the host time the controller added to them.
 
 Host proposers (n-gram, suffix) run here (they need only token ids). They do not wait for the step in
 flight: a sequence whose newest token is still being sampled gets the continuation of the tokens before
@@ -62,9 +62,9 @@ EXPLORE_SEQS = 4          # sequences that speculate in such a try
 # k = 0: decide again in 3 steps, then 7, 15, 31 while the answer stays 0; at a batch where one estimate
 # costs the host more than 0.1 ms, in 7, then 15, then 31.
 QUIET_STEPS, QUIET_BATCH, QUIET_STEPS_LARGE_BATCH, MAX_QUIET_STEPS = 3, 32, 7, 31
-# A plan to speculate on measured costs: keep it for 3 more steps while the batch keeps its size, then 7, 15,
-# 31 while the estimate repeats it (at batch 1 on SmolLM2 an estimate cost 40 us of a 1.2 ms verify step on
-# the H100's host).
+# Every draft on measured costs: keep that for 3 more steps while the batch keeps its size, then 7, 15, 31
+# while the estimate repeats it (at batch 1 on SmolLM2 an estimate cost 40 us of a 1.2 ms verify step on the
+# H100's host).
 HELD_STEPS, MAX_HELD_STEPS = 3, 31
 # Draft positions priced one by one up to this many per estimate, then in evenly spaced groups (at 256
 # sequences x 7 drafts, pricing each would cost the host milliseconds).
@@ -112,8 +112,7 @@ class SpeculationController:
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
         self._quiet_steps, self._quiet_batch, self._quiet_wait = 0, 0, 0
-        self._held_steps, self._held_batch, self._held_wait = 0, 0, 0
-        self._held: tuple[int, dict[int, int] | None] = (0, None)   # the plan kept: (k, plan)
+        self._held_steps, self._held_batch, self._held_wait = 0, 0, 0   # every draft, kept
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
         self.chaining = ChainPolicy()
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
@@ -157,11 +156,10 @@ class SpeculationController:
         if self._quiet_steps:   # off last time, and nothing measured since: skip a few
             self._quiet_steps -= 1
             return self._plain_step()
-        if self._held_steps:   # likewise, a plan to speculate, unless the batch changed size
+        if self._held_steps:   # likewise, every draft, unless the batch changed size
             if len(running) == self._held_batch:
                 self._held_steps -= 1
-                k, self._plan = self._held
-                return k
+                return self.max_k
             self._held_steps = 0
         decoding = [s for s in running if _decodes(s)]
         plan = self._plan_drafts(running, decoding)
@@ -171,12 +169,14 @@ class SpeculationController:
             self._quiet_wait = 0
             every_draft = len(plan) == len(decoding) and all(k == self.max_k for k in plan.values())
             self._plan = None if every_draft else plan
-            held = max(plan.values()), self._plan
-            if self.costs.measured:
-                same = held == self._held and len(running) == self._held_batch
-                self._held_wait = min(2 * self._held_wait + 1, MAX_HELD_STEPS) if same else HELD_STEPS
-                self._held_steps, self._held_batch, self._held = self._held_wait, len(running), held
-            return held[0]
+            if every_draft and self.costs.measured:   # (a plan per sequence would miss a sequence that joins)
+                again = self._held_wait and self._held_batch == len(running)
+                self._held_wait = min(2 * self._held_wait + 1, MAX_HELD_STEPS) if again else HELD_STEPS
+                self._held_steps, self._held_batch = self._held_wait, len(running)
+            else:
+                self._held_wait = 0
+            return max(plan.values())
+        self._held_wait = 0
         wait = self._quiet_wait or (QUIET_STEPS_LARGE_BATCH if len(decoding) >= QUIET_BATCH else QUIET_STEPS)
         self._quiet_steps, self._quiet_batch = wait, len(running)
         self._quiet_wait = min(2 * wait + 1, MAX_QUIET_STEPS)
