@@ -18,9 +18,8 @@ from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, MAX_QUIET_STEPS, QUIET_BATCH,
-                                             QUIET_STEPS_LARGE_BATCH,
-                                              SpeculationController)
+from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, MAX_QUIET_STEPS, QUIET_BATCH, QUIET_STEPS,
+                                             QUIET_STEPS_LARGE_BATCH, SpeculationController)
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from tests.conftest import make_tiny_hf_checkpoint
@@ -288,6 +287,29 @@ def test_every_draft_is_held_for_a_few_steps_and_longer_while_the_estimate_repea
     assert evaluations == [1, 1, 1, 2]
     controller.choose_k(seqs[:1])                    # held for two sequences; back to one: decided at once
     assert evaluations == [1, 1, 1, 2, 1]
+    for _ in range(HELD_STEPS + 1):                  # and held afresh: the last hold was for another batch
+        controller.choose_k(seqs[:1])
+    assert evaluations == [1, 1, 1, 2, 1, 1]
+
+
+def test_a_quiet_period_doubles_while_the_answer_stays_no_drafts():
+    """Where drafts do not pay, k = 0 is decided again after QUIET_STEPS steps, then after twice as many plus one
+    while the answer stays 0."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                                       max_model_len=1024)
+    seqs = _decoding_batch(1)
+    for _ in range(5):
+        controller.observe_verification(seqs[0], 4, 1)   # low acceptance
+    controller.observe_step(1, 1, 0.010, speculative=False)
+    for num_tokens, seconds in ((2, 0.016), (3, 0.024), (5, 0.030)):
+        controller.observe_step(num_tokens, 1, seconds, speculative=True)   # and costly verification
+    decided = []
+    rates = controller.rates
+    controller.rates = lambda seqs: decided.append(step) or rates(seqs)
+    waits = [QUIET_STEPS, 2 * QUIET_STEPS + 1, 4 * QUIET_STEPS + 3]   # 3, 7, 15
+    for step in range(sum(waits) + len(waits) + 1):
+        assert controller.choose_k(seqs) == 0
+    assert decided == [0, waits[0] + 1, waits[0] + waits[1] + 2, sum(waits) + 3]
 
 
 def test_a_plan_for_some_sequences_is_decided_again_every_step():

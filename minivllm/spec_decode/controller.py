@@ -77,6 +77,24 @@ def _decodes(seq: Sequence) -> bool:
     return seq.num_computed_tokens >= seq.num_total_tokens - 1
 
 
+class _KeptDecision:
+    """A decision kept, instead of estimated again, for `steps` more steps at the batch size it was made for. Made
+    again as soon as it ends (at that batch, where `keep` says so), it is kept twice as long plus one, up to `most`."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.steps = self.batch = self.wait = 0
+
+    def keep(self, batch: int, first: int, again_at_same_batch_only: bool) -> None:
+        again = self.wait and (self.batch == batch or not again_at_same_batch_only)
+        self.wait = min(2 * self.wait + 1, self.most) if again else first
+        self.steps, self.batch = self.wait, batch
+
+    def forget(self) -> None:
+        """The next `keep` starts again from its first wait."""
+        self.wait = 0
+
+
 @dataclass
 class SpecDecodeStats:
     """Counters as vLLM names them (minivllm:spec_decode_*)."""
@@ -112,8 +130,8 @@ class SpeculationController:
         self._num_accepted = self._num_rejections = self._num_proposed = self._num_tries = 0
         self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
         self._exploring, self._explore_offset = False, 0
-        self._quiet_steps, self._quiet_batch, self._quiet_wait = 0, 0, 0
-        self._held_steps, self._held_batch, self._held_wait = 0, 0, 0   # every draft, kept
+        self._quiet = _KeptDecision(MAX_QUIET_STEPS)   # k = 0, kept
+        self._held = _KeptDecision(MAX_HELD_STEPS)     # every draft, kept
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
         self.chaining = ChainPolicy()
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
@@ -151,36 +169,34 @@ class SpeculationController:
         self._plan = None
         if not self.config.adaptive:
             return self.max_k
-        if self._quiet_steps and (len(running) < QUIET_BATCH <= self._quiet_batch or (
-                self._quiet_batch < QUIET_BATCH and len(running) != self._quiet_batch)):
-            self._quiet_steps = 0   # the batch the quiet period was chosen for is gone: decide again now
-        if self._quiet_steps:   # off last time, and nothing measured since: skip a few
-            self._quiet_steps -= 1
+        quiet, held = self._quiet, self._held
+        if quiet.steps and (len(running) < QUIET_BATCH <= quiet.batch or (
+                quiet.batch < QUIET_BATCH and len(running) != quiet.batch)):
+            quiet.steps = 0   # the batch the quiet period was chosen for is gone: decide again now
+        if quiet.steps:   # off last time, and nothing measured since: skip a few
+            quiet.steps -= 1
             return self._plain_step()
-        if self._held_steps:   # likewise, every draft, unless the batch changed size
-            if len(running) == self._held_batch:
-                self._held_steps -= 1
+        if held.steps:   # likewise, every draft, unless the batch changed size
+            if len(running) == held.batch:
+                held.steps -= 1
                 return self.max_k
-            self._held_steps = 0
+            held.steps = 0
         decoding = [s for s in running if _decodes(s)]
         plan = self._plan_drafts(running, decoding)
         self._exploring = False
         if plan:
             self._plain_steps, self._explore_every = 0, EXPLORE_EVERY
-            self._quiet_wait = 0
+            quiet.forget()
             every_draft = len(plan) == len(decoding) and all(k == self.max_k for k in plan.values())
             self._plan = None if every_draft else plan
             if every_draft and self.costs.measured:   # (a plan per sequence would miss a sequence that joins)
-                again = self._held_wait and self._held_batch == len(running)
-                self._held_wait = min(2 * self._held_wait + 1, MAX_HELD_STEPS) if again else HELD_STEPS
-                self._held_steps, self._held_batch = self._held_wait, len(running)
+                held.keep(len(running), HELD_STEPS, again_at_same_batch_only=True)
             else:
-                self._held_wait = 0
+                held.forget()
             return max(plan.values())
-        self._held_wait = 0
-        wait = self._quiet_wait or (QUIET_STEPS_LARGE_BATCH if len(decoding) >= QUIET_BATCH else QUIET_STEPS)
-        self._quiet_steps, self._quiet_batch = wait, len(running)
-        self._quiet_wait = min(2 * wait + 1, MAX_QUIET_STEPS)
+        held.forget()
+        quiet.keep(len(running), QUIET_STEPS_LARGE_BATCH if len(decoding) >= QUIET_BATCH else QUIET_STEPS,
+                   again_at_same_batch_only=False)
         return self._plain_step()
 
     def _plan_drafts(self, running: list[Sequence], decoding: list[Sequence]):
@@ -312,7 +328,7 @@ class SpeculationController:
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, speculative: bool) -> None:
         self.costs.observe(num_tokens, num_seqs, seconds, speculative)
         if speculative:
-            self._quiet_steps = 0   # a try measured: decide again
+            self._quiet.steps = 0   # a try measured: decide again
 
     def observe_idle_after_verify(self, seconds: float, waited: bool) -> None:
         self.chaining.observe_idle(seconds, waited)
@@ -321,7 +337,7 @@ class SpeculationController:
         self.chaining.observe_discarded(seconds)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self._quiet_steps = 0   # new acceptance data: decide again
+        self._quiet.steps = 0   # new acceptance data: decide again
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
