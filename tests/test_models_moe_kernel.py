@@ -125,6 +125,27 @@ def test_row_tile_groups_take_every_tile_once():
     torch.testing.assert_close(in_order, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
+def test_half_tail_tiles_compute_a_groups_short_last_tile_at_half_height():
+    """HALF_TAIL computes a tile whose second half is padding as BLOCK_M / 2 rows: the full tile's output (bit for bit
+    on the GPU; the interpreter's matmul rounds by its M) on groups whose last tile holds fewer than half its rows
+    (experts 0 and 3), more (expert 1) and exactly half (expert 2), gate/up gated and plain."""
+    hidden, inter = 64, 48
+    w13, w2 = _weights(4, hidden, inter, torch.float32)
+    counts = (40, 60, 48, 3)   # 32-row tiles: last tiles of 8, 28, 16 and 3 rows
+    ids = torch.cat([torch.full((count,), expert) for expert, count in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].view(-1, 1).to(DEVICE)
+    x = torch.randn(ids.shape[0], hidden, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for gated in (False, True):
+        tile = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, GATED=gated)
+        full = _grouped_experts(x, w13, w2, weights, ids, None, None, tile)
+        half = _grouped_experts(x, w13, w2, weights, ids, None, None, dict(tile, HALF_TAIL=True))
+        if DEVICE.type == "cuda":
+            assert torch.equal(half, full)
+        torch.testing.assert_close(half, full, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(full, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tile", UNSORTED_TILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unsorted_tiles_compute_the_sorted_tiles_rows(tile, dtype):

@@ -11,7 +11,7 @@ from minivllm.core.sequence import Sequence, SequenceGroup
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.cuda_graph import (SPEC_DECODE_ROWS, CUDAGraphRunner, capture_sizes, max_decode_rows,
                                         mixed_capture_sizes)
-from minivllm.worker.inputs import StagingBuffer, prepare_inputs
+from minivllm.worker.inputs import StagingBuffer, prepare_inputs, prepare_sampling
 
 
 def test_staging_buffer_returns_every_array_on_a_16_byte_boundary():
@@ -109,3 +109,26 @@ def test_verify_step_staged_into_a_decode_graph_one_row_per_token(sequence_tenso
     assert meta.block_tables.tolist() == [[7, 3, 9, 1], [5, 2, 0, 0]]
     assert (meta.max_query_len, meta.min_query_len, meta.max_seq_len) == (4, 3, 13)
     assert len(transfers) == sequence_tensors   # the host-only metadata made no staging copy
+
+
+def test_a_decode_step_samples_every_row_without_staging_its_indices():
+    """Sampling's rows: a plain decode step of two sequences samples rows 0 and 1 and stages nothing for them; a
+    step with a prompt chunk samples each sequence's last row, staged; a verify step stages its drafts' layout."""
+    a = _sequence(list(range(100, 110)), [7, 3, 9, 1], 9)
+    b = _sequence(list(range(200, 205)), [5, 2], 4)
+    steps = {"decode": (SchedulerOutput(seqs=[a, b], num_computed_tokens=[9, 4], num_scheduled_tokens=[1, 1],
+                                        num_samples=[1, 1]), [0, 1], 0),
+             "chunk": (SchedulerOutput(seqs=[a, b], num_computed_tokens=[6, 4], num_scheduled_tokens=[4, 1],
+                                       num_samples=[1, 1]), [3, 4], 1),
+             "verify": (SchedulerOutput(seqs=[a, b], num_computed_tokens=[9, 4], num_scheduled_tokens=[3, 1],
+                                        num_samples=[1, 1], spec_token_ids=[[11, 12], []]), [0, 1, 2, 3], 1)}
+    for name, (out, rows, copies) in steps.items():
+        stager = StagingBuffer(torch.device("cpu"))
+        inputs = prepare_inputs(out, 4, stager)
+        transfers = []
+        transfer = stager.transfer
+        stager.transfer = lambda groups, stream=None: transfers.append(groups) or transfer(groups, stream)
+        prepare_sampling(inputs, out, stager)
+        assert inputs.logits_indices.tolist() == rows and inputs.logits_indices.dtype == torch.int64, name
+        assert len(transfers) == copies, name
+        assert inputs.samples_every_row == (rows == list(range(sum(out.num_scheduled_tokens)))), name

@@ -12,6 +12,10 @@ keys in turn (qkv, o, gate_up, down), recaptures that graph with every candidate
 the graph of that row count (events around back-to-back replays, rows attending to a 300-token context). One pass of
 this coordinate search keeps each key's best. The tuner's set and the searched one are then timed alternating.
 With --write-configs DIR the searched choices join DIR/<device name>.json, the file kernels/tuning.py reads.
+With --model another model's shapes (dummy weights; an MoE model's experts key is searched too: the few-token GEMV
+pair's tiles or the grouped path, per slot count), written to rows_tile_search_<model>_<device>.json:
+
+    python bench/kernels/rows_tile_search.py --model qwen3-30b-a3b --rows 1 --out bench/results
 """
 from __future__ import annotations
 
@@ -32,18 +36,37 @@ from bench.kernels.pdl_bench import recapture_graphs  # noqa: E402
 CONTEXT = 300
 
 
-def rows_of(key) -> int | None:
-    """The row count of a dense GEMV tuning key (1 for a key without one), None for other kernels' keys."""
+def rows_of(key, top_k: int = 0) -> int | None:
+    """The row count of a dense GEMV tuning key (1 for a key without one) or of an MoE experts key (its slots over
+    the model's `top_k`), None for other kernels' keys."""
+    if key[0] == "moe_experts":
+        return key[3] // top_k if top_k and key[3] % top_k == 0 else None
     if key[0] != "dense_gemv":
         return None
     return key[-1][1] if isinstance(key[-1], tuple) and key[-1][:1] == ("rows",) else 1
 
 
-def candidates_of(key) -> tuple:
-    from minivllm.kernels.dense_gemv import GEMV_TILES, rows_tiles
-    rows = rows_of(key)
+# Streaming tiles beside the tuner's (--extra-stream): other programs per SM and rows per load. One that wins here
+# ships only once it is among GEMV_STREAM_TILES (a stored choice must be a candidate).
+EXTRA_STREAM_TILES = ((2, 2, 4, "stream"), (6, 2, 4, "stream"), (4, 4, 4, "stream"), (12, 2, 4, "stream"),
+                      (8, 1, 4, "stream"))
+
+
+def candidates_of(key, top_k: int = 0, extra_stream: bool = False) -> tuple:
+    """The candidates the tuner times for `key` (kernels/dense_gemv.py's `linear`, kernels/fused_moe.py's
+    `fused_experts`), with EXTRA_STREAM_TILES for one row if `extra_stream`."""
+    from minivllm.kernels import fused_moe
+    from minivllm.kernels.dense_gemv import GEMV_STREAM_TILES, GEMV_TILES, NORM_FOLD_MAX_ROWS, STREAM_MAX_K, rows_tiles
+    if key[0] == "moe_experts":
+        return (None, *fused_moe.GEMV_TILES)
+    rows = rows_of(key, top_k)
     tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
-    return tiles if "norm" in key else (None, *tiles)
+    candidates = tiles if "norm" in key else (None, *tiles)
+    (n, k) = key[2]
+    if rows == 1 and k <= STREAM_MAX_K:
+        stream = (*GEMV_STREAM_TILES, *EXTRA_STREAM_TILES * extra_stream)
+        candidates = stream if "norm" in key and n > NORM_FOLD_MAX_ROWS else (*candidates, *stream)
+    return candidates
 
 
 @torch.inference_mode()
@@ -75,6 +98,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--extra-stream", action="store_true", help="also time EXTRA_STREAM_TILES at one row")
     parser.add_argument("--write-configs", type=Path, default=None,
                         help="a folder for the searched choices, in kernels/configs/'s format")
     args = parser.parse_args(argv)
@@ -86,14 +110,15 @@ def main(argv=None) -> dict:
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=max(row_counts),
               max_model_len=CONTEXT + 64, cuda_graph_max_tokens=0)
     device = llm.llm_engine.runner.device
-    keys = {rows: [k for k in tuning._chosen if rows_of(k) == rows] for rows in row_counts}
+    top_k = getattr(llm.llm_engine.runner.hf_config, "num_experts_per_tok", 0) or 0
+    keys = {rows: [k for k in tuning._chosen if rows_of(k, top_k) == rows] for rows in row_counts}
     tuned = {k: tuning._chosen[k] for ks in keys.values() for k in ks}
     result = {**run_metadata(device), "model": args.model, "context": CONTEXT,
               "tuned": {repr(k): repr(c) for k, c in tuned.items()}, "search": []}
     for rows in row_counts:
         for key in keys[rows]:
             timings = []
-            for candidate in candidates_of(key):
+            for candidate in candidates_of(key, top_k, args.extra_stream):
                 tuning._chosen[key] = candidate
                 try:
                     recapture(llm, rows)
@@ -103,9 +128,9 @@ def main(argv=None) -> dict:
                     continue
                 timings.append((us, candidate))
                 result["search"].append({"rows": rows, "key": repr(key), "candidate": repr(candidate), "graph_us": us})
-                print(f"  {rows} rows {key[2]} {candidate}: {us:.1f} us", flush=True)
+                print(f"  {rows} rows {key[:3]} {candidate}: {us:.1f} us", flush=True)
             tuning._chosen[key] = min(timings, key=lambda t: t[0])[1] if timings else tuned[key]
-            print(f"{rows} rows {key[2]}: tuner {tuned[key]}, searched {tuning._chosen[key]}", flush=True)
+            print(f"{rows} rows {key[:3]}: tuner {tuned[key]}, searched {tuning._chosen[key]}", flush=True)
     searched = {k: tuning._chosen[k] for k in tuned}
     result["searched"] = {repr(k): repr(c) for k, c in searched.items()}
     rounds = {"tuned": [], "searched": []}
@@ -119,14 +144,15 @@ def main(argv=None) -> dict:
                           for name, runs in rounds.items()}
     result["rounds"] = rounds
     print("medians:", result["graph_us"], flush=True)
-    write_json(args.out / f"rows_tile_search_{device_slug(result['device'])}.json", result)
+    model = "" if args.model == "smollm2-135m" else f"{args.model}_"   # one file per model searched
+    write_json(args.out / f"rows_tile_search_{model}{device_slug(result['device'])}.json", result)
     if args.write_configs is not None:
         path = tuning.config_file(result["device"]).name
         target = args.write_configs / path
         stored = json.loads(target.read_text()) if target.is_file() else {**run_metadata(device), "choices": {}}
         stored["choices"].update({repr(k): repr(c) for k, c in searched.items()})
         searches = stored.get("rows_search", [])   # one entry per search whose choices the file holds
-        stored["rows_search"] = [s for s in searches if s.get("rows") != row_counts] + [
+        stored["rows_search"] = [s for s in searches if (s.get("model"), s.get("rows")) != (args.model, row_counts)] + [
             {"rows": row_counts, **{key: result[key] for key in ("commit", "date", "command", "model", "graph_us")}}]
         write_json(target, stored)
     return result

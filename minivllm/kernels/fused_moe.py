@@ -170,13 +170,15 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
                       ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
                       IS_INT: tl.constexpr, WIDEN: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                      GATED: tl.constexpr, SLOTS: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GATED: tl.constexpr, SLOTS: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The grouped GEMM over (row tile, BLOCK_N columns) programs. SLOTS = 0: `ids_ptr` is the sorted, padded slot
     list and `expert_ids_ptr` each BLOCK_M-row tile's expert. SLOTS > 0 (a power of two >= num_slots): no sort;
     program row 0 is expert 0's, 1 expert 1's and so on, each finding its slots in the routing ids `ids_ptr`
     itself (a compare and a running sum over every slot) and taking them BLOCK_M at a time, in slot order: the
-    same rows in the same tiles as the sorted list. GROUP_M > 1 (sorted only): programs in `_grouped_order`."""
+    same rows in the same tiles as the sorted list. GROUP_M > 1 (sorted only): programs in `_grouped_order`.
+    HALF_TAIL (sorted only): a tile whose second half is padding (a group's last tile, filled from its start) is
+    computed as BLOCK_M / 2 rows."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUP_M > 1:
@@ -185,11 +187,19 @@ def _fused_moe_kernel(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_sca
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         if expert < 0:
             return
-        slots = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots,
-                     slots < num_slots, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-                     stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION, UPCAST, EVEN, TMA,
-                     GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+        tile = ids_ptr + pid_m * BLOCK_M
+        if HALF_TAIL and tl.load(tile + BLOCK_M // 2) >= num_slots:
+            half = tl.load(tile + tl.arange(0, BLOCK_M // 2))   # a name of its own: Triton types it per branch
+            _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, half,
+                         half < num_slots, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                         stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION, UPCAST, EVEN, TMA,
+                         GATED, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+        else:
+            slots = tl.load(tile + tl.arange(0, BLOCK_M))
+            _expert_tile(a_ptr, b_ptr, b_desc, c_ptr, weights_ptr, scale_ptr, a_scale_ptr, expert, slots,
+                         slots < num_slots, pid_n, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                         stride_se, ROWS_PER_A, MUL_WEIGHT, SCALED, IS_INT, WIDEN, DOT_PRECISION, UPCAST, EVEN, TMA,
+                         GATED, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         offs = tl.arange(0, SLOTS)
         match = (tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1) == pid_m).to(tl.int32)
@@ -236,7 +246,10 @@ UNSORTED_TILES = tuple(dict(tile, UNSORTED=True) for tile in (FEW_ROW_TILES[0], 
 # instructions compete with the tensor cores' work; at decode sizes TMA twins tied the pointer tiles (models.md).
 # A tile with GROUP_M runs its programs in groups of that many row tiles (`_grouped_order`): launched row tile
 # first, the down GEMM's 8 column blocks each read all 32,768 rows of its input at 4,096 tokens (50 MB, which L2
-# does not hold), so that input crossed HBM once per column block.
+# does not hold), so that input crossed HBM once per column block. A tile with HALF_TAIL computes a group's last
+# tile as BLOCK_M / 2 rows when its second half is padding: at 4,096 tokens of top-8 routing over 128 experts a group
+# averages 256 rows, so about half the groups end in a tile of a few dozen rows (tuner, on an H200: 710 against 718
+# us at 32,768 slots with TMA, 717 against 744 through pointers; `tuner_us` in bench/results/models_h200.json).
 GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
                  dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -250,8 +263,9 @@ GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True),
                  dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, GATED=True,
-                      GROUP_M=8),
-                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True, GROUP_M=8),
+                      GROUP_M=8, HALF_TAIL=True),
+                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GATED=True, GROUP_M=8,
+                      HALF_TAIL=True),
                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, GROUP_M=8))
 
 
@@ -263,12 +277,12 @@ def _grouped_gemm(a, b, c, weights, ids, expert_ids, rows_per_a: int, config: di
     gate then up, and c[slot] = silu(gate) * up of the products, each program taking BLOCK_N / 2 columns of each
     (so the same B bytes a step as the plain tile)."""
     num_experts, rows, k = b.shape
-    config = {"GROUP_M": 1, **{key: value for key, value in config.items() if key != "GATED"}}
+    config = {"GROUP_M": 1, "HALF_TAIL": False, **{key: value for key, value in config.items() if key != "GATED"}}
     if gated:
         config["BLOCK_N"] //= 2
     n = rows // 2 if gated else rows
     slots = triton.next_power_of_2(max(c.shape[0], 16)) if config.pop("UNSORTED", False) else 0
-    assert not (slots and config["GROUP_M"] > 1), "GROUP_M orders the sorted list's tiles"
+    assert not (slots and (config["GROUP_M"] > 1 or config["HALF_TAIL"])), "GROUP_M and HALF_TAIL need the sort"
     grid = (num_experts if slots else expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     even = n % config["BLOCK_N"] == 0 and k % config["BLOCK_K"] == 0
     b_desc = None

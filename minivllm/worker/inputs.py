@@ -314,6 +314,18 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
                        staged=None if padded is None else (graph, padded))
 
 
+_ROW_RANGES: dict[torch.device, torch.Tensor] = {}
+
+
+def row_range(n: int, device: torch.device) -> torch.Tensor:
+    """0, 1, ..., n - 1 as int64 on `device`: a view of one tensor kept per device. A decode step samples every row,
+    and staging its indices cost the host a transfer (the step's second copy) that nothing else needed."""
+    kept = _ROW_RANGES.get(device)
+    if kept is None or kept.numel() < n:
+        kept = _ROW_RANGES[device] = torch.arange(max(n, 256), dtype=torch.int64, device=device)
+    return kept[:n]
+
+
 def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, stager: StagingBuffer,
                      stream=None) -> None:
     """Fill in `inputs`' sampling rows, the hidden rows they sample and the drafts' layout. Apart from the forward
@@ -343,10 +355,13 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
             # A forking sequence samples for its future siblings too: sample k becomes sibling k.
             rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
     spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
-    arrays = [np.asarray(logits_indices, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
-    (logits_indices_d, *spec_d), = stager.transfer([(torch.int64, arrays)], stream)
-    inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
     inputs.samples_every_row = len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens))
+    if inputs.samples_every_row and spec_host is None:   # a plain decode step: no copy for its indices
+        logits_indices_d, spec_d = row_range(num_tokens, stager.device), []
+    else:
+        arrays = [np.asarray(logits_indices, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
+        (logits_indices_d, *spec_d), = stager.transfer([(torch.int64, arrays)], stream)
+    inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
     if spec_host is not None:
         # each speculating sequence's last known token, the one before its drafts
         last_positions = (np.asarray(inputs.metadata.seq_lens_cpu)[spec_host[0]] - spec_host[1] - 1)
