@@ -56,17 +56,12 @@ def candidates_of(key, top_k: int = 0, extra_stream: bool = False) -> tuple:
     """The candidates the tuner times for `key` (kernels/dense_gemv.py's `linear`, kernels/fused_moe.py's
     `fused_experts`), with EXTRA_STREAM_TILES for one row if `extra_stream`."""
     from minivllm.kernels import fused_moe
-    from minivllm.kernels.dense_gemv import GEMV_STREAM_TILES, GEMV_TILES, NORM_FOLD_MAX_ROWS, STREAM_MAX_K, rows_tiles
+    from minivllm.kernels.dense_gemv import STREAM_MAX_K, linear_candidates
     if key[0] == "moe_experts":
         return (None, *fused_moe.GEMV_TILES)
     rows = rows_of(key, top_k)
-    tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
-    candidates = tiles if "norm" in key else (None, *tiles)
-    (n, k) = key[2]
-    if rows == 1 and k <= STREAM_MAX_K:
-        stream = (*GEMV_STREAM_TILES, *EXTRA_STREAM_TILES * extra_stream)
-        candidates = stream if "norm" in key and n > NORM_FOLD_MAX_ROWS else (*candidates, *stream)
-    return candidates
+    extra = EXTRA_STREAM_TILES * (extra_stream and rows == 1 and key[2][1] <= STREAM_MAX_K)
+    return (*linear_candidates(rows, key[2], "norm" in key), *extra)
 
 
 @torch.inference_mode()

@@ -362,6 +362,19 @@ def folds_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (weight.shape[0] <= NORM_FOLD_MAX_ROWS or x.shape[-1] <= STREAM_MAX_K))
 
 
+@functools.lru_cache(maxsize=None)   # asked on every eager call
+def linear_candidates(rows: int, weight_shape: tuple[int, int], norm: bool) -> tuple:
+    """What the tuner times for `linear` at `rows` (a power of 2) against a weight of `weight_shape` [N, K]: cuBLAS
+    (None, not with a norm folded in) and the GEMV tiles that take the rows."""
+    n, k = weight_shape
+    tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
+    candidates = tiles if norm else (None, *tiles)
+    if rows == 1 and k <= STREAM_MAX_K:
+        # a large grid repeats the norm in every program: only the streaming tiles' few programs take it there
+        candidates = GEMV_STREAM_TILES if norm and n > NORM_FOLD_MAX_ROWS else (*candidates, *GEMV_STREAM_TILES)
+    return candidates
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            norm: RowNorm | None = None) -> torch.Tensor:
     """`F.linear` for a few rows (`supports`) through cuBLAS or the GEMV, whichever the tuner timed faster for this
@@ -373,11 +386,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     def run(candidate, w):
         return F.linear(x, w, bias) if candidate is None else gemv(x, w, bias, candidate, norm)
-    tiles = GEMV_TILES if rows == 1 else rows_tiles(rows)
-    candidates = tiles if norm is not None else (None, *tiles)
-    if rows == 1 and x.shape[-1] <= STREAM_MAX_K:
-        # a large grid repeats the norm in every program: only the streaming tiles' few programs take it there
-        candidates = GEMV_STREAM_TILES if norm is not None and weight.shape[0] > NORM_FOLD_MAX_ROWS else (
-            *candidates, *GEMV_STREAM_TILES)
+    candidates = linear_candidates(rows, key[2], norm is not None)
     tile = tuning.pick(key, candidates, run, candidates[0], weights=(weight,))
     return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile, norm)

@@ -18,6 +18,16 @@ import triton.language as tl
 from minivllm.kernels.pdl import launch_options, wait_for_previous
 
 
+NO_KEY = tl.constexpr(-(1 << 62) * 2)   # -2^63, below every real key: padded experts and those already picked
+
+
+@triton.jit
+def _flip_negative(bits):
+    """A float's int32 bits ordered as the floats are (negative floats: larger magnitude, smaller key), and back: the
+    flip is its own inverse."""
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_K: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -31,20 +41,18 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lm, TOP_
     else:
         exps = tl.where(valid, tl.exp(logits - tl.max(tl.where(valid, logits, -float("inf")), 0)), 0.0)
         scores = exps / tl.sum(exps, 0)
-    bits = scores.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)   # negative floats: larger magnitude, smaller key
+    ordered = _flip_negative(scores.to(tl.int32, bitcast=True))
     keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - experts).to(tl.int64)   # the id reversed: ties go low
-    keys = tl.where(valid, keys, -(1 << 62) * 2)   # -2^63, below every real key
+    keys = tl.where(valid, keys, NO_KEY)
     slots = tl.arange(0, BLOCK_K)
     picked = tl.zeros((BLOCK_K,), dtype=tl.int64)
     for k in tl.static_range(TOP_K):
         best = tl.max(keys, 0)
         picked = tl.where(slots == k, best, picked)
-        keys = tl.where(keys == best, -(1 << 62) * 2, keys)
+        keys = tl.where(keys == best, NO_KEY, keys)
     out = slots < TOP_K
     picked_ids = BLOCK_E - 1 - (picked & 0xFFFFFFFF)
-    high = (picked >> 32).to(tl.int32)
-    values = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    values = _flip_negative((picked >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
     if RENORMALIZE:   # softmax over the picked logits: the first pick is the largest
         exps = tl.where(out, tl.exp(values - tl.max(tl.where(out, values, -float("inf")), 0)), 0.0)
         values = exps / tl.sum(exps, 0)
