@@ -58,7 +58,7 @@ def candidates_of(key, top_k: int = 0, extra_stream: bool = False) -> tuple:
     from minivllm.kernels import fused_moe
     from minivllm.kernels.dense_gemv import STREAM_MAX_K, linear_candidates
     if key[0] == "moe_experts":
-        return (None, *fused_moe.GEMV_TILES)
+        return fused_moe.EXPERTS_CANDIDATES
     rows = rows_of(key, top_k)
     extra = EXTRA_STREAM_TILES * (extra_stream and rows == 1 and key[2][1] <= STREAM_MAX_K)
     return (*linear_candidates(rows, key[2], "norm" in key), *extra)

@@ -385,6 +385,7 @@ GEMV_MAX_SLOTS = 128   # 16 tokens of top-8 routing: above this the grouped path
 GATE_UP_TILES = ((2, 2048, 2), (1, 1024, 1), (4, 1024, 4), (8, 1024, 4), (16, 512, 8))
 DOWN_TILES = ((2, 256, 8), (1, 128, 4), (2, 256, 2), (8, 256, 8), (4, 1024, 8))
 GEMV_TILES = tuple(itertools.product(GATE_UP_TILES, DOWN_TILES))
+EXPERTS_CANDIDATES = (None, *GEMV_TILES)   # what the tuner times per slot count up to GEMV_MAX_SLOTS
 
 
 def _few_token_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -514,7 +515,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         # Until timed (or where timing can't run), the few-token path up to 4 tokens of top-8 routing.
         default = GEMV_TILES[0] if num_slots <= 32 else None
         key = ("moe_experts", hidden_states.dtype, w13.dtype, num_slots, num_experts, two_i, hidden)
-        tile = tuning.pick(key, (None, *GEMV_TILES), run, default, weights=(w13, w2)) or "grouped"
+        tile = tuning.pick(key, EXPERTS_CANDIDATES, run, default, weights=(w13, w2)) or "grouped"
     if tile is None or tile == "grouped":
         return _grouped_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return _few_token_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tile)
