@@ -142,6 +142,22 @@ def test_graphs_captured_without_warm_up_with_an_empty_kernel_cache(tmp_path):
     assert len(result["warmed_up"]) <= 1   # at most batch 1's decode, whose one-row GEMV is timed at start
 
 
+def test_mixed_graph_padding_rows_are_a_sequence_of_their_own(tmp_path):
+    """Every row of a mixed graph belongs to a sequence: a 100-token prompt replays the 128-row graph, whose 28 padding
+    rows are the next sequence, with no context (cuda_graph.py: a row no sequence owns keeps whatever the memory pool
+    held as its attention output, NaN included, and the key tile at a chunk's end reads the rows after it); greedy
+    output still equals transformers', fp32."""
+    reference = make_tiny_hf_checkpoint(tmp_path, "llama3").cuda()
+    prompt = torch.randint(3, 128, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
+              max_model_len=256, max_num_seqs=2)
+    graphs = llm.llm_engine.runner.graph_runner
+    assert 128 in graphs.mixed_sizes and 100 not in graphs.mixed_sizes
+    assert _greedy(llm, [prompt], 1) == _hf_greedy(reference, [prompt], 1)   # one step: the prompt's, a mixed graph
+    assert graphs.query_start_loc.tolist() == [0, 100, 128, 128]
+    assert graphs.seq_lens[:graphs.mixed_seqs].tolist() == [100, 28, 0]
+
+
 @pytest.fixture(scope="module")
 def default_hf():
     from transformers import AutoModelForCausalLM

@@ -10,10 +10,15 @@ Two families, sharing one memory pool and one set of buffers:
 
 Without graphs a forward pass costs the host about 25 ms of Python and launch overhead (measured on an
 H100 for Llama-3-8B), twice the GPU time of a 512-token prefill: time to first token would be host-bound.
-A replay costs the host well under a millisecond. Padding rows write no KV (slot -1) and padding
-sequences have no query tokens and no context, so the kernels skip them; their hidden rows are
-never read. The graphs read their inputs from views of one device buffer with a pinned host mirror: a decode
-step's inputs go in with one copy (`stage_decode`, called by `prepare_inputs`), a mixed step's by a copy per buffer.
+A replay costs the host well under a millisecond. Padding rows write no KV (slot -1) and their hidden rows are
+never read. In a decode graph each padding row is a sequence with no context, which its kernels skip. In a mixed
+graph the padding rows are one more sequence (`mixed_seqs` counts it), with no context, attending causally to
+itself. Left out of every sequence, their attention output would be whatever the shared memory pool held, NaN
+included: the varlen kernels' last key tile of a chunk holds the rows after it, masked to weight 0, and 0 x NaN is
+NaN. On an H200 that turned the whole output of 2 in 18 grounded prompts at batch 1 with n-gram speculation into
+token 0 (verify steps' decode graphs leave other values in the pool than plain decoding's do). The graphs read
+their inputs from views of one device buffer with a pinned host mirror: a decode step's inputs go in with one copy
+(`stage_decode`, called by `prepare_inputs`), a mixed step's by a copy per buffer.
 
 A step of short queries (a verify step: 1 + k tokens per sequence) replays a decode graph with one row
 per token: row t attends to its sequence's first `positions[t] + 1` tokens (its own KV is written just
@@ -99,14 +104,15 @@ class CUDAGraphRunner:
         self.compute_logits = compute_logits
         self.sizes = capture_sizes(max(max_num_seqs, max_decode_rows))
         self.mixed_sizes = mixed_capture_sizes(max_mixed_tokens)
-        self.max_seqs = max_num_seqs   # sequences of a mixed graph
+        self.max_seqs = max_num_seqs   # real sequences of a mixed graph
+        self.mixed_seqs = max_num_seqs + 1   # and one for its padding rows
         self.max_batch = self.sizes[-1]   # rows of the largest decode graph
         self.max_model_len = max_model_len
         n = max(self.max_batch, max(self.mixed_sizes, default=0))
         self._lay_out_inputs(n, max_blocks_per_seq, device, pin_memory=True)
         self._mirror_copied = torch.cuda.Event()
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
+        self.query_start_loc = torch.zeros(self.mixed_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)   # a mixed graph's output
         # Each decode graph's own outputs (hidden states, and logits where it computes them), tensors of the graphs'
         # memory pool that its replays write: no copy into a shared buffer at the end of the step's chain of kernels
@@ -124,9 +130,10 @@ class CUDAGraphRunner:
         that a decode step's inputs arrive in one copy (`stage_decode`); the block tables come last, so that the rows
         of a smaller graph end the copy early. `num_rows`: the most rows of any graph (`max_batch` for the decode
         rows' context lengths and block tables)."""
+        seqs = max(self.max_batch, self.mixed_seqs)
         layout = {"input_ids": (torch.int64, (num_rows,)), "positions": (torch.int64, (num_rows,)),
-                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (self.max_batch,)),
-                  "block_tables": (torch.int32, (self.max_batch, max_blocks_per_seq))}
+                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (seqs,)),
+                  "block_tables": (torch.int32, (seqs, max_blocks_per_seq))}
         spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
         for name, (kind, shape) in layout.items():
             nbytes = int(np.prod(shape)) * kind.itemsize
@@ -161,7 +168,7 @@ class CUDAGraphRunner:
         # The query-length bound only picks the attention tile shape; any bound >= the real one is exact.
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens[:self.max_seqs], block_tables=self.block_tables[:self.max_seqs],
+            seq_lens=self.seq_lens[:self.mixed_seqs], block_tables=self.block_tables[:self.mixed_seqs],
             max_query_len=min(num_tokens, self.max_model_len), max_seq_len=self.max_model_len)
 
     def _logits_in_graph(self, num_tokens: int) -> bool:
@@ -295,9 +302,10 @@ class CUDAGraphRunner:
             if padded > batch:
                 self.seq_lens[batch:padded].zero_()
             return self._replay_decode(padded, num_tokens)
-        # Padding sequences own no query rows (they all start at the real token count) and no context.
+        # Sequence `batch` owns the padding rows, with no context; the ones after it own nothing.
         self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
-        self.query_start_loc[batch + 1:].fill_(num_tokens)
-        self.seq_lens[batch:self.max_seqs].zero_()
+        self.query_start_loc[batch + 1:].fill_(padded)
+        self.seq_lens[batch:batch + 1].fill_(padded - num_tokens)
+        self.seq_lens[batch + 1:self.mixed_seqs].zero_()
         self.mixed_graphs[padded].replay()
         return self.hidden[:num_tokens], None
