@@ -67,7 +67,7 @@ class _HostGraphs(CUDAGraphRunner):
 
     def __init__(self, max_batch: int, max_blocks: int) -> None:
         self.sizes, self.max_seqs, self.max_batch = capture_sizes(max_batch), max_batch, max_batch
-        self._lay_out_inputs(max_batch, max_blocks, torch.device("cpu"), pin_memory=False)
+        self._lay_out_inputs(max_batch, max_batch, max_blocks, torch.device("cpu"), pin_memory=False)
         self._mirror_copied, self._row_views = _HostEvent(), {}
         self.decode_query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32)
 

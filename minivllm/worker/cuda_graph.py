@@ -109,7 +109,7 @@ class CUDAGraphRunner:
         self.max_batch = self.sizes[-1]   # rows of the largest decode graph
         self.max_model_len = max_model_len
         n = max(self.max_batch, max(self.mixed_sizes, default=0))
-        self._lay_out_inputs(n, max_blocks_per_seq, device, pin_memory=True)
+        self._lay_out_inputs(n, max(self.max_batch, self.mixed_seqs), max_blocks_per_seq, device, pin_memory=True)
         self._mirror_copied = torch.cuda.Event()
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.mixed_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
@@ -125,15 +125,15 @@ class CUDAGraphRunner:
         self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
         self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def _lay_out_inputs(self, num_rows: int, max_blocks_per_seq: int, device: torch.device, pin_memory: bool) -> None:
+    def _lay_out_inputs(self, num_rows: int, num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                        pin_memory: bool) -> None:
         """The inputs every graph reads: views of one device buffer laid out like a host mirror (pinned on the GPU), so
         that a decode step's inputs arrive in one copy (`stage_decode`); the block tables come last, so that the rows
-        of a smaller graph end the copy early. `num_rows`: the most rows of any graph (`max_batch` for the decode
-        rows' context lengths and block tables)."""
-        seqs = max(self.max_batch, self.mixed_seqs)
+        of a smaller graph end the copy early. `num_rows`: the most rows of any graph; `num_seqs`: the most sequences
+        (a decode graph's rows, a mixed graph's sequences), for the context lengths and block tables."""
         layout = {"input_ids": (torch.int64, (num_rows,)), "positions": (torch.int64, (num_rows,)),
-                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (seqs,)),
-                  "block_tables": (torch.int32, (seqs, max_blocks_per_seq))}
+                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (num_seqs,)),
+                  "block_tables": (torch.int32, (num_seqs, max_blocks_per_seq))}
         spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
         for name, (kind, shape) in layout.items():
             nbytes = int(np.prod(shape)) * kind.itemsize
