@@ -11,7 +11,7 @@ from minivllm.core.sequence import Sequence, SequenceGroup
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.cuda_graph import (SPEC_DECODE_ROWS, CUDAGraphRunner, capture_sizes, max_decode_rows,
                                         mixed_capture_sizes)
-from minivllm.worker.inputs import StagingBuffer, prepare_inputs, prepare_sampling
+from minivllm.worker.inputs import PreviousSamples, StagingBuffer, prepare_inputs, prepare_sampling
 
 
 def test_staging_buffer_returns_every_array_on_a_16_byte_boundary():
@@ -109,6 +109,41 @@ def test_verify_step_staged_into_a_decode_graph_one_row_per_token(sequence_tenso
     assert meta.block_tables.tolist() == [[7, 3, 9, 1], [5, 2, 0, 0]]
     assert (meta.max_query_len, meta.min_query_len, meta.max_seq_len) == (4, 3, 13)
     assert len(transfers) == sequence_tensors   # the host-only metadata made no staging copy
+
+
+def test_batch_1_steps_staged_into_a_decode_graph():
+    """One sequence (the path a batch-1 step takes): a verify step of 3 drafts lands one row per token like the general
+    path's rows, and a plain step whose newest token is still being sampled takes it from the step in flight (its row
+    in that step's sampled ids) into its input."""
+    block_size = 4
+    seq = _sequence(list(range(100, 110)), [7, 3, 9, 1], 9)
+    graphs, stager = _HostGraphs(8, 4), StagingBuffer(torch.device("cpu"))
+    verify = SchedulerOutput(seqs=[seq], num_computed_tokens=[9], num_scheduled_tokens=[4], num_samples=[1],
+                             spec_token_ids=[[11, 12, 13]])
+    inputs = prepare_inputs(verify, block_size, stager, graph=graphs, sequence_tensors=False)
+    positions = [9, 10, 11, 12]
+    slots = [[7, 3, 9, 1][p // block_size] * block_size + p % block_size for p in positions]
+    assert inputs.staged == (graphs, 4)
+    assert graphs.input_ids[:4].tolist() == [109, 11, 12, 13] and inputs.input_ids.tolist() == [109, 11, 12, 13]
+    assert graphs.positions[:4].tolist() == positions and graphs.slot_mapping[:4].tolist() == slots
+    assert graphs.seq_lens[:4].tolist() == [p + 1 for p in positions]
+    assert graphs.block_tables[:4].tolist() == [[7, 3, 9, 1]] * 4
+    meta = inputs.metadata
+    assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 4]
+    assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [13] and meta.num_seqs == 1
+    assert (meta.max_query_len, meta.min_query_len, meta.max_seq_len) == (4, 4, 13)
+    assert meta.block_tables.tolist() == [[7, 3, 9, 1]]
+
+    seq.num_computed_tokens = 10   # token 10 is in flight: row 2 of the step before's sampled ids
+    previous = PreviousSamples(torch.tensor([5, 6, 777]), {seq.seq_id: 2})
+    plain = SchedulerOutput(seqs=[seq], num_computed_tokens=[10], num_scheduled_tokens=[1], num_samples=[1])
+    inputs = prepare_inputs(plain, block_size, stager, previous, graph=graphs, sequence_tensors=False)
+    assert inputs.staged == (graphs, 1) and inputs.input_ids.tolist() == [777]
+    assert graphs.positions[:1].tolist() == [10] and graphs.slot_mapping[:1].tolist() == [9 * 4 + 2]
+    assert graphs.seq_lens[:1].tolist() == [11]
+    meta = inputs.metadata
+    assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [11] and meta.query_start_loc.tolist() == [0, 1]
+    assert meta.block_tables.tolist() == [[7, 3, 9, 1]] and meta.max_seq_len == 11
 
 
 def test_a_decode_step_samples_every_row_without_staging_its_indices():

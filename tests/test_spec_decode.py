@@ -330,6 +330,29 @@ def test_a_plan_for_some_sequences_is_decided_again_every_step():
     assert controller.propose(seqs, 4) == 1 and seqs[0].spec_token_ids and not seqs[1].spec_token_ids
 
 
+def test_batch_1_speculation_survives_a_warm_up_outlier_and_a_plain_estimate_above_the_verify_cost():
+    """The costs an H200 run left (spec_decode_h200.json `cost_model_outlier`): a warm-up's two decode steps of 2
+    sequences took 20.4 and 1.5 ms, a 26-token prefill chunk 1.38 ms, batch-1 decode steps 0.53 ms and batch-1 verify
+    steps of 16 rows 0.95 ms. The 2-sequence bucket is its lower median (1.5 ms, not the mean of the two), and the
+    plain estimate at 16 tokens (interpolated between 2 and 32) is above what the verify steps cost: their extra is
+    negative and the two sum to the measured 0.95 ms. With the mean and the extra clipped at 0, every draft was
+    priced at 6.5 ms and the whole run decoded plainly."""
+    controller = SpeculationController(SpeculativeConfig(num_speculative_tokens=15), max_model_len=4096)
+    seq = _decoding_batch(1)[0]
+    for seconds in (0.0204, 0.0015):
+        controller.observe_step(2, 2, seconds, speculative=False)
+    controller.observe_step(26, 1, 0.00138, speculative=False)
+    for _ in range(8):
+        controller.observe_step(1, 1, 0.00053, speculative=False)
+    for _ in range(8):
+        controller.observe_step(16, 1, 0.00095, speculative=True)
+        controller.observe_verification(seq, 15, 5)
+    assert controller.costs.plain(2) == pytest.approx(0.0015)
+    assert controller.costs.estimated_verify_cost(16, 1) == pytest.approx(0.00095)
+    controller._held.forget()
+    assert controller.choose_k([seq]) == 15
+
+
 def test_a_try_by_a_few_sequences_does_not_price_a_whole_batch_verify_step():
     """A verify step is priced as a plain step of its size plus the measured extra of verifying: a cheap
     try by 4 of 256 sequences (260 tokens, accepted) must not make a whole-batch verify step (512

@@ -9,8 +9,8 @@ verify step that is waited for (no async overlap) carries the host work that wai
 j to launch j + 1 holds the wait for step j - 1, so at 256 sequences a 4,096-token bucket would read
 4.3 ms against 199 ms for the 8,192-token one.)
 
-Plain costs are the median of the last few steps in each power-of-two bucket of scheduled tokens; a verify
-step is priced as a plain step of its size plus the median extra that recent verify steps of about as many
+Plain costs are the lower median of the last few steps in each power-of-two bucket of scheduled tokens; a verify
+step is priced as a plain step of its size plus the lower median of the extra that recent verify steps of about as many
 sequences cost over the plain estimate. A plain step of a size never measured is estimated by linear
 interpolation in the token count between the measured buckets around it, prefill chunks included (a
 step's cost is about affine in its tokens), or, with none above it, assumed to cost the plain step below:
@@ -31,7 +31,11 @@ import bisect
 import statistics
 from collections import deque
 
-COST_WINDOW = 8   # recent step times kept per bucket (their median is the cost: compiles are outliers)
+# Recent step times kept per bucket. Their lower median is the cost: outliers (a compile, a shape's first graph replay,
+# a garbage collection) only ever lengthen a step, and with two samples a median would be their mean. On an H200 a
+# warm-up's decode steps of 2 sequences took 20.4 and 1.5 ms; priced at their mean, they turned speculation off for
+# a whole batch-1 run (bench/results/spec_decode_h200.json `cost_model_outlier`).
+COST_WINDOW = 8
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -47,7 +51,7 @@ def _record(windows: dict[int, deque], medians: dict[int, float], bucket: int, v
         window = windows[bucket] = deque(maxlen=COST_WINDOW)
         bisect.insort(buckets, bucket)
     window.append(value)
-    medians[bucket] = statistics.median(window)
+    medians[bucket] = statistics.median_low(window)
 
 
 class StepCosts:
@@ -100,6 +104,9 @@ class StepCosts:
     def verify_extra(self, num_seqs: int) -> float | None:
         """What verifying adds to a plain step of the same size: the median extra over the plain estimate
         of recent verify steps of about as many sequences (the nearest measured bucket; None before any).
+        It may be negative: the plain estimate at a verify step's size is interpolated between buckets measured at
+        other batch sizes (or prefill chunks), and only the sum of the two prices the step. Clipped at 0, a plain
+        estimate above the verify steps' measured cost priced every verify step at that estimate.
         The extra is mostly host work per sequence that waits for the result, not per draft: keyed by
         tokens, the draft lengths of one batch fell into different buckets whose few samples (chained
         verify steps cost little, unchained ones a host step more) made k = 3 look cheaper than k = 5 at
@@ -109,7 +116,7 @@ class StepCosts:
             return None
         bits = token_bucket(num_seqs).bit_length()
         nearest = min(self._extra_buckets, key=lambda b: (abs(b.bit_length() - bits), b))
-        return max(0.0, self._extra_median[nearest])
+        return self._extra_median[nearest]
 
     def estimated_verify_cost(self, num_tokens: int, num_seqs: int) -> float | None:
         """A plain step of `num_tokens` plus `verify_extra(num_seqs)`."""

@@ -31,5 +31,5 @@ def build_spec_metadata(layout, rows: list[SamplingRow], draft_token_ids: torch.
         uniform=None if all_greedy else uniform((num_seqs, k), device, seeded, seeds, salt=2),
         residual_noise=None if all_greedy else exponential_noise((num_seqs, vocab_size), device, seeded, seeds,
                                                                   salt=3),
-        verify_on_host=all_greedy and draft_token_ids is None,
+        verify_on_host=layout.verified_on_host and draft_token_ids is None,
     )

@@ -74,10 +74,12 @@ class SpecLayout:
     draft_token_ids: np.ndarray    # [N, K] -1 = proposed on the device (and past num_drafts)
     row_index_cpu: np.ndarray      # [N, K + 1]
     last_positions: np.ndarray     # [N] position of each one's last known token (the one before its drafts)
-    row_index: torch.Tensor        # [N, K + 1] sampling rows of the verified positions (device)
-    draft_positions: torch.Tensor  # [N, K] flat input rows holding the drafts (device; pads repeat the last)
-    num_drafts_d: torch.Tensor     # [N] (device)
-    draft_token_ids_d: torch.Tensor  # [N, K] (device)
+    # Device copies, None when `verified_on_host`:
+    row_index: torch.Tensor | None        # [N, K + 1] sampling rows of the verified positions
+    draft_positions: torch.Tensor | None  # [N, K] flat input rows holding the drafts (pads repeat the last)
+    num_drafts_d: torch.Tensor | None     # [N]
+    draft_token_ids_d: torch.Tensor | None  # [N, K]
+    verified_on_host: bool = False   # every speculating row greedy, every draft from the host
 
     @property
     def max_num_drafts(self) -> int:
@@ -215,6 +217,10 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
     the device idles until this step is launched, and that copy was a third of the host's preparation."""
     seqs = scheduler_output.seqs
     scheduled = scheduler_output.num_scheduled_tokens
+    if len(seqs) == 1 and graph is not None and (scheduled[0] == 1 or not sequence_tensors):
+        padded = graph.decode_size(1, scheduled[0], scheduled[0])
+        if padded is not None and not (previous_samples is not None and previous_samples.verified):
+            return _prepare_one_sequence(scheduler_output, block_size, previous_samples, stream, graph, padded)
     num_scheduled = np.asarray(scheduled, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
                         dtype=np.int64)
@@ -314,6 +320,46 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: S
                        staged=None if padded is None else (graph, padded))
 
 
+def _prepare_one_sequence(scheduler_output: SchedulerOutput, block_size: int, previous_samples: PreviousSamples | None,
+                          stream, graph, padded: int) -> ModelInputs:
+    """`prepare_inputs` for a step of one sequence that a decode graph replays (batch 1: a plain step, or a verify
+    step one row per token), its per-sequence metadata kept on the host. The same inputs, from Python lists and a
+    few numpy calls: right after a verify step the device idles while the host prepares this step, and at a
+    handful of rows the general path's numpy calls were most of that preparation."""
+    seq = scheduler_output.seqs[0]
+    n = scheduler_output.num_scheduled_tokens[0]
+    start = scheduler_output.num_computed_tokens[0] if scheduler_output.num_computed_tokens else seq.num_computed_tokens
+    end = start + n
+    drafts = scheduler_output.spec_token_ids[0] if scheduler_output.spec_token_ids else []
+    token_ids = seq.token_ids[start:end - len(drafts)]
+    fill = len(token_ids) < n - len(drafts)   # the newest token, still being sampled
+    if fill:
+        assert len(token_ids) == n - len(drafts) - 1 and previous_samples is not None, \
+            "only the newest token can be pending"
+        token_ids.append(0)
+    token_ids += drafts if not drafts or min(drafts) >= 0 else [max(t, 0) for t in drafts]
+    table = seq.block_table
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    block_tables = np.array(table, dtype=np.int32)[None]   # one row, broadcast over the step's rows
+    positions = np.arange(start, end, dtype=np.int64)
+    graph.stage_decode(padded, token_ids, positions, slots, end if n == 1 else positions + 1, block_tables, stream)
+    input_ids_d, positions_d, slot_mapping_d = graph.row_views(n)
+    if n == 1:
+        query_start_loc_d = graph.decode_query_start_loc[:2]
+        seq_lens_d, block_tables_d = graph.seq_lens[:1], graph.block_tables[:1, :len(table)]
+    else:   # nothing on the device reads them (see `prepare_inputs`)
+        query_start_loc_d = torch.from_numpy(np.array((0, n), dtype=np.int32))
+        seq_lens_d, block_tables_d = torch.from_numpy(np.array((end,), dtype=np.int32)), torch.from_numpy(block_tables)
+    if fill:
+        row, position = previous_samples.row_of_seq[seq.seq_id], len(token_ids) - len(drafts) - 1
+        input_ids_d[position:position + 1].copy_(previous_samples.token_ids[row:row + 1], non_blocking=True)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping_d, query_start_loc=query_start_loc_d, seq_lens=seq_lens_d,
+        block_tables=block_tables_d, max_query_len=n, max_seq_len=end, query_start_loc_cpu=[0, n],
+        seq_lens_cpu=[end], min_query_len=n)
+    return ModelInputs(input_ids=input_ids_d, positions=positions_d, metadata=metadata, staged=(graph, padded))
+
+
 _ROW_RANGES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -355,12 +401,18 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
             # A forking sequence samples for its future siblings too: sample k becomes sibling k.
             rows.append(SequenceSamplingRow(seq, sample_index=seq.index + k))
     spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
+    # Greedy rows verifying drafts proposed on the host are verified on the host once read back (the sampler leaves
+    # their argmaxes): the drafts' layout stays on the host.
+    on_host = spec_host is not None and min(min(d) for d in spec_tokens if d) >= 0 and all(
+        rows[r[0]].params.greedy for r in spec_rows)
     inputs.samples_every_row = len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens))
-    if inputs.samples_every_row and spec_host is None:   # a plain decode step: no copy for its indices
-        logits_indices_d, spec_d = row_range(num_tokens, stager.device), []
+    if inputs.samples_every_row and (spec_host is None or on_host):   # no copy for its indices
+        logits_indices_d, spec_d = row_range(num_tokens, stager.device), [None] * 4
     else:
         arrays = [np.asarray(logits_indices, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
         (logits_indices_d, *spec_d), = stager.transfer([(torch.int64, arrays)], stream)
+        if on_host:
+            spec_d = [None] * 4
     inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
     if spec_host is not None:
         # each speculating sequence's last known token, the one before its drafts
@@ -368,7 +420,7 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
         inputs.spec = SpecLayout(
             seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
             last_positions=last_positions, num_drafts_d=spec_d[0], draft_token_ids_d=spec_d[1], row_index=spec_d[2],
-            draft_positions=spec_d[3])
+            draft_positions=spec_d[3], verified_on_host=on_host)
 
 
 def _spec_layout_arrays(spec_tokens: list[list[int]], spec_rows: list[list[int]], query_start_loc: list[int]
