@@ -50,12 +50,23 @@ def greedy_continuation(continuations: list, limit: int, min_token_prob: float) 
     `min_token_prob`; returns the draft and its score (the sum of the products)."""
     draft, prob, score = [], 1.0, 0.0
     survivors = continuations
-    for j in range(limit):
+    j = 0
+    while j < limit:
         first = survivors[0] if survivors else ()
         if all(c == first for c in survivors):   # one continuation left (the usual case): the rest of it
             rest = first[j:limit]
             draft.extend(rest)
             return draft, score + prob * len(rest)
+        # Where every survivor has the same next token the vote is unanimous (prob unchanged, nobody drops out):
+        # take those tokens without a count and a filter per position (zip stops at the shortest survivor).
+        for column in zip(*(c[j:limit] for c in survivors)):
+            if column.count(column[0]) != len(column):
+                break
+            draft.append(column[0])
+            score += prob
+            j += 1
+        if j == limit:
+            break
         counts: dict[int, int] = {}
         for c in survivors:
             if len(c) > j:
@@ -69,6 +80,7 @@ def greedy_continuation(continuations: list, limit: int, min_token_prob: float) 
         draft.append(token)
         score += prob
         survivors = [c for c in survivors if len(c) > j and c[j] == token]
+        j += 1
     return draft, score
 
 
@@ -198,22 +210,19 @@ class SuffixProposer:
         n = len(history)
         data = history.tobytes()
         end = ITEM * (n - 1)   # an occurrence must be followed by a token of the history
-
-        def latest(match_len: int, before: int) -> int:
-            return latest_match(data, data[ITEM * (n - match_len):], before)
-
         low, high = self.min_own_match, min(self.max_depth - 1, n - 1)
-        if low > high or latest(low, end) < 0:   # (most steps of open-ended text: one search)
+        if low > high or latest_match(data, data[ITEM * (n - low):], end) < 0:   # (most steps of open-ended text)
             return [], 0
         while low < high:   # the longest suffix seen before (a suffix of a recurring string recurs)
             mid = (low + high + 1) // 2
-            if latest(mid, end) >= 0:
+            if latest_match(data, data[ITEM * (n - mid):], end) >= 0:
                 low = mid
             else:
                 high = mid - 1
         limit = self._limit(low, k, skip)
+        tail = data[ITEM * (n - low):]
         continuations, stop = [], end
-        while len(continuations) < MAX_OCCURRENCES and (at := latest(low, stop)) >= 0:
+        while len(continuations) < MAX_OCCURRENCES and (at := latest_match(data, tail, stop)) >= 0:
             continuations.append(history[at + low:min(n, at + low + limit)])
             stop = ITEM * (at + low) - 1
         return greedy_continuation(continuations, limit, 0.0)[0], low
