@@ -102,7 +102,7 @@ class StepCosts:
         return medians[low] + (medians[high] - medians[low]) * (num_tokens - low) / (high - low)
 
     def verify_extra(self, num_seqs: int) -> float | None:
-        """What verifying adds to a plain step of the same size: the median extra over the plain estimate
+        """What verifying adds to a plain step of the same size: the lower median of the extra over the plain estimate
         of recent verify steps of about as many sequences (the nearest measured bucket; None before any).
         It may be negative: the plain estimate at a verify step's size is interpolated between buckets measured at
         other batch sizes (or prefill chunks), and only the sum of the two prices the step. Clipped at 0, a plain

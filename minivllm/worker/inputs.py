@@ -406,13 +406,13 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
     on_host = spec_host is not None and min(min(d) for d in spec_tokens if d) >= 0 and all(
         rows[r[0]].params.greedy for r in spec_rows)
     inputs.samples_every_row = len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens))
-    if inputs.samples_every_row and (spec_host is None or on_host):   # no copy for its indices
-        logits_indices_d, spec_d = row_range(num_tokens, stager.device), [None] * 4
+    staged_spec = spec_host[1:] if spec_host is not None and not on_host else ()
+    if inputs.samples_every_row and not staged_spec:   # no copy for its indices
+        logits_indices_d, spec_d = row_range(num_tokens, stager.device), []
     else:
-        arrays = [np.asarray(logits_indices, dtype=np.int64), *(spec_host[1:] if spec_host is not None else ())]
+        arrays = [np.asarray(logits_indices, dtype=np.int64), *staged_spec]
         (logits_indices_d, *spec_d), = stager.transfer([(torch.int64, arrays)], stream)
-        if on_host:
-            spec_d = [None] * 4
+    spec_d = spec_d or [None] * 4
     inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
     if spec_host is not None:
         # each speculating sequence's last known token, the one before its drafts
