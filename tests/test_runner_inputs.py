@@ -9,8 +9,8 @@ import torch
 from minivllm.core.interfaces import SchedulerOutput
 from minivllm.core.sequence import Sequence, SequenceGroup
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.cuda_graph import (SPEC_DECODE_ROWS, CUDAGraphRunner, capture_sizes, max_decode_rows,
-                                        mixed_capture_sizes)
+from minivllm.worker.cuda_graph import (SPEC_DECODE_ROWS, CUDAGraphRunner, GraphInputs, capture_sizes,
+                                        max_decode_rows, mixed_capture_sizes)
 from minivllm.worker.inputs import PreviousSamples, StagingBuffer, prepare_inputs, prepare_sampling
 
 
@@ -67,9 +67,28 @@ class _HostGraphs(CUDAGraphRunner):
 
     def __init__(self, max_batch: int, max_blocks: int) -> None:
         self.sizes, self.max_seqs, self.max_batch = capture_sizes(max_batch), max_batch, max_batch
-        self._lay_out_inputs(max_batch, max_batch, max_blocks, torch.device("cpu"), pin_memory=False)
+        self.decode_in = d = GraphInputs(max_batch, max_batch, max_blocks, torch.device("cpu"), mirror=True)
+        self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
+        self.seq_lens, self.block_tables = d.seq_lens, d.block_tables
         self._mirror_copied, self._row_views = _HostEvent(), {}
         self.decode_query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32)
+
+
+def test_decode_inputs_copy_through_the_staged_rows_only():
+    """`copy_rows(r)` moves every per-row buffer and the first r block-table rows from the mirror, and nothing after
+    them: a decode step's copy ends with its own rows' block tables."""
+    inputs = GraphInputs(8, 8, 3, torch.device("cpu"), mirror=True)
+    host = inputs.host
+    host["input_ids"][:] = np.arange(8)
+    host["positions"][:] = np.arange(8) + 10
+    host["slot_mapping"][:] = np.arange(8) + 20
+    host["seq_lens"][:] = np.arange(8) + 30
+    host["block_tables"][:] = np.arange(24).reshape(8, 3)
+    inputs.copy_rows(2)
+    assert inputs.input_ids.tolist() == list(range(8)) and inputs.positions.tolist() == list(range(10, 18))
+    assert inputs.slot_mapping.tolist() == list(range(20, 28)) and inputs.seq_lens.tolist() == list(range(30, 38))
+    assert inputs.block_tables[:2].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert inputs.block_tables[2:].abs().sum() == 0
 
 
 def _sequence(token_ids: list[int], block_table: list[int], num_computed: int) -> Sequence:

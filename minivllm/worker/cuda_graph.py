@@ -16,9 +16,10 @@ graph the padding rows are one more sequence (`mixed_seqs` counts it), with no c
 itself. Left out of every sequence, their attention output would be whatever the shared memory pool held, NaN
 included: the varlen kernels' last key tile of a chunk holds the rows after it, masked to weight 0, and 0 x NaN is
 NaN. On an H200 that turned the whole output of 2 in 18 grounded prompts at batch 1 with n-gram speculation into
-token 0 (verify steps' decode graphs leave other values in the pool than plain decoding's do). The graphs read
-their inputs from views of one device buffer with a pinned host mirror: a decode step's inputs go in with one copy
-(`stage_decode`, called by `prepare_inputs`), a mixed step's by a copy per buffer.
+token 0 (verify steps' decode graphs leave other values in the pool than plain decoding's do). Each family reads
+its inputs from views of one device buffer of its own (`GraphInputs`): a decode step's inputs go in with one copy
+from a pinned host mirror of the decode graphs' buffer (`stage_decode`, called by `prepare_inputs`), a mixed step's
+by a copy per buffer.
 
 A step of short queries (a verify step: 1 + k tokens per sequence) replays a decode graph with one row
 per token: row t attends to its sequence's first `positions[t] + 1` tokens (its own KV is written just
@@ -93,6 +94,46 @@ def mixed_capture_sizes(max_tokens: int) -> list[int]:
     return sorted(set(sizes) | ({max_tokens} if max_tokens > 0 else set()))
 
 
+class GraphInputs:
+    """The inputs one family of graphs reads: views of one device buffer. With `mirror`, a pinned host copy laid out
+    alike, so that a decode step's inputs arrive in one copy (`copy_rows`); the block tables come last, so that the
+    rows of a smaller graph end the copy early. `num_rows`: the most rows of any graph of the family; `num_seqs`:
+    the most sequences (a decode graph's rows, a mixed graph's sequences), for the context lengths and block
+    tables."""
+
+    def __init__(self, num_rows: int, num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 mirror: bool) -> None:
+        layout = {"input_ids": (torch.int64, (num_rows,)), "positions": (torch.int64, (num_rows,)),
+                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (num_seqs,)),
+                  "block_tables": (torch.int32, (num_seqs, max_blocks_per_seq))}
+        spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
+        for name, (kind, shape) in layout.items():
+            nbytes = int(np.prod(shape)) * kind.itemsize
+            spans[name] = slice(total, total + nbytes)
+            total += -(-nbytes // 16) * 16
+        self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda") if mirror else None
+        self.host = {}   # numpy views of the mirror, by name
+        for name, (kind, shape) in layout.items():
+            setattr(self, name, self.buffer[spans[name]].view(kind).view(shape))
+            if mirror:
+                self.host[name] = self.mirror[spans[name]].view(kind).view(shape).numpy()
+        self.slot_mapping.fill_(-1)
+        if mirror:
+            self.host["slot_mapping"][:] = -1
+        self._row_bytes = self.block_tables.stride(0) * self.block_tables.element_size()
+        self._block_tables_offset = spans["block_tables"].start
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def copy_rows(self, rows: int) -> None:
+        """Queue the copy of the mirror into the buffer, through the block tables of the first `rows` sequences."""
+        views = self._copies.get(rows)
+        if views is None:
+            end = self._block_tables_offset + rows * self._row_bytes
+            views = self._copies[rows] = (self.buffer[:end], self.mirror[:end])
+        views[0].copy_(views[1], non_blocking=True)
+
+
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
                  max_model_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
@@ -109,7 +150,14 @@ class CUDAGraphRunner:
         self.max_batch = self.sizes[-1]   # rows of the largest decode graph
         self.max_model_len = max_model_len
         n = max(self.max_batch, max(self.mixed_sizes, default=0))
-        self._lay_out_inputs(n, max(self.max_batch, self.mixed_seqs), max_blocks_per_seq, device, pin_memory=True)
+        # The decode graphs read buffers sized for their own rows, so that a decode step's one copy holds its rows:
+        # buffers shared with the mixed graphs put three int64 arrays of their 4,096 rows (the default budget) in
+        # front of the block tables, a copy of 98 kB even at batch 1.
+        self.decode_in = GraphInputs(self.max_batch, self.max_batch, max_blocks_per_seq, device, mirror=True)
+        self.mixed_in = GraphInputs(n, self.mixed_seqs, max_blocks_per_seq, device, mirror=False)
+        d = self.decode_in
+        self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
+        self.seq_lens, self.block_tables = d.seq_lens, d.block_tables
         self._mirror_copied = torch.cuda.Event()
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.mixed_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
@@ -124,30 +172,6 @@ class CUDAGraphRunner:
         self.pool = None
         self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
         self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def _lay_out_inputs(self, num_rows: int, num_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                        pin_memory: bool) -> None:
-        """The inputs every graph reads: views of one device buffer laid out like a host mirror (pinned on the GPU), so
-        that a decode step's inputs arrive in one copy (`stage_decode`); the block tables come last, so that the rows
-        of a smaller graph end the copy early. `num_rows`: the most rows of any graph; `num_seqs`: the most sequences
-        (a decode graph's rows, a mixed graph's sequences), for the context lengths and block tables."""
-        layout = {"input_ids": (torch.int64, (num_rows,)), "positions": (torch.int64, (num_rows,)),
-                  "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (num_seqs,)),
-                  "block_tables": (torch.int32, (num_seqs, max_blocks_per_seq))}
-        spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
-        for name, (kind, shape) in layout.items():
-            nbytes = int(np.prod(shape)) * kind.itemsize
-            spans[name] = slice(total, total + nbytes)
-            total += -(-nbytes // 16) * 16
-        self._inputs = torch.zeros(total, dtype=torch.uint8, device=device)
-        self._mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory)
-        self._host = {}   # numpy views of the mirror, by name
-        for name, (kind, shape) in layout.items():
-            setattr(self, name, self._inputs[spans[name]].view(kind).view(shape))
-            self._host[name] = self._mirror[spans[name]].view(kind).view(shape).numpy()
-        self.slot_mapping.fill_(-1)
-        self._host["slot_mapping"][:] = -1
-        self._block_tables_offset = spans["block_tables"].start
 
     def row_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, positions, slot_mapping) of a step's first `num_tokens` rows, made once per count: three
@@ -166,9 +190,10 @@ class CUDAGraphRunner:
 
     def _mixed_metadata(self, num_tokens: int) -> AttentionMetadata:
         # The query-length bound only picks the attention tile shape; any bound >= the real one is exact.
+        m = self.mixed_in
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens[:self.mixed_seqs], block_tables=self.block_tables[:self.mixed_seqs],
+            slot_mapping=m.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc,
+            seq_lens=m.seq_lens, block_tables=m.block_tables,
             max_query_len=min(num_tokens, self.max_model_len), max_seq_len=self.max_model_len)
 
     def _logits_in_graph(self, num_tokens: int) -> bool:
@@ -180,7 +205,8 @@ class CUDAGraphRunner:
         costs as much host time as a capture and, at thousands of tokens, tens of milliseconds of device time;
         the kernels it would compile or load are loaded during the capture instead (relaxed capture mode)."""
         with_logits = decode and self._logits_in_graph(num_tokens)
-        ids, positions = self.input_ids[:num_tokens], self.positions[:num_tokens]
+        buffers = self.decode_in if decode else self.mixed_in
+        ids, positions = buffers.input_ids[:num_tokens], buffers.positions[:num_tokens]
         with set_forward_context(metadata):
             if decode and self.compute_logits is not None:
                 # also for rows whose logits run outside the graph: a quantized LM head's GEMM tunes its tile
@@ -202,8 +228,9 @@ class CUDAGraphRunner:
         # that pass's values.
         metadata.backend_state.clear()
         graph = torch.cuda.CUDAGraph()
+        buffers = self.decode_in if decode else self.mixed_in
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
-            hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+            hidden = self.model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens])
             if decode:
                 self.decode_outputs[num_tokens] = (hidden, self.compute_logits(hidden) if with_logits else None)
             else:
@@ -215,6 +242,7 @@ class CUDAGraphRunner:
         # Largest first, so smaller graphs reuse the largest one's memory pool. While capturing, every
         # sequence is a padding one: no query tokens, no context, nothing written.
         self.pool = torch.cuda.graph_pool_handle()
+        self.mixed_in.seq_lens.zero_()
         self.seq_lens.zero_()
         for num_tokens in reversed(self.mixed_sizes):
             self.mixed_graphs[num_tokens] = self._capture_one(num_tokens, self._mixed_metadata(num_tokens))
@@ -240,7 +268,7 @@ class CUDAGraphRunner:
         `block_tables` [rows, width]), rows up to `padded` as padding (no KV written, no context). One host-to-device
         copy replaces a copy per buffer before the replay; `run` then only replays. The mirror is rewritten only
         once the previous copy from it is done."""
-        host, rows = self._host, len(token_ids)
+        host, rows = self.decode_in.host, len(token_ids)
         self._mirror_copied.synchronize()
         host["input_ids"][:rows] = token_ids
         host["positions"][:rows] = positions
@@ -249,8 +277,7 @@ class CUDAGraphRunner:
         host["seq_lens"][:rows] = seq_lens
         host["seq_lens"][rows:padded] = 0
         host["block_tables"][:rows, :block_tables.shape[1]] = block_tables
-        end = self._block_tables_offset + padded * self.block_tables.stride(0) * self.block_tables.element_size()
-        self._inputs[:end].copy_(self._mirror[:end], non_blocking=True)
+        self.decode_in.copy_rows(padded)
         self._mirror_copied.record(stream)
 
     def _as_decode_rows(self, inputs: ModelInputs) -> bool:
@@ -280,32 +307,34 @@ class CUDAGraphRunner:
         rows = self._as_decode_rows(inputs)
         decode = meta.is_decode_only or rows
         padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)
-        self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+        buffers = self.decode_in if decode else self.mixed_in
+        buffers.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
+        buffers.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
+        buffers.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+        seq_lens_d, block_tables_d = buffers.seq_lens, buffers.block_tables
         width = meta.block_tables.shape[1]
         if rows:   # one decode row per token (see the module docstring)
             if inputs.decode_rows is not None:   # staged by prepare_inputs
                 seq_lens, block_tables = inputs.decode_rows
-                self.seq_lens[:num_tokens].copy_(seq_lens, non_blocking=True)
-                self.block_tables[:num_tokens, :width].copy_(block_tables, non_blocking=True)
+                seq_lens_d[:num_tokens].copy_(seq_lens, non_blocking=True)
+                block_tables_d[:num_tokens, :width].copy_(block_tables, non_blocking=True)
             else:
-                self.block_tables[:num_tokens, :width] = decode_row_block_tables(meta)
-                self.seq_lens[:num_tokens] = inputs.positions + 1
+                block_tables_d[:num_tokens, :width] = decode_row_block_tables(meta)
+                seq_lens_d[:num_tokens] = inputs.positions + 1
             batch = num_tokens
         else:
-            self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
-            self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
+            seq_lens_d[:batch].copy_(meta.seq_lens, non_blocking=True)
+            block_tables_d[:batch, :width].copy_(meta.block_tables, non_blocking=True)
         if padded > num_tokens:
-            self.slot_mapping[num_tokens:padded].fill_(-1)
+            buffers.slot_mapping[num_tokens:padded].fill_(-1)
         if decode:
             if padded > batch:
-                self.seq_lens[batch:padded].zero_()
+                seq_lens_d[batch:padded].zero_()
             return self._replay_decode(padded, num_tokens)
         # Sequence `batch` owns the padding rows, with no context; the ones after it own nothing.
         self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
         self.query_start_loc[batch + 1:].fill_(padded)
-        self.seq_lens[batch:batch + 1].fill_(padded - num_tokens)
-        self.seq_lens[batch + 1:self.mixed_seqs].zero_()
+        seq_lens_d[batch:batch + 1].fill_(padded - num_tokens)
+        seq_lens_d[batch + 1:].zero_()
         self.mixed_graphs[padded].replay()
         return self.hidden[:num_tokens], None
