@@ -136,6 +136,19 @@ def test_decode_matches_reference(seq_lens, group, head_dim, dtype, partition_si
     assert_close(out, expected, dtype)
 
 
+def test_decode_wide_key_tiles_where_few_splits_cut_small_heads():
+    """Fewer than WIDE_TILE_SPLITS splits at head_dim <= 64 take 128-key tiles (a one-row step's many splits, larger
+    heads and an unsplit step keep 64); the split kernel with them matches the reference on odd lengths."""
+    from minivllm.kernels.decode_attention import split_key_tile
+    assert split_key_tile(64, 64, 6) == 128 and split_key_tile(64, 32, 15) == 128
+    assert split_key_tile(64, 64, 88) == 64 and split_key_tile(64, 128, 6) == 64 and split_key_tile(64, 64, None) == 64
+    assert split_key_tile(32, 64, 6) == 32   # fp32's tile stays
+    query, key, value, k_cache, v_cache, metadata = make_batch([300, 151, 0], [1, 1, 1], 2, 4, 64, torch.bfloat16,
+                                                               seed=5)
+    out, expected = run_both(TritonAttentionBackend(), query, key, value, k_cache, v_cache, metadata, 64 ** -0.5)
+    assert_close(out, expected, torch.bfloat16)
+
+
 def test_decode_split_and_unsplit_agree_and_zero_an_empty_context():
     query, key, value, k_cache, v_cache, metadata = make_batch([200, 0], [1, 1], 1, 4, 64,
                                                                torch.float32, seed=3)

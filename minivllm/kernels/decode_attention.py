@@ -37,6 +37,11 @@ LOG2_E = 1.4426950408889634
 MIN_PARTITION_SIZE = 64    # tokens: one key tile (BLOCK_N) per program at the finest split
 PROGRAMS_PER_SM = 2        # split until batch x kv_heads x splits reaches this many programs per SM
 LONG_PARTITION_SIZE = 1024  # tokens: the shortest partition once batch x kv_heads gives every SM a program
+# With fewer splits than this, a partition of a few hundred tokens spans several 64-key tiles, a loop of dependent
+# loads; at head_dim 64 one 128-key tile holds the bytes of a 64-key tile at head_dim 128. SmolLM2-135M's decode
+# graphs at a 400-token context on an H200: 8, 16, 32, 48 and 64 rows 704, 709, 768, 959 and 981 us against 708, 741,
+# 840, 1,071 and 1,084 with 64-key tiles, 1 to 4 rows unchanged (decode_ab_h200.json `wide_key_tiles`).
+WIDE_TILE_SPLITS = 16
 
 
 @triton.jit
@@ -224,6 +229,14 @@ def sequence_partition_size(seq_len: int, splits: int, min_partition: int = MIN_
     return partition
 
 
+def split_key_tile(block_n: int, block_d: int, num_splits: int | None) -> int:
+    """Keys per tile of a split decode: 128 instead of 64 at head_dims up to 64 when there are fewer than
+    WIDE_TILE_SPLITS splits (see there), else `block_n`."""
+    if num_splits is not None and num_splits < WIDE_TILE_SPLITS and block_d <= 64 and block_n == 64:
+        return 128
+    return block_n
+
+
 def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
     """(qk_scale, softcap_scale) for the kernels: without a cap, scores are dot * qk_scale in log2 units
     (softcap_scale unused); with cap c, tanh(dot * softcap_scale) * qk_scale = c * tanh(s / c) * log2(e)."""
@@ -283,6 +296,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         fixed_partition = 0
         num_sms = _num_sms(query.device)
         num_splits = choose_decode_splits(batch, num_kv_heads, max_context, num_sms, block_n)
+        if (wide := split_key_tile(block_n, block_d, num_splits)) != block_n:
+            block_n = wide
+            num_splits = choose_decode_splits(batch, num_kv_heads, max_context, num_sms, block_n)
         min_partition = shortest_partition(batch, num_kv_heads, num_sms, block_n)
     elif partition_size >= max_context:
         fixed_partition, num_splits = 0, None
