@@ -67,9 +67,7 @@ class _HostGraphs(CUDAGraphRunner):
 
     def __init__(self, max_batch: int, max_blocks: int) -> None:
         self.sizes, self.max_seqs, self.max_batch = capture_sizes(max_batch), max_batch, max_batch
-        self.decode_in = d = GraphInputs(max_batch, max_batch, max_blocks, torch.device("cpu"), mirror=True)
-        self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
-        self.seq_lens, self.block_tables = d.seq_lens, d.block_tables
+        self._lay_out_decode_inputs(max_blocks, torch.device("cpu"))
         self._mirror_copied, self._row_views = _HostEvent(), {}
         self.decode_query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32)
 

@@ -153,11 +153,8 @@ class CUDAGraphRunner:
         # The decode graphs read buffers sized for their own rows, so that a decode step's one copy holds its rows:
         # buffers shared with the mixed graphs put three int64 arrays of their 4,096 rows (the default budget) in
         # front of the block tables, a copy of 98 kB even at batch 1.
-        self.decode_in = GraphInputs(self.max_batch, self.max_batch, max_blocks_per_seq, device, mirror=True)
+        self._lay_out_decode_inputs(max_blocks_per_seq, device)
         self.mixed_in = GraphInputs(n, self.mixed_seqs, max_blocks_per_seq, device, mirror=False)
-        d = self.decode_in
-        self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
-        self.seq_lens, self.block_tables = d.seq_lens, d.block_tables
         self._mirror_copied = torch.cuda.Event()
         self.decode_query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.mixed_seqs + 1, dtype=torch.int32, device=device)  # mixed steps
@@ -172,6 +169,13 @@ class CUDAGraphRunner:
         self.pool = None
         self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
         self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _lay_out_decode_inputs(self, max_blocks_per_seq: int, device: torch.device) -> None:
+        """The decode graphs' inputs (`decode_in`, rows up to `max_batch`), its buffers also as this runner's
+        `input_ids`, `positions`, `slot_mapping`, `seq_lens` and `block_tables`."""
+        self.decode_in = d = GraphInputs(self.max_batch, self.max_batch, max_blocks_per_seq, device, mirror=True)
+        self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
+        self.seq_lens, self.block_tables = d.seq_lens, d.block_tables
 
     def row_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, positions, slot_mapping) of a step's first `num_tokens` rows, made once per count: three
