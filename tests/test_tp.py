@@ -83,6 +83,7 @@ def _assert_same_prompt_logprobs(ours, reference):
         assert [v.logprob for v in mine.values()] == pytest.approx([v.logprob for v in theirs.values()], abs=1e-4)
 
 
+@pytest.mark.long
 def test_tp2_greedy_matches_tp1_under_batching_and_preemption():
     reference, ref_preemptions, ref_logprobs = _greedy(1)
     ours, preemptions, logprobs = _greedy(2)
