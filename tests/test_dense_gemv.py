@@ -117,7 +117,8 @@ def test_gemv_with_norm_matches_the_norm_then_the_linear(tile, with_residual, wr
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("arch", [pytest.param("llama3", marks=pytest.mark.long), "qwen3-moe"])
+@pytest.mark.long
+@pytest.mark.parametrize("arch", ["llama3", "qwen3-moe"])
 def test_decoder_layers_with_norms_in_their_gemvs_match_the_plain_layers(arch, tmp_path, monkeypatch):
     """Decoding one token at a time, a model whose norms (and residual adds) run in the GEMVs after them (qkv_proj,
     gate_up_proj, an MoE block's router, which hands the normed row to the experts: the tiny model's grids are all

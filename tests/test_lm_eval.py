@@ -42,6 +42,7 @@ def setup(tmp_path_factory):
     return folder, llm
 
 
+@pytest.mark.long
 def test_lm_eval_local_completions_matches_offline_and_transformers(setup, hf_model):
     import lm_eval
     from lm_eval.tasks import TaskManager

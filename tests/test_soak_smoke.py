@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.long
 def test_soak_smoke(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "soak.py"), "--clients", "6", "--duration-s", "4",
                "--max-tokens", "12", "--probe-tokens", "8", "--max-model-len", "256", "--kv-cache-memory", "12MiB",
