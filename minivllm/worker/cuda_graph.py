@@ -177,6 +177,9 @@ class CUDAGraphRunner:
         self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
         self.seq_lens, self.block_tables = d.seq_lens, d.block_tables
 
+    def _graph_inputs(self, decode: bool) -> GraphInputs:
+        return self.decode_in if decode else self.mixed_in
+
     def row_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, positions, slot_mapping) of a step's first `num_tokens` rows, made once per count: three
         slices cost a step's host tens of microseconds, on the path after a verify step, where the device waits."""
@@ -209,7 +212,7 @@ class CUDAGraphRunner:
         costs as much host time as a capture and, at thousands of tokens, tens of milliseconds of device time;
         the kernels it would compile or load are loaded during the capture instead (relaxed capture mode)."""
         with_logits = decode and self._logits_in_graph(num_tokens)
-        buffers = self.decode_in if decode else self.mixed_in
+        buffers = self._graph_inputs(decode)
         ids, positions = buffers.input_ids[:num_tokens], buffers.positions[:num_tokens]
         with set_forward_context(metadata):
             if decode and self.compute_logits is not None:
@@ -232,7 +235,7 @@ class CUDAGraphRunner:
         # that pass's values.
         metadata.backend_state.clear()
         graph = torch.cuda.CUDAGraph()
-        buffers = self.decode_in if decode else self.mixed_in
+        buffers = self._graph_inputs(decode)
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
             hidden = self.model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens])
             if decode:
@@ -311,7 +314,7 @@ class CUDAGraphRunner:
         rows = self._as_decode_rows(inputs)
         decode = meta.is_decode_only or rows
         padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)
-        buffers = self.decode_in if decode else self.mixed_in
+        buffers = self._graph_inputs(decode)
         buffers.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
         buffers.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
         buffers.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
