@@ -43,7 +43,7 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata, set_forward_context
 from minivllm.kernels.tuning import deferred_under_capture
-from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs
+from minivllm.worker.inputs import MAX_DECODE_ROWS_QUERY_LEN, ModelInputs, StagingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ class GraphInputs:
         layout = {"input_ids": (torch.int64, (num_rows,)), "positions": (torch.int64, (num_rows,)),
                   "slot_mapping": (torch.int64, (num_rows,)), "seq_lens": (torch.int32, (num_seqs,)),
                   "block_tables": (torch.int32, (num_seqs, max_blocks_per_seq))}
-        spans, total = {}, 0   # each buffer's bytes, starting on a 16-byte boundary
+        spans, total, align = {}, 0, StagingBuffer.ALIGN_BYTES   # each buffer's bytes, aligned as the staged ones
         for name, (kind, shape) in layout.items():
             nbytes = int(np.prod(shape)) * kind.itemsize
             spans[name] = slice(total, total + nbytes)
-            total += -(-nbytes // 16) * 16
+            total += -(-nbytes // align) * align
         self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
         self.mirror = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda") if mirror else None
         self.host = {}   # numpy views of the mirror, by name
