@@ -186,6 +186,7 @@ def run_compare(args) -> dict:
                 if controller.suffix is not None:
                     controller.suffix.cache.clear()
             torch.cuda.synchronize() if torch.cuda.is_available() else None
+            chained = controller.num_chained_steps if controller is not None else 0
             started = time.perf_counter()
             outputs = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
             elapsed = time.perf_counter() - started
@@ -194,13 +195,20 @@ def run_compare(args) -> dict:
             if controller is not None and controller.stats.num_drafts:
                 stats = controller.stats
                 run.update(num_verify=stats.num_drafts, acceptance_rate=stats.num_accepted_tokens / stats.num_draft_tokens,
-                           mean_tokens_per_verify=1 + stats.num_accepted_tokens / stats.num_drafts)
+                           mean_tokens_per_verify=1 + stats.num_accepted_tokens / stats.num_drafts,
+                           num_chained_steps=controller.num_chained_steps - chained)
+                # The device's idle after a verify step that was waited for (the controller's G, a median of its
+                # last 8): what separates the verify steps of one machine start from another's.
+                if controller.chaining.host_gap is not None:
+                    run["device_idle_after_verify_us"] = 1e6 * controller.chaining.host_gap
             runs[mode].append(run)
         reference = runs["off"][0]["outputs"]
         case = {"workload": workload, "batch": batch, "num_prompts": count}
         for mode, mode_runs in runs.items():
             best = dict(max(mode_runs, key=lambda r: r["tokens_per_s"]))
             best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in mode_runs]
+            if any("device_idle_after_verify_us" in r for r in mode_runs):
+                best["device_idle_after_verify_us_runs"] = [r.get("device_idle_after_verify_us") for r in mode_runs]
             outputs = best.pop("outputs")
             best["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
             # Where differing outputs part from off's (bf16: near-tie argmaxes, see WRITEUP.md section 5).
