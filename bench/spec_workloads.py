@@ -207,8 +207,9 @@ def run_compare(args) -> dict:
         for mode, mode_runs in runs.items():
             best = dict(max(mode_runs, key=lambda r: r["tokens_per_s"]))
             best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in mode_runs]
-            if any("device_idle_after_verify_us" in r for r in mode_runs):
-                best["device_idle_after_verify_us_runs"] = [r.get("device_idle_after_verify_us") for r in mode_runs]
+            for key in ("device_idle_after_verify_us", "num_chained_steps"):
+                if any(key in r for r in mode_runs):
+                    best[f"{key}_runs"] = [r.get(key) for r in mode_runs]
             outputs = best.pop("outputs")
             best["outputs_identical_to_off"] = sum(a == b for a, b in zip(outputs, reference))
             # Where differing outputs part from off's (bf16: near-tie argmaxes, see WRITEUP.md section 5).

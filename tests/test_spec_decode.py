@@ -17,6 +17,7 @@ from minivllm.core.interfaces import ModelOutput
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.core.sequence import SequenceGroup
 from minivllm.spec_decode import rejection_sampler
+from minivllm.spec_decode.chaining import EXPIRE_DECISIONS, ChainPolicy
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.controller import (EXPLORE_EVERY, EXPLORE_SEQS, MAX_QUIET_STEPS, QUIET_BATCH, QUIET_STEPS,
                                              QUIET_STEPS_LARGE_BATCH, SpeculationController)
@@ -434,6 +435,28 @@ def test_chaining_behind_a_verify_step_weighs_the_host_gap_against_a_wasted_step
     for _ in range(2):   # the median of 1.2, 1.5, 1.5 ms
         controller.observe_discarded_step(0.0015)
     assert controller.chains(step) is False
+
+
+def test_chaining_samples_expire_so_a_stale_one_cannot_stop_chaining_for_good():
+    """B and W are measured only while steps chain. A gap behind a chained step that makes chaining lose (B > G) stops
+    it; once EXPIRE_DECISIONS decisions have passed with no new B, the prior (B = 0) decides again and the policy
+    chains where that pays; a fresh sample decides in turn. G, measured at every step that waits, stays current."""
+    policy = ChainPolicy()
+    for accepted in [True] * 9 + [False]:   # p = 0.83 after a fully accepted verification
+        policy.observe_verification(7, accepted)
+    policy.observe_verification(7, True)
+    plain = 0.0011
+    policy.observe_idle(0.0003, waited=True)
+    assert policy.chains([7], plain)   # (1 - p)(W - G) < p G with B = 0, W = a plain step
+    policy.observe_idle(0.0004, waited=False)   # a chained step's gap behind, longer than G
+    decisions = 0
+    while not policy.chains([7], plain):
+        decisions += 1
+        policy.observe_idle(0.0003, waited=True)   # the steps that waited keep G measured
+        assert decisions <= EXPIRE_DECISIONS
+    assert decisions == EXPIRE_DECISIONS and policy.gap_behind is None and policy.host_gap == 0.0003
+    policy.observe_idle(0.0004, waited=False)
+    assert not policy.chains([7], plain)
 
 
 def test_ngram_without_matches_lowers_the_proposal_rate():

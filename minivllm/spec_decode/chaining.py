@@ -15,8 +15,14 @@ p (G - B) > (1 - p) (B + W - G), p the chance that all drafts are accepted given
 verification (measured: copying runs on). On a large model W is a whole device step and only runs of
 accepted drafts chain; at batch 1 on a small model, where the host launches a step about as fast as the
 device runs it, G is short, a discarded step wastes the host's time as well, and chaining pays only when
-nearly every draft is accepted. Until G is measured: chain after a fully accepted verification; until B
-and W are, take B = 0 and W = a plain step.
+nearly every draft is accepted, or when the host is slow and G long. Until G is measured: chain after a
+fully accepted verification; until B and W are, take B = 0 and W = a plain step.
+
+B and W are measured only while steps chain, so a sample saying that chaining does not pay would otherwise
+decide for good: on an H200 the one step that the real model's grounded prompts chained in a first run left
+B at 363 us, and none chained in four more runs, with G up to 256 us (spec_decode_h200.json
+`chain_policy_stale_sample`). So a sample counts for EXPIRE_DECISIONS chain decisions; after that the estimate
+falls back to the prior and is measured afresh where chaining then pays.
 """
 from __future__ import annotations
 
@@ -25,24 +31,45 @@ from collections import deque
 
 from minivllm.core.step_costs import COST_WINDOW
 
+EXPIRE_DECISIONS = 256   # chain decisions that a measured gap or wasted step counts for
+
 
 class ChainPolicy:
     def __init__(self) -> None:
         self.fully_accepted: set[int] = set()   # sequences whose last verification accepted every draft
         self._full_after = {True: [0, 0], False: [0, 0]}   # (fully accepted, verifications) after one that was (not)
+        # the latest COST_WINDOW samples of each: (chain decisions made when taken, seconds)
         self._samples = {name: deque(maxlen=COST_WINDOW) for name in ("gap", "behind", "wasted")}
-        self.host_gap: float | None = None      # G
-        self.gap_behind: float | None = None    # B
-        self.wasted_step: float | None = None   # W
+        self._decisions = 0
+
+    @property
+    def host_gap(self) -> float | None:   # G
+        return self._estimate("gap")
+
+    @property
+    def gap_behind(self) -> float | None:   # B
+        return self._estimate("behind")
+
+    @property
+    def wasted_step(self) -> float | None:   # W
+        return self._estimate("wasted")
+
+    def _estimate(self, name: str) -> float | None:
+        """The median of the samples taken within the last EXPIRE_DECISIONS decisions; None without any."""
+        oldest = self._decisions - EXPIRE_DECISIONS
+        fresh = [seconds for taken, seconds in self._samples[name] if taken >= oldest]
+        return statistics.median(fresh) if fresh else None
 
     def chains(self, seq_ids: list[int], plain_cost: float | None) -> bool:
         """For a verify step of the sequences `seq_ids` and a plain step costing `plain_cost`."""
-        if self.host_gap is None or plain_cost is None:
+        self._decisions += 1
+        gap = self.host_gap
+        if gap is None or plain_cost is None:
             return all(seq_id in self.fully_accepted for seq_id in seq_ids)
         p = sum(self.full_acceptance_rate(seq_id in self.fully_accepted) for seq_id in seq_ids) / len(seq_ids)
         behind = self.gap_behind or 0.0
-        wasted = plain_cost if self.wasted_step is None else self.wasted_step
-        return (1.0 - p) * max(0.0, behind + wasted - self.host_gap) < p * (self.host_gap - behind)
+        wasted = self.wasted_step or plain_cost
+        return (1.0 - p) * max(0.0, behind + wasted - gap) < p * (gap - behind)
 
     def full_acceptance_rate(self, last_fully_accepted: bool) -> float:
         """The share of verifications that accepted every draft, after one that did (or did not)."""
@@ -52,19 +79,11 @@ class ChainPolicy:
     def observe_idle(self, seconds: float, waited: bool) -> None:
         """The device's idle time from a verify step's end to the next step's start: G when the next step
         waited for the verify step's read-back, B when it was chained behind it."""
-        if waited:
-            self.host_gap = self._observe("gap", seconds)
-        else:
-            self.gap_behind = self._observe("behind", seconds)
+        self._samples["gap" if waited else "behind"].append((self._decisions, seconds))
 
     def observe_discarded(self, seconds: float) -> None:
         """From the start of a step that was discarded for every sequence to the next step's start (W)."""
-        self.wasted_step = self._observe("wasted", seconds)
-
-    def _observe(self, name: str, seconds: float) -> float:
-        samples = self._samples[name]
-        samples.append(seconds)
-        return statistics.median(samples)
+        self._samples["wasted"].append((self._decisions, seconds))
 
     def observe_verification(self, seq_id: int, fully_accepted: bool) -> None:
         last = seq_id in self.fully_accepted
