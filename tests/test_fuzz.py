@@ -123,6 +123,7 @@ def value_strategy(schema: dict):
     return st.one_of(options)
 
 
+@pytest.mark.long
 def test_fuzz_each_new_field(url, capsys):
     """Every new request field, alone on a minimal valid request, with generated values of its schema's
     types (shapes the server must reject as well as ones it accepts): no 5xx, OpenAI error objects."""

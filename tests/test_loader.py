@@ -48,6 +48,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert torch.equal(torch.from_numpy(unpermute_rows(permuted.numpy(), num_heads)), weight)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_gguf_logits_match_transformers_gguf_loader(converted, default_model_path):
     folder, seconds = converted

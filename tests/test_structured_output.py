@@ -51,6 +51,7 @@ def llm() -> LLM:
     return LLM(kv_cache_memory=64 << 20, max_model_len=1024, seed=0, async_scheduling=True)
 
 
+@pytest.mark.long
 def test_json_schema_choice_regex_grammar_mixed_with_plain_requests(llm):
     schema = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     sampled = SamplingParams(temperature=0.7, seed=3, n=2, max_tokens=120,
