@@ -18,11 +18,12 @@ device runs it, G is short, a discarded step wastes the host's time as well, and
 nearly every draft is accepted, or when the host is slow and G long. Until G is measured: chain after a
 fully accepted verification; until B and W are, take B = 0 and W = a plain step.
 
-B and W are measured only while steps chain, so a sample saying that chaining does not pay would otherwise
-decide for good: on an H200 the one step that the real model's grounded prompts chained in a first run left
-B at 363 us, and none chained in four more runs, with G up to 256 us (spec_decode_h200.json
-`chain_policy_stale_sample`). So a sample counts for EXPIRE_DECISIONS chain decisions; after that the estimate
-falls back to the prior and is measured afresh where chaining then pays.
+B and W are measured only while steps chain (and G only while they do not), so a sample saying that chaining
+does not pay would otherwise decide for good: on an H200 the one step that the real model's grounded prompts
+chained in a first run left B at 363 us, and none chained in four more runs, with G up to 256 us
+(spec_decode_h200.json `chain_policy_stale_sample`). So every sample counts for EXPIRE_DECISIONS chain
+decisions; after that its estimate falls back to the prior and is measured afresh where the decision then
+calls for it.
 """
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ class ChainPolicy:
         if gap is None or plain_cost is None:
             return all(seq_id in self.fully_accepted for seq_id in seq_ids)
         p = sum(self.full_acceptance_rate(seq_id in self.fully_accepted) for seq_id in seq_ids) / len(seq_ids)
-        behind = self.gap_behind or 0.0
-        wasted = self.wasted_step or plain_cost
+        behind, wasted = self.gap_behind, self.wasted_step
+        behind = 0.0 if behind is None else behind
+        wasted = plain_cost if wasted is None else wasted
         return (1.0 - p) * max(0.0, behind + wasted - gap) < p * (gap - behind)
 
     def full_acceptance_rate(self, last_fully_accepted: bool) -> float:
