@@ -63,6 +63,7 @@ class PreviousSamples:
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
     verified: bool = False   # the step verified drafts on the device: its rows may hold -1
+    num_drafts: int = 0      # the first speculating sequence's drafts (at batch 1, the step's)
 
 
 @dataclass
@@ -416,7 +417,8 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
     inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
     if spec_host is not None:
         # each speculating sequence's last known token, the one before its drafts
-        last_positions = (np.asarray(inputs.metadata.seq_lens_cpu)[spec_host[0]] - spec_host[1] - 1)
+        seq_lens = inputs.metadata.seq_lens_cpu   # None: moved on the device (a continued step; no draft model)
+        last_positions = None if seq_lens is None else np.asarray(seq_lens)[spec_host[0]] - spec_host[1] - 1
         inputs.spec = SpecLayout(
             seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
             last_positions=last_positions, num_drafts_d=spec_d[0], draft_token_ids_d=spec_d[1], row_index=spec_d[2],
