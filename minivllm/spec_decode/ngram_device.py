@@ -23,6 +23,11 @@ class DeviceNgram:
         self.stager = stager   # its own: the copy must not wait for one queued behind a forward pass
         self.seq_id: int | None = None
         self.num_uploaded = 0   # the history's first tokens that the host has sent
+        if device.type == "cuda":   # compiled now, not in the middle of the first request that speculates
+            rows = torch.arange(2, dtype=torch.int64, device=device)
+            self.continue_step(torch.zeros(2, dtype=torch.int64, device=device), 2, 1, 1, rows.clone(), rows + 2,
+                               rows.clone(), torch.zeros(4, dtype=torch.int32, device=device), 16,
+                               torch.ones(2, dtype=torch.int32, device=device))
 
     def upload(self, seq, start: int, drafts: list[int], stream=None) -> None:
         """Send the tokens of `seq` the host learnt since the last call and, for a verify step whose first row is

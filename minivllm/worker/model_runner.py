@@ -279,8 +279,10 @@ class ModelRunner:
         # Sampling's inputs after the forward's launch, unless a draft model (the drafts' layout) or the other
         # tensor-parallel ranks (the rows to sample) need them first; these need the per-sequence metadata too.
         sampling_first = self.proposer is not None or self.step_broadcaster is not None
+        continued = (self.device_ngram is not None and len(scheduler_output.seqs) == 1
+                     and scheduler_output.seqs[0].continue_on_device)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream,
-                                self.graph_runner, sequence_tensors=sampling_first)
+                                self.graph_runner, sequence_tensors=sampling_first, continued=continued)
         continued_drafts = None
         if self.device_ngram is not None and len(scheduler_output.seqs) == 1:
             continued_drafts = self._device_ngram_step(scheduler_output, inputs, stream)
@@ -291,19 +293,17 @@ class ModelRunner:
             self.lora_manager.set_step(scheduler_output)
         prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
         if sampling_first:
-            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
+            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream, continued)
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs,
                                   None if prompt_rows is None else prompt_rows[1])
         draft_ids, draft_probs = self._propose(inputs)
-        if continued_drafts is not None and continued_drafts.numel():
-            draft_ids = continued_drafts
         drafts_on_host = None
         if callable(grammar_bitmask) and draft_ids is not None:  # verified positions' masks follow the drafts
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
         hidden, all_logits = self._forward(inputs)
         if not sampling_first:
-            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
+            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream, continued)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         if not inputs.sampling_rows:
             self._previous_samples = None
@@ -320,6 +320,8 @@ class ModelRunner:
                                               self._drafts_by_seq(inputs, drafts_on_host))
         if grammar_bitmask is not None:  # pinned: a copy from pageable memory may wait for the forward pass
             (metadata.grammar_bitmask,), = self.bitmask_stager.transfer([(torch.int32, [grammar_bitmask])], stream)
+        if continued_drafts is not None and inputs.spec is not None and not inputs.spec.verified_on_host:
+            draft_ids = continued_drafts   # random rows: verified on the device against them
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)
@@ -508,10 +510,13 @@ class PendingModelOutput:
         """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""
         if self._ready is not None:
             self._ready.synchronize()
+        device_drafts = None if self._device_drafts is None else self._device_drafts.view(-1).tolist()
+        if device_drafts is not None and self._verify_on_host:   # verified here against the device's drafts
+            self._inputs.spec.draft_token_ids = np.asarray([device_drafts], dtype=np.int64)
         model_output = self._runner._to_model_output(self._scheduler_output, self._inputs, self._output,
                                                      self._verify_on_host)
-        if self._device_drafts is not None:
-            model_output.num_device_drafts = [sum(d >= 0 for d in self._device_drafts.view(-1).tolist())]
+        if device_drafts is not None:
+            model_output.num_device_drafts = [sum(d >= 0 for d in device_drafts)]
         if self._prompt_logprobs is not None:
             model_output.prompt_logprobs = self._prompt_logprobs.entries()
         self._runner.host_buffers.release(self._host_buffers)  # read into Python lists: reusable now
