@@ -68,6 +68,3 @@ class ModelOutput:
     # Sequences asking for prompt logprobs: index in `seqs` -> (prompt position of the first entry,
     # the logprobs of prompt tokens from that position on that this step's chunk computed).
     prompt_logprobs: dict[int, tuple[int, list[SampleLogprobs]]] | None = None
-    # A step continued on the device (spec_decode/ngram_device.py): the drafts it proposed per sequence, of the
-    # placeholders the step verified (the others were -1, never accepted).
-    num_device_drafts: list[int] | None = None

@@ -108,7 +108,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_discarded_steps = 0  # steps launched behind a verify step that rejected a draft, per sequence
-        self.num_moved_steps = 0      # ... and continued on the device instead, moved onto the accepted drafts
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
         # Measured step costs (fed by the engine through observe_step), only with an ITL target.
         self.step_costs = StepCosts() if config.max_itl_ms is not None else None
@@ -445,9 +444,7 @@ class Scheduler:
         assert 0 <= num_accepted <= num_drafts, "runner returned the wrong number of verified tokens"
         seq.num_pending_tokens -= 1 + num_drafts
         rejected = num_accepted < num_drafts
-        moved = rejected and seq.num_pending_tokens and seq.continue_on_device
-        self.num_moved_steps += bool(moved)
-        if rejected and seq.num_pending_tokens and not moved:
+        if rejected and seq.num_pending_tokens:
             seq.num_discarded_steps += 1
             self.num_discarded_steps += 1
             seq.num_pending_tokens = 0
@@ -456,14 +453,12 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             # Rejected positions (and any computed behind them) hold KV of tokens that are not in the
             # sequence: no longer computed, and the blocks only they used go back (no hash was ever taken
-            # of them). Their KV is overwritten before it is read again. A step continued on the device behind
-            # this one computes its tokens right after the accepted ones (its pending tokens).
+            # of them). Their KV is overwritten before it is read again.
             if rejected:
-                seq.num_computed_tokens = seq.num_tokens + num_accepted + (seq.num_pending_tokens if moved else 0)
+                seq.num_computed_tokens = seq.num_tokens + num_accepted
             self.block_manager.cache_blocks(seq)
         group, now = seq.group, time.monotonic()
-        group.metrics.spec_num_draft_tokens += (model_output.num_device_drafts[index] if model_output.num_device_drafts
-                                                else num_drafts)
+        group.metrics.spec_num_draft_tokens += num_drafts
         group.metrics.spec_num_accepted_tokens += num_accepted
         logprobs = model_output.logprobs[index] if model_output.logprobs is not None else [None] * len(token_ids)
         for token_id, token_logprobs in zip(token_ids, logprobs):

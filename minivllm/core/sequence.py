@@ -54,16 +54,12 @@ class Sequence:
         self.num_computed_tokens = 0
         # Tokens a step still in flight (async scheduling) may add, not yet appended to token_ids: its
         # sample, plus the drafts of a verify step (counted as if all accepted, so that the next step can
-        # be scheduled behind it; a rejection discards that step for this sequence, or moves it back onto
-        # the drafts accepted when it was continued on the device).
+        # be scheduled behind it; a rejection discards that step for this sequence).
         self.num_pending_tokens = 0
         self.drafts_in_flight: list[int] = []  # the drafts among those pending tokens
         # Steps in flight discarded for this sequence (launched behind a verify step whose drafts were not
         # all accepted): a scheduled step remembers the count and its tokens are dropped if it changed.
         self.num_discarded_steps = 0
-        # Its latest step, behind a verify step in flight, is continued on the device: the runner counts that
-        # step's accepted drafts there and proposes the drafts of this one (spec_decode/ngram_device.py).
-        self.continue_on_device = False
         self.block_table: list[int] = []
         # Draft tokens to verify in the next step (speculative decoding), set before scheduling; -1
         # marks a draft the runner's device proposer fills in. Cleared when the step is scheduled.

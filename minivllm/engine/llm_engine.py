@@ -159,18 +159,6 @@ class LLMEngine:
         logger.info("engine ready: %s, max_model_len %d, %d KV tokens", self.model_name, self.max_model_len,
                     self.runner.num_kv_tokens)
 
-    @property
-    def spec(self) -> SpeculationController | None:
-        return self._spec
-
-    @spec.setter
-    def spec(self, controller: SpeculationController | None) -> None:
-        """The speculation controller (bench/spec_decode.py switches them on one engine). It may continue a batch-1
-        n-gram chain on the device when the runner keeps the sequence there (spec_decode/ngram_device.py)."""
-        if controller is not None:
-            controller.device_continuation = getattr(self.runner, "device_ngram", None) is not None
-        self._spec = controller
-
     # ---- requests -------------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -371,11 +359,7 @@ class LLMEngine:
             for seq, drafts, samples, dropped in zip(scheduler_output.seqs, scheduler_output.spec_token_ids,
                                                      model_output.sampled_token_ids, discarded):
                 if drafts and samples and not dropped and not seq.is_finished:   # (not aborted meanwhile)
-                    if model_output.num_device_drafts is not None:   # continued on the device: its own count
-                        self.spec.observe_device_verification(seq, model_output.num_device_drafts[0],
-                                                              len(samples) - 1)
-                    else:
-                        self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
+                    self.spec.observe_verification(seq, len(drafts), len(samples) - 1)
 
     @staticmethod
     def _store_prompt_logprobs(scheduler_output: SchedulerOutput, entries: dict) -> None:

@@ -135,12 +135,6 @@ class SpeculationController:
         self.num_proposed_behind = 0   # proposals made while the sequence's newest token was in flight
         self.chaining = ChainPolicy()
         self.num_chained_steps = 0     # steps launched behind a verify step before it was read back
-        # Batch-1 n-gram chains continue on the device (the runner keeps the sequence's history there: set by
-        # the engine); `_dry`: sequences whose last device lookup found nothing, whose next continued step is plain.
-        self.device_continuation = False
-        self._continued: list[Sequence] = []
-        self._verifying_alone: Sequence | None = None   # the sequence of the last verify step, when alone in it
-        self._dry: set[int] = set()
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_k)
@@ -270,35 +264,10 @@ class SpeculationController:
         """Whether the step after `scheduled` (a verify step) may be scheduled and launched before it is read
         back, as if every draft were accepted: only when every verifying sequence's proposals need no wait,
         and then as `ChainPolicy` (chaining.py) weighs it."""
-        self._verifying_alone = scheduled.seqs[0] if self._continues(scheduled.seqs) else None
-        if self._verifying_alone is not None:
-            return True
         verifying = [seq for seq, drafts in zip(scheduled.seqs, scheduled.spec_token_ids) if drafts]
         if not all(self.proposes_behind([seq]) for seq in verifying):
             return False
         return self.chaining.chains([seq.seq_id for seq in verifying], self.costs.plain(len(scheduled.seqs)))
-
-    def _continues(self, seqs: list[Sequence]) -> bool:
-        """Whether the step behind a verify step of `seqs` continues on the device: batch-1 n-gram lookups."""
-        return (self.device_continuation and len(seqs) == 1 and type(self.host_proposer) is NgramProposer
-                and self.proposes_behind(seqs))
-
-    def _continue_on_device(self, running: list[Sequence], k: int) -> bool:
-        """Mark the one running sequence's step, behind its verify step in flight, as continued on the device,
-        with up to `k` drafts that the device proposes (none after a lookup there found nothing)."""
-        seq = running[0]
-        # (its verify step had no other sequence: the runner reads that step's rows as this sequence's)
-        if not (seq.drafts_in_flight and seq.num_pending_tokens == 1 + len(seq.drafts_in_flight)
-                and seq is self._verifying_alone and self._continues(running)):
-            return False
-        seq.continue_on_device = True
-        self._continued.append(seq)
-        cap = 0 if seq.seq_id in self._dry else min(k, self._cap(seq)) if self._plan is None else min(
-            self._plan.get(seq.seq_id, 0), self._cap(seq))
-        if cap:
-            seq.spec_token_ids = [-1] * cap
-            self._drafted.append(seq)
-        return True
 
     def full_acceptance_rate(self, last_fully_accepted: bool) -> float:
         return self.chaining.full_acceptance_rate(last_fully_accepted)
@@ -308,11 +277,6 @@ class SpeculationController:
         for seq in self._drafted:   # only these may still hold drafts (the scheduler takes the others')
             seq.spec_token_ids = []
         self._drafted = []
-        for seq in self._continued:
-            seq.continue_on_device = False
-        self._continued = []
-        if len(running) == 1 and self._continue_on_device(running, k):
-            return len(self._drafted)
         if k == 0:   # most steps under load: no pass over the batch
             return 0
         plan = self._plan
@@ -384,17 +348,6 @@ class SpeculationController:
         self._count(seq, num_accepted, rejected=num_accepted < num_drafts, tried=self.host_proposer is None,
                     proposed=self.host_proposer is None)
 
-    def observe_device_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """A step continued on the device verified `num_drafts` drafts that the device's lookup proposed (its other
-        rows held none): counted as a host lookup and its verification are."""
-        self._count(seq, tried=True, proposed=num_drafts > 0)
-        if not num_drafts:
-            self._dry.add(seq.seq_id)
-            return
-        self._dry.discard(seq.seq_id)
-        self.num_proposed_behind += 1
-        self.observe_verification(seq, num_drafts, num_accepted)
-
     def _count(self, seq: Sequence, num_accepted: int = 0, rejected: bool = False, tried: bool = False,
                proposed: bool = False) -> None:
         accepted, rejections, proposals, tries = self._seq_counts.get(seq.seq_id, (0, 0, 0, 0))
@@ -411,5 +364,4 @@ class SpeculationController:
             self.suffix.add_output(output_token_ids)
         self._seq_counts.pop(seq_id, None)
         self._histories.pop(seq_id, None)
-        self._dry.discard(seq_id)
         self.chaining.forget(seq_id)

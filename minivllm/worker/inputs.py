@@ -63,7 +63,6 @@ class PreviousSamples:
     token_ids: torch.Tensor
     row_of_seq: dict[int, int]
     verified: bool = False   # the step verified drafts on the device: its rows may hold -1
-    num_drafts: int = 0      # the first speculating sequence's drafts (at batch 1, the step's)
 
 
 @dataclass
@@ -208,21 +207,19 @@ class PinnedBufferPool:
 
 def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, stager: StagingBuffer,
                    previous_samples: PreviousSamples | None = None, stream=None, graph=None,
-                   sequence_tensors: bool = True, continued: bool = False) -> ModelInputs:
+                   sequence_tensors: bool = True) -> ModelInputs:
     """The forward pass's inputs (`prepare_sampling` adds what sampling needs). `previous_samples`: the step still
     in flight, whose sampled ids fill pending input positions; `stream`: the stream the step runs on (None: the
     current one); `graph`: the CUDA graph runner, which takes a step one of its decode graphs replays straight into
     that graph's buffers (worker/cuda_graph.py `stage_decode`); `sequence_tensors`: whether such a step of several
     rows a sequence (a verify step) needs its per-sequence metadata on the device too, for what runs outside the
     graph (a draft model, tensor-parallel ranks). Without, that metadata stays on the host: after a verify step
-    the device idles until this step is launched, and that copy was a third of the host's preparation.
-    `continued`: a batch-1 step continued on the device behind a verify step (spec_decode/ngram_device.py), whose
-    first token the runner writes there: a -1 of a device verification in that row is overwritten."""
+    the device idles until this step is launched, and that copy was a third of the host's preparation."""
     seqs = scheduler_output.seqs
     scheduled = scheduler_output.num_scheduled_tokens
     if len(seqs) == 1 and graph is not None and (scheduled[0] == 1 or not sequence_tensors):
         padded = graph.decode_size(1, scheduled[0], scheduled[0])
-        if padded is not None and (continued or not (previous_samples is not None and previous_samples.verified)):
+        if padded is not None and not (previous_samples is not None and previous_samples.verified):
             return _prepare_one_sequence(scheduler_output, block_size, previous_samples, stream, graph, padded)
     num_scheduled = np.asarray(scheduled, dtype=np.int64)
     starts = np.asarray(scheduler_output.num_computed_tokens or [s.num_computed_tokens for s in seqs],
@@ -376,12 +373,10 @@ def row_range(n: int, device: torch.device) -> torch.Tensor:
 
 
 def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, stager: StagingBuffer,
-                     stream=None, drafts_read_back: bool = False) -> None:
+                     stream=None) -> None:
     """Fill in `inputs`' sampling rows, the hidden rows they sample and the drafts' layout. Apart from the forward
     inputs, so that the runner can launch the forward first: after a verify step the device idles until then.
-    `stager`: not the one `prepare_inputs` used (its copy may queue behind the forward). `drafts_read_back`: the
-    drafts, proposed on the device, reach the host with the step's rows (a continued step), so greedy rows are
-    verified there as host drafts are."""
+    `stager`: not the one `prepare_inputs` used (its copy may queue behind the forward)."""
     seqs = scheduler_output.seqs
     query_start_loc = inputs.metadata.query_start_loc_cpu
     num_tokens = query_start_loc[-1]
@@ -408,7 +403,7 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
     spec_host = _spec_layout_arrays(spec_tokens, spec_rows, query_start_loc) if spec_rows else None
     # Greedy rows verifying drafts proposed on the host are verified on the host once read back (the sampler leaves
     # their argmaxes): the drafts' layout stays on the host.
-    on_host = spec_host is not None and (drafts_read_back or min(min(d) for d in spec_tokens if d) >= 0) and all(
+    on_host = spec_host is not None and min(min(d) for d in spec_tokens if d) >= 0 and all(
         rows[r[0]].params.greedy for r in spec_rows)
     inputs.samples_every_row = len(logits_indices) == num_tokens and logits_indices == list(range(num_tokens))
     staged_spec = spec_host[1:] if spec_host is not None and not on_host else ()
@@ -421,8 +416,7 @@ def prepare_sampling(inputs: ModelInputs, scheduler_output: SchedulerOutput, sta
     inputs.logits_indices, inputs.sampling_rows, inputs.sample_row_of_seq = logits_indices_d, rows, sample_row_of_seq
     if spec_host is not None:
         # each speculating sequence's last known token, the one before its drafts
-        seq_lens = inputs.metadata.seq_lens_cpu   # None: moved on the device (a continued step; no draft model)
-        last_positions = None if seq_lens is None else np.asarray(seq_lens)[spec_host[0]] - spec_host[1] - 1
+        last_positions = (np.asarray(inputs.metadata.seq_lens_cpu)[spec_host[0]] - spec_host[1] - 1)
         inputs.spec = SpecLayout(
             seq_index=spec_host[0], num_drafts=spec_host[1], draft_token_ids=spec_host[2], row_index_cpu=spec_host[3],
             last_positions=last_positions, num_drafts_d=spec_d[0], draft_token_ids_d=spec_d[1], row_index=spec_d[2],

@@ -26,7 +26,6 @@ from minivllm.models.loader import ModelSource, load_model, resolve_model
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model import DraftModelProposer, EarlyExitModel
 from minivllm.spec_decode.metadata import build_spec_metadata
-from minivllm.spec_decode.ngram_device import DeviceNgram
 from minivllm.spec_decode.rejection_sampler import greedy_verify_host
 from minivllm.worker.cuda_graph import CUDAGraphRunner, max_decode_rows
 from minivllm.worker.inputs import (ModelInputs, PinnedBufferPool, PreviousSamples, StagingBuffer,
@@ -155,12 +154,6 @@ class ModelRunner:
         # Tensor parallelism: called with (blocks_to_copy, inputs, prompt-logprob rows) to ship each step to
         # the other ranks.
         self.step_broadcaster = None
-        # N-gram speculation at batch 1 continues behind a verify step on the device (spec_decode/ngram_device.py);
-        # not with tensor parallelism, whose other ranks get the inputs as the host prepared them.
-        self.device_ngram = None
-        if self.spec_config is not None and self.spec_config.method == "ngram" and get_tp_size() == 1:
-            self.device_ngram = DeviceNgram(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max,
-                                            self.device, StagingBuffer(self.device, num_buffers=2))
 
     def _load_proposer(self, spec_config: SpeculativeConfig | None) -> DraftModelProposer | None:
         """The device proposer of a draft_model speculative config (n-gram proposals come from the host)."""
@@ -279,13 +272,8 @@ class ModelRunner:
         # Sampling's inputs after the forward's launch, unless a draft model (the drafts' layout) or the other
         # tensor-parallel ranks (the rows to sample) need them first; these need the per-sequence metadata too.
         sampling_first = self.proposer is not None or self.step_broadcaster is not None
-        continued = (self.device_ngram is not None and len(scheduler_output.seqs) == 1
-                     and scheduler_output.seqs[0].continue_on_device)
         inputs = prepare_inputs(scheduler_output, self.block_size, self.stager, self._previous_samples, stream,
-                                self.graph_runner, sequence_tensors=sampling_first, continued=continued)
-        continued_drafts = None
-        if self.device_ngram is not None and len(scheduler_output.seqs) == 1:
-            continued_drafts = self._device_ngram_step(scheduler_output, inputs, stream)
+                                self.graph_runner, sequence_tensors=sampling_first)
         # Recorded once the host has prepared the inputs: on a device idle for the host it marks when the step's
         # work could begin, so the idle time from the step before (its `ended`) includes that preparation.
         started = StepStart(self.device, stream) if timed else None
@@ -293,7 +281,7 @@ class ModelRunner:
             self.lora_manager.set_step(scheduler_output)
         prompt_rows = prompt_logprob_rows(scheduler_output, inputs.metadata.query_start_loc_cpu)
         if sampling_first:
-            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream, continued)
+            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
         if self.step_broadcaster is not None:
             self.step_broadcaster(scheduler_output.blocks_to_copy, inputs,
                                   None if prompt_rows is None else prompt_rows[1])
@@ -303,7 +291,7 @@ class ModelRunner:
             drafts_on_host = self._start_copy_drafts_to_host(draft_ids, stream)
         hidden, all_logits = self._forward(inputs)
         if not sampling_first:
-            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream, continued)
+            prepare_sampling(inputs, scheduler_output, self.sampling_stager, stream)
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         if not inputs.sampling_rows:
             self._previous_samples = None
@@ -320,54 +308,15 @@ class ModelRunner:
                                               self._drafts_by_seq(inputs, drafts_on_host))
         if grammar_bitmask is not None:  # pinned: a copy from pageable memory may wait for the forward pass
             (metadata.grammar_bitmask,), = self.bitmask_stager.transfer([(torch.int32, [grammar_bitmask])], stream)
-        if continued_drafts is not None and inputs.spec is not None and not inputs.spec.verified_on_host:
-            draft_ids = continued_drafts   # random rows: verified on the device against them
         spec = None if inputs.spec is None else build_spec_metadata(
             inputs.spec, inputs.sampling_rows, draft_ids, draft_probs, logits.shape[1], self.device)
         output = self.sampler(logits, metadata, spec)
         verify_on_host = spec is not None and spec.verify_on_host   # then the rows hold argmaxes, never -1
         self._previous_samples = PreviousSamples(output.token_ids, inputs.sample_row_of_seq,
-                                                 spec is not None and not verify_on_host,
-                                                 int(inputs.spec.num_drafts[0]) if spec is not None else 0)
-        device_drafts = None   # how many drafts the device proposed, for the controller's counts
-        if continued_drafts is not None and continued_drafts.numel():
-            device_drafts = continued_drafts.clone() if self.device.type != "cuda" else self.host_buffers.copy_to_host(
-                continued_drafts)
+                                                 spec is not None and not verify_on_host)
         host_output, ready, buffers = self._start_copy_to_host(output, prompt_logprobs, stream)
-        if device_drafts is not None and isinstance(device_drafts, tuple):
-            device_drafts, buffer = device_drafts
-            buffers.append(buffer)
         return PendingModelOutput(self, scheduler_output, inputs, host_output, ready, buffers, prompt_logprobs,
-                                  verify_on_host, started, device_drafts)
-
-    def _device_ngram_step(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, stream) -> torch.Tensor | None:
-        """Batch 1 with n-gram speculation: keep the device's history of the sequence current (a verify step's
-        host drafts go with it), and continue the chain behind a verify step in flight (`seq.continue_on_device`):
-        returns that step's drafts [1, K] (K = 0 for a plain step), else None."""
-        seq = scheduler_output.seqs[0]
-        start = scheduler_output.num_computed_tokens[0]
-        drafts = scheduler_output.spec_token_ids[0] if scheduler_output.spec_token_ids else []
-        host_drafts = drafts if drafts and drafts[0] >= 0 else []
-        if not (host_drafts or seq.continue_on_device):
-            return None
-        self.device_ngram.upload(seq, start, host_drafts, stream)
-        if not seq.continue_on_device:
-            return None
-        previous = self._previous_samples
-        assert previous is not None and previous.num_drafts, "a continued step follows its sequence's verify step"
-        rows, metadata = scheduler_output.num_scheduled_tokens[0], inputs.metadata
-        seq_len = None
-        if inputs.staged is not None:   # the decode graph's own buffers: a context length and block table per row
-            graph = inputs.staged[0]
-            context_lens, block_table = graph.seq_lens[:rows], graph.block_tables[0]
-        else:
-            context_lens, block_table = metadata.seq_lens, metadata.block_tables[0]
-            if inputs.decode_rows is not None:
-                context_lens, seq_len = inputs.decode_rows[0], metadata.seq_lens
-            metadata.seq_lens_cpu = None   # known on the device only
-        return self.device_ngram.continue_step(previous.token_ids, start, previous.num_drafts, rows - 1,
-                                               inputs.input_ids, inputs.positions, metadata.slot_mapping, block_table,
-                                               self.block_size, context_lens, seq_len)
+                                  verify_on_host, started)
 
     def _propose(self, inputs: ModelInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the device proposer (drafts written into `inputs.input_ids`); (None, None) without one."""
@@ -495,9 +444,8 @@ class PendingModelOutput:
     def __init__(self, runner: ModelRunner, scheduler_output: SchedulerOutput, inputs: ModelInputs,
                  output: SamplerOutput | None, ready: torch.cuda.Event | None,
                  host_buffers: list[torch.Tensor], prompt_logprobs: PromptLogprobs | None = None,
-                 verify_on_host: bool = False, started: StepStart | None = None,
-                 device_drafts: torch.Tensor | None = None) -> None:
-        self.started, self._device_drafts = started, device_drafts
+                 verify_on_host: bool = False, started: StepStart | None = None) -> None:
+        self.started = started
         self._runner, self._scheduler_output, self._inputs = runner, scheduler_output, inputs
         self._output, self._ready, self._host_buffers = output, ready, host_buffers
         self._prompt_logprobs, self._verify_on_host = prompt_logprobs, verify_on_host
@@ -510,13 +458,8 @@ class PendingModelOutput:
         """Waits for this step's sampled ids to reach the host (the one host sync of a step)."""
         if self._ready is not None:
             self._ready.synchronize()
-        device_drafts = None if self._device_drafts is None else self._device_drafts.view(-1).tolist()
-        if device_drafts is not None and self._verify_on_host:   # verified here against the device's drafts
-            self._inputs.spec.draft_token_ids = np.asarray([device_drafts], dtype=np.int64)
         model_output = self._runner._to_model_output(self._scheduler_output, self._inputs, self._output,
                                                      self._verify_on_host)
-        if device_drafts is not None:
-            model_output.num_device_drafts = [sum(d >= 0 for d in device_drafts)]
         if self._prompt_logprobs is not None:
             model_output.prompt_logprobs = self._prompt_logprobs.entries()
         self._runner.host_buffers.release(self._host_buffers)  # read into Python lists: reusable now
