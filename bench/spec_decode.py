@@ -23,9 +23,7 @@ Parts, all in one run on one device (results in spec_decode_<gpu>.json with devi
          per step of plain decoding and of steps verifying k = 1..5 drafts (not run by default).
   graphs the real model's shapes (dummy weights): device microseconds per replay of the decode CUDA graph of
          1 to 64 rows (a batch-1 verify step of up to 7 drafts replays the 8-row one), replayed
-         back to back, so no host time is in it (top-level graph_replay_us; not run by default); and of
-         2 to 16 rows of one sequence, a batch-1 verify step's rows, through the graphs of one row per
-         sequence and the one-sequence graphs that batch-1 verify steps replay (one_sequence_graph_replay_us).
+         back to back, so no host time is in it (top-level graph_replay_us; not run by default).
 
 Usage: python bench/spec_decode.py --out DIR [--parts compare,real,load,verify,idle] [--quick]
 """
@@ -371,16 +369,13 @@ def run_step_cost(args) -> list[dict]:
     return rows
 
 
-def run_graph_replays(args) -> tuple[dict, dict]:
+def run_graph_replays(args) -> dict:
     """Device microseconds per replay of each decode graph of up to 64 rows, 200 replays back to back after 20
-    untimed ones, every row at a 400-token context; then of 2 to 16 rows of one 400-token sequence (row i at
-    context 400 - rows + 1 + i, every row on its block table), through the graph of a row per sequence and the
-    one-sequence graph. The dense GEMV choices the tuner made are printed. (With n-gram speculation, so that the
-    one-sequence graphs are captured.)"""
+    untimed ones, every row at a 400-token context; the dense GEMV choices the tuner made are printed."""
     from minivllm import LLM, SamplingParams
     from minivllm.kernels import tuning
     llm = LLM(model=args.steps_model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_num_seqs=64,
-              max_model_len=2048, speculative_config=NGRAM, **args.engine_options)
+              max_model_len=2048, **args.engine_options)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("graphs", list(range(1000, 1400)), params)
@@ -391,12 +386,6 @@ def run_graph_replays(args) -> tuple[dict, dict]:
     result = {}
     for rows in (1, 2, 4, 8, 16, 32, 48, 64):
         result[str(rows)] = graph_replay_us(runner.graphs[rows], 200, warmup=20)
-    runner.block_tables[1:64] = runner.block_tables[0]
-    one_sequence = {}
-    for rows in runner.one_sequence_sizes:
-        runner.seq_lens[:rows] = torch.arange(401 - rows, 401, dtype=torch.int32)
-        one_sequence[str(rows)] = {"row_per_sequence": graph_replay_us(runner.graphs[rows], 200, warmup=20),
-                                   "one_sequence": graph_replay_us(runner.one_sequence_graphs[rows], 200, warmup=20)}
     runner.seq_lens.zero_()
     for key, timings in tuning.measured.items():   # the fastest three candidates of each shape, us
         if key[0] == "dense_gemv":
@@ -404,7 +393,7 @@ def run_graph_replays(args) -> tuple[dict, dict]:
     del llm, engine, runner
     gc.collect()
     torch.cuda.empty_cache()
-    return result, one_sequence
+    return result
 
 
 def run_idle_cost(args) -> dict:
@@ -463,7 +452,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="compare,real,load,verify,idle")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
-    parser.add_argument("--cases", default="", help="compare part: only these cases (labels, comma-separated)")
     parser.add_argument("--draft-layers", default="8,16", help="draft_layers values to measure (real part)")
     parser.add_argument("--ngram-fixed-k", default="", help="real part: also n-gram with these fixed k (no adaptivity)")
     parser.add_argument("--ngram-max-k", default="", help="real part: also adaptive n-gram with these draft caps")
@@ -491,8 +479,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.ngram_fixed_k = [int(x) for x in args.ngram_fixed_k.split(",") if x]
     args.ngram_max_k = [int(x) for x in args.ngram_max_k.split(",") if x]
     args.compare_cases, args.compare_rounds = (QUICK_COMPARE_CASES, 1) if args.quick else (COMPARE_CASES, 4)
-    if args.cases:
-        args.compare_cases = [case for case in args.compare_cases if case[0] in args.cases.split(",")]
     args.compare_max_tokens = 8 if args.quick else 256
     args.idle_batches, args.idle_steps = ((1, 32), 200) if args.quick else ((1, 8, 32, 256), 2000)
     args.compare_engine_options = ({"gpu_memory_utilization": 0.5} if device.type == "cuda" else
@@ -519,11 +505,9 @@ def main(argv: list[str] | None = None) -> dict:
         print("real model, speculation off / n-gram / suffix per workload and batch:")
         result["compare"] = compare = run_compare(args)
         for label in ("grounded_b1", "open_b1", "grounded_b8", "grounded_b32"):
-            if label in compare:
-                result[f"{label}_speedup"] = compare[label]["ngram_speedup"]
+            result[f"{label}_speedup"] = compare[label]["ngram_speedup"]
         for method in ("suffix", "ngram"):
-            if "repetitive_b1" in compare:
-                result[f"{method}_repetitive_b1_speedup"] = compare["repetitive_b1"][f"{method}_speedup"]
+            result[f"{method}_repetitive_b1_speedup"] = compare["repetitive_b1"][f"{method}_speedup"]
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if "real" in parts:
@@ -549,12 +533,9 @@ def main(argv: list[str] | None = None) -> dict:
         if traced:
             print_table(traced, "per step kind, medians (ms): host launch parts, host wait, device time, device idle")
     if "graphs" in parts:
-        result["graph_replay_us"], result["one_sequence_graph_replay_us"] = run_graph_replays(args)
+        result["graph_replay_us"] = run_graph_replays(args)
         print("decode graph replays, device us by rows:",
               {k: round(v, 1) for k, v in result["graph_replay_us"].items()})
-        print("one sequence's rows, device us (row per sequence, one-sequence graph):",
-              {k: (round(v["row_per_sequence"], 1), round(v["one_sequence"], 1))
-               for k, v in result["one_sequence_graph_replay_us"].items()})
     if "load" in parts:
         print(f"under load, {args.dummy_model}:")
         result["load"] = run_load(args)

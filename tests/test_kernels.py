@@ -353,38 +353,6 @@ def test_decode_window_and_soft_cap_match_reference(seq_lens, group, head_dim, d
     assert torch.equal(out[-1], torch.zeros_like(out[-1])) or seq_lens[-1] > 0
 
 
-@pytest.mark.parametrize("rows,real,context,group,dtype,partition_size,window,soft_cap", [
-    (16, 16, 150, 3, torch.float32, None, None, None),   # SmolLM2's group, 16 rows: M = 48 of 64
-    (8, 5, 130, 3, torch.float32, 32, None, None),       # forced partitions, three padding rows
-    (4, 3, 70, 4, torch.bfloat16, None, 20, 2.0),        # a window and a soft cap, per row
-    (2, 2, 1, 2, torch.float32, None, None, None),       # the first token's rows
-    (32, 32, 60, 4, torch.float32, None, None, None),    # 128 query vectors: a program per row
-])
-def test_decode_one_sequence_rows_match_reference(rows, real, context, group, dtype, partition_size, window,
-                                                  soft_cap):
-    """A batch-1 verify step as decode rows: row i of one sequence sees its first `context - real + 1 + i` tokens
-    through block-table row 0 (padding rows: none). With `one_sequence` one program serves every row's heads of a KV
-    head; outputs match the reference, and padding rows are zeros, not NaN."""
-    gen = torch.Generator().manual_seed(rows + real)
-    block_size, kv_heads, head_dim = 16, 2, 32
-    blocks = triton.cdiv(context, block_size) + 1
-    num_blocks = blocks + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    table = torch.randperm(num_blocks, generator=gen)[:blocks].to(torch.int32)
-    tables = table[None].repeat(rows, 1).to(DEVICE)
-    lens = [context - real + 1 + i for i in range(real)] + [0] * (rows - real)
-    query = torch.randn(rows, kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
-    options = dict(partition_size=partition_size, sliding_window=window, logits_soft_cap=soft_cap)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5, one_sequence=True,
-                                 **options)
-    expected = paged_attention_reference(query, k_cache, v_cache, list(range(rows + 1)), lens, tables,
-                                         head_dim ** -0.5, sliding_window=window, logits_soft_cap=soft_cap)
-    assert_close(out[:real], expected[:real], dtype)
-    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
-
-
 @pytest.mark.parametrize("seq_lens,query_lens,partition_size", [
     ([37, 1, 70], [1, 1, 1], 16),         # decode, split-K with partitions before the window
     ([37, 19, 6], [11, 19, 1], None),     # chunk after a cached prefix, a fresh prompt, a decode row
@@ -550,27 +518,6 @@ def test_gpu_decode_realistic(batch, partition_size):
         seq_lens, [1] * batch, 8, 4, 128, torch.bfloat16, seed=batch)
     backend = TritonAttentionBackend(decode_partition_size=partition_size)
     out, expected = run_both(backend, query, key, value, k_cache, v_cache, metadata, 128 ** -0.5)
-    assert_close(out, expected, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("kv_heads,group,head_dim,context", [(3, 3, 64, 400), (3, 3, 64, 3000), (8, 4, 128, 4096)])
-def test_gpu_decode_one_sequence_rows_realistic(kv_heads, group, head_dim, context):
-    """A batch-1 verify step of 15 drafts (16 rows) at SmolLM2's and Llama-3-8B's heads: the one-sequence kernel
-    against the reference, in bf16."""
-    rows = 16
-    gen = torch.Generator().manual_seed(context)
-    blocks = triton.cdiv(context, 16)
-    k_cache = torch.randn(blocks + 4, 16, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    v_cache = torch.randn(blocks + 4, 16, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    tables = torch.randperm(blocks + 4, generator=gen)[:blocks].to(torch.int32)[None].repeat(rows, 1).to(DEVICE)
-    lens = list(range(context - rows + 1, context + 1))
-    query = torch.randn(rows, kv_heads * group, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                 head_dim ** -0.5, one_sequence=True)
-    expected = paged_attention_reference(query, k_cache, v_cache, list(range(rows + 1)), lens, tables,
-                                         head_dim ** -0.5)
     assert_close(out, expected, torch.bfloat16)
 
 

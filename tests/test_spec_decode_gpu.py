@@ -67,28 +67,6 @@ def test_verify_steps_of_every_sequence_replay_decode_graphs_past_max_num_seqs(n
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("name", ["ngram", "suffix"])
-def test_batch_1_verify_steps_replay_one_sequence_graphs(name, tmp_path):
-    """At batch 1 a verify step replays a graph of its own, whose attention reads each key once for all of the
-    sequence's rows (kernels/decode_attention.py `one_sequence`), and greedy output equals plain decoding in fp32."""
-    prompts = _repeating_prompts(tmp_path, 4, 5, 6, (7, 30))
-    options, params = dict(TINY, max_num_seqs=1), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = LLM(model=str(tmp_path), **options)
-    assert plain.llm_engine.runner.graph_runner.one_sequence_sizes == []   # without speculation: none captured
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    del plain
-    llm = LLM(model=str(tmp_path), speculative_config=CONFIGS[name], **options)
-    runner = llm.llm_engine.runner.graph_runner
-    assert runner.one_sequence_sizes == [2, 4, 5]   # 1 + 4 drafts rows at most
-    replayed = []
-    for rows, graph in runner.one_sequence_graphs.items():
-        graph.replay = (lambda original, rows: lambda: (replayed.append(rows), original())[1])(graph.replay, rows)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert replayed and llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
-    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
-
-
 def _has_default_model() -> bool:
     from minivllm.models.loader import default_model_path
     try:

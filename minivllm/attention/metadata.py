@@ -31,9 +31,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # The shortest sequence's query length, where the host knows it (graphs captured for any step do not).
     min_query_len: int | None = None
-    # Every query row belongs to one sequence, row i seeing its first `seq_lens[i]` tokens through block-table row 0:
-    # a batch-1 verify step replayed as decode rows (worker/cuda_graph.py), whose rows may share their key reads.
-    one_sequence: bool = False
     # What the attention backend derives from this metadata once per step and reuses in every layer
     # (the Hopper prefill kernel's query-tile plan); a graph's capture must start it empty.
     backend_state: dict = field(default_factory=dict, repr=False)

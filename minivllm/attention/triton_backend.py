@@ -43,7 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
                                           metadata.seq_lens, scale,
                                           partition_size=self.decode_partition_size,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, one_sequence=metadata.one_sequence)
+                                          logits_soft_cap=logits_soft_cap)
         return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc,
                                        metadata.seq_lens, metadata.block_tables, scale,
                                        max_query_len=metadata.max_query_len,

@@ -18,10 +18,6 @@ Design:
 - Per-layer options, compiled in only when used (constexpr flags): a sliding window starts the key
   loop at seq_len - W (split-K partitions wholly before it write an empty partial result), and a
   logit soft cap maps each score s to c * tanh(s / c) before the softmax.
-- One sequence's rows (`one_sequence`: a batch-1 verify step replayed as decode rows, one row per query token):
-  every row reads the same keys, so one program per (KV head, partition) serves all rows' heads of that group,
-  rows x group forming M, instead of a program per row re-reading the context with M padded from the group
-  (3 heads of 16 for SmolLM2). Each row's own length masks its keys; partitions follow the longest row.
 - CUDA-graph safe: no host syncs, and the grids depend only on shapes (batch, kv heads and a split
   count derived from them and `block_tables.shape[1]`, the most blocks any sequence can own); programs
   whose partition starts past their sequence's length exit at once.
@@ -46,9 +42,6 @@ LONG_PARTITION_SIZE = 1024  # tokens: the shortest partition once batch x kv_hea
 # graphs at a 400-token context on an H200: 8, 16, 32, 48 and 64 rows 704, 709, 768, 959 and 981 us against 708, 741,
 # 840, 1,071 and 1,084 with 64-key tiles, 1 to 4 rows unchanged (decode_ab_h200.json `wide_key_tiles`).
 WIDE_TILE_SPLITS = 16
-# The most query vectors (rows x group) one program of a one-sequence step holds: a 64 x head_dim fp32 accumulator
-# and score tile keep 4 warps' registers; more rows take a program each.
-ONE_SEQUENCE_MAX_M = 64
 
 
 @triton.jit
@@ -166,111 +159,15 @@ def _decode_partition_kernel(
 
 
 @triton.jit
-def _decode_rows_partition_kernel(
-        query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-        qk_scale, v_scale, softcap_scale, sliding_window, num_queries_per_kv, head_dim, num_rows,
-        query_stride_t, query_stride_h, out_stride_t, out_stride_h,
-        cache_stride_block, cache_stride_row, cache_stride_h,
-        partial_stride_seq, partial_stride_head, fixed_partition, min_partition,
-        SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr):
-    """`_decode_partition_kernel` for the rows of one sequence: query vector m is row m // group's head
-    kv_head * group + m % group; row r sees the first seq_lens[r] keys through block-table row 0."""
-    wait_for_previous(PDL)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    m = tl.arange(0, BLOCK_M)
-    row = m // num_queries_per_kv
-    in_rows = row < num_rows
-    lens = tl.load(seq_lens_ptr + row, mask=in_rows, other=0)   # each query vector's context length
-    longest = tl.max(lens, 0)
-    if SPLIT:
-        partition = _partition_size(longest, tl.num_programs(2), fixed_partition, min_partition)
-        start = split * partition
-        if start >= longest:  # past every row's context: no work, nothing written
-            return
-        end = tl.minimum(start + partition, longest)
-        num_used = (lens + partition - 1) // partition   # per row, as the reduction counts them
-    else:
-        start = 0
-        end = longest
-        num_used = tl.minimum(lens, 1)
-    if USE_WINDOW:   # no row sees a key before the shortest (non-padding) row's window
-        shortest = tl.min(tl.where(lens > 0, lens, longest), 0)
-        start = tl.maximum(start, shortest - sliding_window)
-
-    heads = kv_head * num_queries_per_kv + m % num_queries_per_kv
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    q = tl.load(query_ptr + row.to(tl.int64)[:, None] * query_stride_t + heads[:, None] * query_stride_h
-                + dims[None, :], mask=in_rows[:, None] & dim_mask[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = positions < end
-        pages = tl.load(block_tables_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        keys = pages * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_row + kv_head * cache_stride_h
-        k = tl.load(k_cache_ptr + keys[None, :] + dims[:, None],
-                    mask=valid[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
-        scores = _dot(q, k, DOT_PRECISION, UPCAST)                                 # [M, N]
-        if SOFTCAP:
-            scores = _tanh(scores * softcap_scale)
-        scores = scores * qk_scale
-        visible = valid[None, :] & (positions[None, :] < lens[:, None])
-        if USE_WINDOW:
-            visible = visible & (positions[None, :] >= lens[:, None] - sliding_window)
-        scores = tl.where(visible, scores, float("-inf"))
-        # A row may see no key of a tile (shorter rows, padding rows): its max stays -inf and 0 stands in for it,
-        # so that its weights are exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + keys[:, None] + dims[None, :],
-                    mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-        m_i = m_new
-
-    acc = acc * v_scale
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    # A row whose context spans partitions writes this one's partial result if it reaches it; a row in one
-    # partition (or none: padding, zeros) is written whole by the first program.
-    partial = in_rows & (num_used > 1) & (split < num_used)
-    whole = in_rows & (num_used <= 1) & (split == 0)
-    if SPLIT:
-        base = row.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split
-        tl.store(partial_max_ptr + base, m_i, mask=partial)
-        tl.store(partial_sum_ptr + base, l_i, mask=partial)
-        tl.store(partial_out_ptr + base[:, None] * head_dim + dims[None, :], out,
-                 mask=partial[:, None] & dim_mask[None, :])
-    tl.store(out_ptr + row.to(tl.int64)[:, None] * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=whole[:, None] & dim_mask[None, :])
-
-
-@triton.jit
 def _decode_reduce_kernel(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr,
         head_dim, out_stride_t, out_stride_h, partial_stride_seq, partial_stride_head, splits, fixed_partition,
-        min_partition, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, SHARED: tl.constexpr,
-        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+        min_partition, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if SHARED:   # rows of one sequence, cut by the longest row's context (`_decode_rows_partition_kernel`)
-        rows = tl.arange(0, BLOCK_R)
-        longest = tl.max(tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0), 0)
-        partition = _partition_size(longest, splits, fixed_partition, min_partition)
-    else:
-        partition = _partition_size(seq_len, splits, fixed_partition, min_partition)
+    partition = _partition_size(seq_len, splits, fixed_partition, min_partition)
     num_used = (seq_len + partition - 1) // partition   # only these were written
     if num_used == 1:   # the partition kernel wrote the output
         return
@@ -370,16 +267,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            partition_size: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None, one_sequence: bool = False) -> torch.Tensor:
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [batch, num_heads, head_dim] (row i is sequence i's only query token) -> output of the
     same shape. `partition_size` (a power of two >= 16) forces split-K with that many tokens per
     partition; None splits by the shapes and each sequence's length (`choose_decode_splits`,
     `sequence_partition_size`); a value of at least `block_tables.shape[1] * block_size` disables the split.
     The cache has the query's dtype, or is fp8 read as stored * k_scale (keys) and stored * v_scale (values).
     `sliding_window` W: the query sees its last W positions only; `logits_soft_cap` c: scores s become
-    c * tanh(s / c) (None: off). `one_sequence`: every row is a query of one sequence, row i seeing its first
-    `seq_lens[i]` tokens through block-table row 0 (a batch-1 verify step as decode rows; padding rows have length
-    0); its programs then serve up to ONE_SEQUENCE_MAX_M rows x heads each."""
+    c * tanh(s / c) (None: off)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -395,18 +290,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     max_context = block_tables.shape[1] * block_size
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(num_queries_per_kv))   # tl.dot needs M >= 16
-    shared = one_sequence and batch * num_queries_per_kv <= ONE_SEQUENCE_MAX_M
-    programs = 1 if shared else batch   # along the first grid axis
     block_n, num_warps, num_stages = _decode_config(block_d, query.dtype)
     min_partition = block_n
     if partition_size is None:   # per sequence, at least one key tile
         fixed_partition = 0
         num_sms = _num_sms(query.device)
-        num_splits = choose_decode_splits(programs, num_kv_heads, max_context, num_sms, block_n)
+        num_splits = choose_decode_splits(batch, num_kv_heads, max_context, num_sms, block_n)
         if (wide := split_key_tile(block_n, block_d, num_splits)) != block_n:
             block_n = wide
-            num_splits = choose_decode_splits(programs, num_kv_heads, max_context, num_sms, block_n)
-        min_partition = shortest_partition(programs, num_kv_heads, num_sms, block_n)
+            num_splits = choose_decode_splits(batch, num_kv_heads, max_context, num_sms, block_n)
+        min_partition = shortest_partition(batch, num_kv_heads, num_sms, block_n)
     elif partition_size >= max_context:
         fixed_partition, num_splits = 0, None
     else:
@@ -425,32 +318,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_out = partial_max = partial_sum = out
     qk_scale, softcap_scale = score_scales(scale, k_scale, logits_soft_cap)
     pdl = launch_options(query.device)
-    common = dict(SPLIT=split, BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d,
-                  DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
-                  SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
-                  num_warps=num_warps, num_stages=num_stages)
-    if shared:
-        _decode_rows_partition_kernel[(1, num_kv_heads, num_splits)](
-            query, k_cache, v_cache, block_tables, seq_lens,
-            out, partial_out, partial_max, partial_sum,
-            qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim, batch,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            num_heads * num_splits, num_splits, fixed_partition, min_partition,
-            BLOCK_M=max(16, triton.next_power_of_2(batch * num_queries_per_kv)), **common)
-    else:
-        _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
-            query, k_cache, v_cache, block_tables, seq_lens,
-            out, partial_out, partial_max, partial_sum,
-            qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            num_heads * num_splits, num_splits, fixed_partition, min_partition, BLOCK_G=block_g, **common)
+    _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens,
+        out, partial_out, partial_max, partial_sum,
+        qk_scale, v_scale, softcap_scale, sliding_window or 0, num_queries_per_kv, head_dim,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads * num_splits, num_splits, fixed_partition, min_partition,
+        SPLIT=split, BLOCK_SIZE=block_size,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_upcast_dot(query.dtype),
+        SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None, **pdl,
+        num_warps=num_warps, num_stages=num_stages)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, partial_out, partial_max, partial_sum, seq_lens,
             head_dim, out.stride(0), out.stride(1), num_heads * num_splits, num_splits, num_splits, fixed_partition,
-            min_partition, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, SHARED=shared,
-            BLOCK_R=triton.next_power_of_2(batch) if shared else 1, **pdl,
+            min_partition, MAX_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl,
             num_warps=1 if block_d <= 64 else 4)
     return out

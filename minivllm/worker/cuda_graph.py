@@ -26,10 +26,6 @@ per token: row t attends to its sequence's first `positions[t] + 1` tokens (its 
 before, as in any step), which is exactly causal attention. On SmolLM2-135M at batch 1 (H100) such a
 step took 2.0 ms of device time through the 64-token mixed graph against 1.1 ms for a decode step.
 
-With speculation, a batch-1 verify step replays graphs of its own (`one_sequence_graphs`, 2 to 16 rows), whose
-attention knows that every row is the one sequence's (`AttentionMetadata.one_sequence`): a program per KV head and
-partition serves all rows, reading each key once, instead of a program per row.
-
 Decode graphs of up to `LOGITS_IN_GRAPH_MAX_ROWS` rows also compute the logits (without tensor
 parallelism, whose LM head gathers to one rank). Such steps are bound by the host's launches: at batch 1
 on SmolLM2 the logits' own launch took 0.09 ms of a verify step's 1.37 ms on the H100's host
@@ -169,11 +165,6 @@ class CUDAGraphRunner:
         # A mixed graph copies into `hidden`: one output per token count would hold hundreds of MB.
         self.decode_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Batch-1 verify steps' graphs and outputs, by rows (captured with speculation only: max_decode_rows).
-        self.one_sequence_sizes = [s for s in self.sizes if 1 < s <= LOGITS_IN_GRAPH_MAX_ROWS] \
-            if max_decode_rows > max_num_seqs else []
-        self.one_sequence_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.one_sequence_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.warmed_up: list[int] = []   # sizes captured a second time, after an eager warm-up
@@ -198,11 +189,11 @@ class CUDAGraphRunner:
                                                    self.slot_mapping[:num_tokens])
         return views
 
-    def _decode_metadata(self, batch: int, one_sequence: bool = False) -> AttentionMetadata:
+    def _decode_metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], query_start_loc=self.decode_query_start_loc[:batch + 1],
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
-            max_query_len=1, max_seq_len=self.max_model_len, one_sequence=one_sequence)
+            max_query_len=1, max_seq_len=self.max_model_len)
 
     def _mixed_metadata(self, num_tokens: int) -> AttentionMetadata:
         # The query-length bound only picks the attention tile shape; any bound >= the real one is exact.
@@ -248,8 +239,7 @@ class CUDAGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
             hidden = self.model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens])
             if decode:
-                outputs = self.one_sequence_outputs if metadata.one_sequence else self.decode_outputs
-                outputs[num_tokens] = (hidden, self.compute_logits(hidden) if with_logits else None)
+                self.decode_outputs[num_tokens] = (hidden, self.compute_logits(hidden) if with_logits else None)
             else:
                 self.hidden[:num_tokens] = hidden
         return graph
@@ -266,14 +256,10 @@ class CUDAGraphRunner:
         for batch in reversed(self.sizes):
             self.seq_lens[:batch] = 1
             self.graphs[batch] = self._capture_one(batch, self._decode_metadata(batch), decode=True)
-        for rows in reversed(self.one_sequence_sizes):
-            self.seq_lens[:rows] = 1
-            self.one_sequence_graphs[rows] = self._capture_one(rows, self._decode_metadata(rows, True), decode=True)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s, one-sequence verify steps of %s rows and mixed "
-                    "steps of up to %d tokens (%d graphs); warmed up first: %s", self.sizes,
-                    self.one_sequence_sizes or "no", max(self.mixed_sizes, default=0), len(self.mixed_sizes),
+        logger.info("captured CUDA graphs for decode batch sizes %s and mixed steps of up to %d tokens (%d graphs); "
+                    "warmed up first: %s", self.sizes, max(self.mixed_sizes, default=0), len(self.mixed_sizes),
                     self.warmed_up or "none")
 
     def decode_size(self, num_seqs: int, num_tokens: int, max_query_len: int) -> int | None:
@@ -314,14 +300,9 @@ class CUDAGraphRunner:
             return True
         return bool(self.mixed_sizes) and inputs.input_ids.shape[0] <= self.mixed_sizes[-1]
 
-    def _replay_decode(self, padded: int, num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the decode graph of `padded` rows: a one-sequence graph for the rows of one sequence."""
-        if num_seqs == 1 and padded in self.one_sequence_graphs:
-            self.one_sequence_graphs[padded].replay()
-            hidden, logits = self.one_sequence_outputs[padded]
-        else:
-            self.graphs[padded].replay()
-            hidden, logits = self.decode_outputs[padded]
+    def _replay_decode(self, padded: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.graphs[padded].replay()
+        hidden, logits = self.decode_outputs[padded]
         return hidden[:num_tokens], None if logits is None else logits[:num_tokens]
 
     def run(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -329,7 +310,7 @@ class CUDAGraphRunner:
         meta = inputs.metadata
         batch, num_tokens = meta.num_seqs, inputs.input_ids.shape[0]
         if inputs.staged is not None and inputs.staged[0] is self:   # `stage_decode` copied the inputs in
-            return self._replay_decode(inputs.staged[1], num_tokens, batch)
+            return self._replay_decode(inputs.staged[1], num_tokens)
         rows = self._as_decode_rows(inputs)
         decode = meta.is_decode_only or rows
         padded = next(s for s in (self.sizes if decode else self.mixed_sizes) if s >= num_tokens)
@@ -356,7 +337,7 @@ class CUDAGraphRunner:
         if decode:
             if padded > batch:
                 seq_lens_d[batch:padded].zero_()
-            return self._replay_decode(padded, num_tokens, meta.num_seqs)
+            return self._replay_decode(padded, num_tokens)
         # Sequence `batch` owns the padding rows, with no context; the ones after it own nothing.
         self.query_start_loc[:batch + 1].copy_(meta.query_start_loc, non_blocking=True)
         self.query_start_loc[batch + 1:].fill_(padded)
