@@ -33,11 +33,10 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
 
 # ---- pieces --------------------------------------------------------------------------------------------------
 
-def test_ngram_proposes_continuation_of_earliest_longest_match():
+def test_ngram_proposes_continuation_of_latest_longest_match():
     proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     #                 0  1  2  3  4  5  6  7  8  9
-    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3) == [9, 1, 2]   # earliest of two 3-gram matches
-    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, skip=1) == [1, 2, 3]   # behind a token in flight
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]   # latest of two 3-gram matches
     assert proposer.propose([5, 6, 1, 2, 8, 8, 2], 2) == [8, 8]                  # only the 1-gram "2" recurs
     assert proposer.propose([1, 2, 3, 4], 3) == []                               # nothing recurs
     assert proposer.propose([4, 5, 4], 5) == [5, 4]                              # shorter than k near the end
@@ -47,7 +46,7 @@ def test_ngram_proposes_continuation_of_earliest_longest_match():
 def test_ngram_matches_a_brute_force_search():
     def brute_force(tokens, k, low, high):
         for n in range(min(high, len(tokens) - 1), low - 1, -1):
-            for start in range(len(tokens) - n):   # earliest occurrence first (ending before the last token)
+            for start in range(len(tokens) - 1 - n, -1, -1):   # latest earlier occurrence first
                 if tokens[start:start + n] == tokens[len(tokens) - n:]:
                     return tokens[start + n:start + n + k]
         return []
