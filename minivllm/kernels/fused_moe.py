@@ -249,7 +249,7 @@ UNSORTED_TILES = tuple(dict(tile, UNSORTED=True) for tile in (FEW_ROW_TILES[0], 
 # does not hold), so that input crossed HBM once per column block. A tile with HALF_TAIL computes a group's last
 # tile as BLOCK_M / 2 rows when its second half is padding: at 4,096 tokens of top-8 routing over 128 experts a group
 # averages 256 rows, so about half the groups end in a tile of a few dozen rows (tuner, on an H200: 710 against 718
-# us at 32,768 slots with TMA, 717 against 744 through pointers; `tuner_us` in bench/results/models_h200.json).
+# us at 32,768 slots with TMA, 717 against 744 through pointers; `half_tail_tiles` in bench/results/models_h200.json).
 GROUPED_TILES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
                  dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),

@@ -14,9 +14,9 @@ expert's rows contiguous in its input, so this path
 Rounding follows the Triton grouped path: each GEMM rounds once to the model dtype, each slot's weighted row is
 rounded before the fp32 sum of a token's slots. The gather and the combine each move every slot's row once more,
 so the GEMMs' gain has to pay for them: `fused_moe._grouped_tile` times this path against the Triton tiles per shape
-and slot bucket, and it runs only where it measures faster (on an H200 at Qwen3-30B-A3B's shapes it has won at 8,192
-tokens in some runs and lost in others, and lost at 4,096: `tuner_us` in bench/results/models_h200.json and its
-sections).
+and slot bucket, and it runs only where it measures faster (on an H200 it loses to the Triton tiles at Qwen3-30B-A3B's
+shapes from 16,384 to 65,536 slots and wins at Mixtral-8x7B's from 4,096 to 16,384: `tuner_us` in
+bench/results/models_h200.json).
 """
 from __future__ import annotations
 

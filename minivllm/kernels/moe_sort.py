@@ -290,7 +290,7 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_slots, num_expert
 
 
 # One program's one-hot passes cost O(slots x experts). At Qwen3-30B-A3B's routing on an H200 the one program took
-# 6.5 against 6.8 µs for the counting sort's three kernels at 64 slots, 10.6 against 8.2 at 128 and 30.7 against 9.4
+# 6.3 against 6.7 µs for the counting sort's three kernels at 64 slots, 10.8 against 8.3 at 128 and 30.4 against 9.2
 # at 512 (`align_kernel_us`, `sort_us` in bench/results/models_h200.json's kernel table).
 ALIGN_KERNEL_MAX_SLOTS = 64
 
