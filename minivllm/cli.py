@@ -27,6 +27,17 @@ def parse_size(text: str) -> int:
     return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
+def parse_json_object(text: str) -> dict:
+    """A JSON object (vLLM's dict-valued flags, such as --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (e.g. '{{\"method\": \"ngram\"}}')")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
@@ -73,7 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="tensor parallelism: a rank that has not finished a step after this long fails the "
                         "engine with an error naming it")
-    g.add_argument("--speculative-config", type=json.loads, default=None,
+    g.add_argument("--speculative-config", type=parse_json_object, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' or '
                         '\'{"method": "draft_model", "draft_layers": 8}\' or \'{"method": "suffix"}\'')
     g.add_argument("--quantization", "-q", default=None,

@@ -1,4 +1,6 @@
 """The `minivllm` command line: vLLM's flag names reach EngineConfig, with per-command defaults."""
+import pytest
+
 from minivllm.cli import build_parser, engine_config_from_args
 
 
@@ -21,6 +23,17 @@ def test_small_batch_prefill_is_on_when_serving_and_off_offline():
     assert config_for("serve", "--small-batch-prefill-tokens", "256").small_batch_prefill_tokens == 256
     assert config_for("serve", "--small-batch-prefill-tokens", "0").small_batch_prefill_tokens is None
     assert config_for("generate", "hello").small_batch_prefill_tokens is None
+
+
+def test_speculative_config_flag_takes_vllm_json_and_names_what_is_wrong(capsys):
+    config = config_for("serve", "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 8}')
+    assert config.speculative_config == {"method": "suffix", "num_speculative_tokens": 8}
+    for text, reason in (("{method: suffix}", "not JSON"), ('["suffix"]', "not a JSON object")):
+        with pytest.raises(SystemExit):
+            config_for("serve", "--speculative-config", text)
+        assert f"--speculative-config: {reason}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="speculative method must be one of"):
+        config_for("serve", "--speculative-config", '{"method": "tree"}')
 
 
 def test_python_dash_m_runs_the_console_script():
